@@ -1,0 +1,370 @@
+"""``RolloutCorrectionConfig``: verl's fields, its 19 presets, the earlier preset names, and construction
+from a dict, YAML, or slime's flags. Every construction is validated at once (verl validates only when
+the config is first used)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Sequence
+
+from .pipeline import build_plan, compute_rollout_correction_and_rejection_mask
+
+__all__ = ["RolloutCorrectionConfig", "PRESETS", "LEGACY_PRESETS", "LOSS_TYPES", "slime_argument_parser"]
+
+LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` block.
+
+    ``rollout_is`` defaults to None (metrics only), as in verl's YAML; verl's dataclass default is
+    ``"sequence"``. ``rollout_is_mode`` and ``rollout_token_veto_threshold`` are moealign extensions
+    (slime's clip mode; the earlier veto, kept for the earlier presets).
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_mode: str | None = None
+    rollout_token_veto_threshold: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.bypass_mode, bool):
+            raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.plan()  # raises on any malformed field
+
+    # ------------------------------------------------------------------ use
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style access, as verl's ``BaseConfig``."""
+        return getattr(self, key, default)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`compute_rollout_correction_and_rejection_mask`."""
+        kw = {
+            "rollout_is": self.rollout_is,
+            "rollout_is_threshold": self.rollout_is_threshold,
+            "rollout_is_batch_normalize": self.rollout_is_batch_normalize,
+            "rollout_rs": self.rollout_rs,
+            "rollout_rs_threshold": self.rollout_rs_threshold,
+        }
+        if self.rollout_is_mode is not None and self.rollout_is is not None:
+            kw["rollout_is_mode"] = self.rollout_is_mode
+        if self.rollout_token_veto_threshold is not None:
+            kw["rollout_token_veto_threshold"] = self.rollout_token_veto_threshold
+        return kw
+
+    def plan(self):
+        return build_plan(
+            self.rollout_is,
+            self.rollout_is_threshold,
+            self.rollout_is_batch_normalize,
+            self.rollout_rs,
+            self.rollout_rs_threshold,
+            rollout_is_mode=self.rollout_is_mode if self.rollout_is is not None else None,
+            rollout_token_veto_threshold=self.rollout_token_veto_threshold,
+        )
+
+    def compute(self, old_log_prob, rollout_log_prob, response_mask, **extended):
+        """Run the correction with this config: ``(weights or None, modified_mask, metrics)``."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # warned once, at construction
+            return compute_rollout_correction_and_rejection_mask(
+                old_log_prob, rollout_log_prob, response_mask, **self.to_kwargs(), **extended
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RolloutCorrectionConfig":
+        """Build from a plain mapping. Accepts ``preset: NAME`` (other keys override it), verl's nesting
+        ``algorithm.rollout_correction``, and the earlier keys ``use_policy_gradient``,
+        ``rollout_rs_threshold_lower`` (with ``rollout_rs`` = token/sequence/geometric) with a warning."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"rollout-correction config must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        if "algorithm" in data and isinstance(data["algorithm"], Mapping):
+            data = dict(data["algorithm"].get("rollout_correction") or {})
+        elif "rollout_correction" in data and isinstance(data["rollout_correction"], Mapping):
+            data = dict(data["rollout_correction"])
+        base: dict[str, Any] = {}
+        if "preset" in data:
+            base = cls.preset(data.pop("preset")).to_dict()
+        if "use_policy_gradient" in data:
+            upg = data.pop("use_policy_gradient")
+            if not isinstance(upg, bool):
+                raise TypeError(f"use_policy_gradient must be a bool, got {upg!r}")
+            warnings.warn("use_policy_gradient is the earlier spelling: use loss_type='reinforce' / 'ppo_clip'",
+                          DeprecationWarning, stacklevel=2)
+            data.setdefault("loss_type", "reinforce" if upg else "ppo_clip")
+        lower = data.pop("rollout_rs_threshold_lower", None)
+        if lower is not None:
+            data["rollout_rs"], data["rollout_rs_threshold"] = _legacy_band(
+                data.get("rollout_rs"), data.get("rollout_rs_threshold"), lower
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown rollout-correction field(s) {unknown}; known fields: {sorted(known)}")
+        base.update(data)
+        return cls(**base)
+
+    @classmethod
+    def from_yaml(cls, source: str) -> "RolloutCorrectionConfig":
+        """Build from a YAML file path or YAML text (needs PyYAML)."""
+        from moealign._optional import require
+
+        yaml = require("yaml", "reading rollout-correction YAML needs PyYAML (pip install pyyaml)")
+        import os
+
+        text = open(source).read() if os.path.exists(source) else source
+        data = yaml.safe_load(text)
+        if data is None:
+            data = {}
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_slime_args(cls, args: argparse.Namespace | Mapping[str, Any] | Sequence[str]) -> "RolloutCorrectionConfig":
+        """Translate slime's flags (a parsed Namespace, a mapping of attribute names, or an argv list).
+
+        * ``--use-tis`` with ``--tis-level`` (token | sequence | geometric), ``--tis-mode``
+          (truncate | clip | mask), ``--tis-upper-bound`` (default 2.0), ``--tis-lower-bound``
+          (default 1/upper, unused by truncate), ``--tis-batch-normalize``;
+        * ``--use-rs`` with ``--rs-level`` (token -> token_k1, sequence -> seq_sum_k1,
+          geometric -> seq_mean_k1), ``--rs-lower-bound`` / ``--rs-upper-bound`` (default: the IS bounds);
+        * ``--rs-veto-threshold`` (the per-token veto);
+        * ``--use-rollout-logprobs``: bypass mode (PPO clipped against the rollout log-probs).
+        """
+        if isinstance(args, argparse.Namespace):
+            values = vars(args)
+        elif isinstance(args, Mapping):
+            values = dict(args)
+        elif isinstance(args, Sequence) and not isinstance(args, str):
+            values = vars(slime_argument_parser().parse_args(list(args)))
+        else:
+            raise TypeError(f"slime args must be a Namespace, a mapping or an argv list, got {type(args).__name__}")
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        kw: dict[str, Any] = {"bypass_mode": bool(values.get("use_rollout_logprobs", False))}
+        upper = values.get("tis_upper_bound")
+        upper = 2.0 if upper is None else float(upper)
+        lower = values.get("tis_lower_bound")
+        if values.get("use_tis"):
+            level = values.get("tis_level") or "token"
+            mode = values.get("tis_mode") or "truncate"
+            kw["rollout_is"] = level
+            kw["rollout_is_batch_normalize"] = bool(values.get("tis_batch_normalize", False))
+            if mode == "truncate":
+                kw["rollout_is_threshold"] = upper
+            else:
+                lo = 1.0 / upper if lower is None else float(lower)
+                kw["rollout_is_threshold"] = f"{lo!r}_{upper!r}"
+                kw["rollout_is_mode"] = mode
+        if values.get("use_rs"):
+            level = values.get("rs_level") or "token"
+            from .thresholds import LEGACY_RS_LEVELS
+
+            if level not in LEGACY_RS_LEVELS:
+                raise ValueError(f"unknown --rs-level {level!r}; expected one of {tuple(LEGACY_RS_LEVELS)}")
+            rs_upper = values.get("rs_upper_bound")
+            rs_upper = upper if rs_upper is None else float(rs_upper)
+            rs_lower = values.get("rs_lower_bound")
+            if rs_lower is None:
+                rs_lower = lower if lower is not None else 1.0 / rs_upper
+            kw["rollout_rs"] = LEGACY_RS_LEVELS[level]
+            kw["rollout_rs_threshold"] = f"{float(rs_lower)!r}_{rs_upper!r}"
+        if values.get("rs_veto_threshold") is not None:
+            kw["rollout_token_veto_threshold"] = float(values["rs_veto_threshold"])
+        return cls(**kw)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "RolloutCorrectionConfig":
+        """A preset by name (current or earlier spelling), with keyword overrides of its arguments."""
+        if name in PRESETS:
+            return PRESETS[name](**overrides)
+        if name in LEGACY_PRESETS:
+            return LEGACY_PRESETS[name](**overrides)
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)} (earlier names: {sorted(LEGACY_PRESETS)})")
+
+    # ------------------------------------------------------------------ verl's 19 presets
+    @classmethod
+    def decoupled_token_is(cls, threshold=2.0):
+        return cls(rollout_is="token", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold=2.0):
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold=2.0, rs_threshold="0.5_2.0"):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
+                   rollout_rs="seq_sum_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold="0.999_1.001", veto_threshold=None):
+        if veto_threshold is not None:
+            warnings.warn("decoupled_geo_rs(veto_threshold=...) is the earlier preset; the veto is deprecated "
+                          "(see rollout_token_veto_threshold)", DeprecationWarning, stacklevel=2)
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+                   rollout_token_veto_threshold=veto_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
+                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
+                   rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs(cls, rs_threshold=0.01):
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=0.01):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold,
+                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_token_tis(cls, is_threshold=2.0, rs_threshold=0.01):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold,
+                   rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
+
+    @classmethod
+    def bypass_ppo_clip(cls):
+        return cls(bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold="0.999_1.001"):
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold=0.01):
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_pg_is(cls, threshold=2.0):
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}",
+                   bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, rs_threshold="0.999_1.001"):
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def disabled(cls):
+        return cls()
+
+    # ------------------------------------------------------------------ earlier preset names
+    @classmethod
+    def ppo_is_bypass(cls, threshold=2.0):
+        _renamed("ppo_is_bypass", "bypass_ppo_clip()")
+        return cls.bypass_ppo_clip()
+
+    @classmethod
+    def pg_is(cls, threshold=2.0):
+        _renamed("pg_is", f"bypass_pg_is(threshold={threshold!r})")
+        return cls.bypass_pg_is(threshold)
+
+    @classmethod
+    def pg_rs(cls, rs_threshold=1.001, veto_threshold=1e-4):
+        _renamed("pg_rs", f"bypass_pg_geo_rs(rs_threshold={str(rs_threshold)!r})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=str(rs_threshold), bypass_mode=True,
+                       loss_type="reinforce", rollout_token_veto_threshold=veto_threshold)
+
+    @classmethod
+    def geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=1.001):
+        _renamed("geo_rs_seq_tis", "decoupled_geo_rs_seq_tis()")
+        return cls.decoupled_geo_rs_seq_tis(is_threshold, str(rs_threshold))
+
+    @classmethod
+    def pg_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=1.001):
+        _renamed("pg_geo_rs_seq_tis", "bypass_pg_geo_rs_seq_tis()")
+        return cls.bypass_pg_geo_rs_seq_tis(is_threshold, str(rs_threshold))
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"preset {old!r} is the earlier name: use RolloutCorrectionConfig.{new}",
+                  DeprecationWarning, stacklevel=3)
+
+
+def _legacy_band(rollout_rs, threshold, lower):
+    from .thresholds import LEGACY_RS_LEVELS, _as_positive_float
+
+    if rollout_rs not in LEGACY_RS_LEVELS:
+        raise ValueError("rollout_rs_threshold_lower belongs to rollout_rs = token / sequence / geometric; "
+                         "with the current modes write the k1 band as 'lower_upper'")
+    warnings.warn(f"rollout_rs={rollout_rs!r} with rollout_rs_threshold_lower is the earlier spelling: use "
+                  f"rollout_rs={LEGACY_RS_LEVELS[rollout_rs]!r} with a 'lower_upper' threshold",
+                  DeprecationWarning, stacklevel=3)
+    upper = _as_positive_float(threshold, "rollout_rs_threshold")
+    low = _as_positive_float(lower, "rollout_rs_threshold_lower")
+    return LEGACY_RS_LEVELS[rollout_rs], f"{low!r}_{upper!r}"
+
+
+_PRESET_NAMES = (
+    "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
+    "decoupled_geo_rs_seq_tis", "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis",
+    "decoupled_k3_rs_token_tis", "decoupled_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
+    "bypass_ppo_clip_k3_rs", "bypass_pg_is", "bypass_pg_token_icepop", "bypass_pg_geo_rs",
+    "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "disabled",
+)
+PRESETS: dict[str, Callable[..., RolloutCorrectionConfig]] = {
+    name: getattr(RolloutCorrectionConfig, name) for name in _PRESET_NAMES
+}
+LEGACY_PRESETS: dict[str, Callable[..., RolloutCorrectionConfig]] = {
+    name: getattr(RolloutCorrectionConfig, name)
+    for name in ("ppo_is_bypass", "pg_is", "pg_rs", "geo_rs_seq_tis", "pg_geo_rs_seq_tis")
+}
+
+
+def slime_argument_parser() -> argparse.ArgumentParser:
+    """An argparse parser for slime's rollout-correction flags (for argv lists)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--use-tis", action="store_true")
+    p.add_argument("--tis-mode", choices=("truncate", "clip", "mask"), default="truncate")
+    p.add_argument("--tis-level", choices=("token", "sequence", "geometric"), default="token")
+    p.add_argument("--tis-lower-bound", type=float, default=None)
+    p.add_argument("--tis-upper-bound", type=float, default=2.0)
+    p.add_argument("--tis-batch-normalize", action="store_true")
+    p.add_argument("--use-rs", action="store_true")
+    p.add_argument("--rs-level", choices=("token", "sequence", "geometric"), default="token")
+    p.add_argument("--rs-lower-bound", type=float, default=None)
+    p.add_argument("--rs-upper-bound", type=float, default=None)
+    p.add_argument("--rs-veto-threshold", type=float, default=None)
+    p.add_argument("--use-rollout-logprobs", action="store_true")
+    return p

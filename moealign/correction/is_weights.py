@@ -1,0 +1,139 @@
+"""Importance-sampling weights: levels token / sequence / geometric, modes truncate / clip / mask.
+
+Per token ``r_t = pi_train / pi_rollout = exp(old - rollout)``.
+
+* ``token``: ``w_t = f(exp(clamp(log r_t, -20, 20)))``
+* ``sequence``: one weight per row from the product, ``f(exp(clamp(sum_t log r_t, -20, 20)))``
+* ``geometric``: one weight per row from the geometric mean, ``f(exp(clamp(mean_t log r_t, -20, 20)))``
+  (slime's level)
+
+with ``f`` = truncate ``min(w, u)`` (TIS, no lower bound), clip ``clamp(w, l, u)``, or mask (IcePop)
+``w if l <= w <= u else 0``. Weights are 0 on padding and always detached. Rejection sampling is a
+separate mechanism (``rejection.py``): IS never changes the mask.
+
+Metrics follow verl's names; where verl's code and its docs disagree this module follows the docs:
+
+* token-level ``rollout_is_max`` / ``rollout_is_min`` are taken from the safety-bounded weights *before*
+  truncation or banding (docs: "before threshold clamping"); verl's code reports them after, so with
+  TIS its max never exceeds the threshold.
+* batch means over sequences (``rollout_is_seq_*``, ``ratio_fraction_*`` at sequence level) run over
+  the rows that have at least one valid token; verl's code counts empty rows as weight 0 / ratio 1.
+* ``rollout_is_eff_sample_size`` is 0 when every weight is 0 (verl's formula divides by zero).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._masked import (
+    SAFETY_BOUND,
+    max_over,
+    mean_over,
+    min_over,
+    population_std,
+    row_max,
+    row_min,
+    safe_div,
+    std_over,
+)
+from .thresholds import ISSpec
+from .tokens import TokenView
+
+__all__ = ["is_weights_pass", "is_metrics", "apply_is_mode"]
+
+
+def apply_is_mode(raw: torch.Tensor, spec: ISSpec) -> torch.Tensor:
+    """Truncate / clip / band-mask raw (safety-bounded) weights."""
+    if spec.mode == "truncate":
+        return torch.clamp(raw, max=spec.upper)
+    if spec.mode == "clip":
+        return torch.clamp(raw, min=spec.lower, max=spec.upper)
+    inside = (raw >= spec.lower) & (raw <= spec.upper)
+    return torch.where(inside, raw, 0.0)
+
+
+def is_weights_pass(view: TokenView, spec: ISSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights (b, T) for one chunk and the per-row statistics its metrics need."""
+    stats: dict[str, torch.Tensor] = {}
+    if spec.level == "token":
+        raw = torch.exp(view.clamped) * view.maskf
+        w = apply_is_mode(raw, spec) * view.maskf
+        valid = view.valid
+        stats["is_w_sum"] = w.sum(dim=-1)
+        stats["is_w_sq"] = (w * w).sum(dim=-1)
+        stats["is_raw_sum"] = raw.sum(dim=-1)
+        stats["is_raw_max"] = row_max(raw, valid)
+        stats["is_raw_min"] = row_min(raw, valid)
+        stats["is_n_high"] = ((raw > spec.upper) & valid).sum(dim=-1).to(raw.dtype)
+        stats["is_n_low"] = ((raw < spec.diag_lower) & valid).sum(dim=-1).to(raw.dtype)
+        if spec.mode == "mask":
+            stats["is_n_oob"] = (((raw < spec.lower) | (raw > spec.upper)) & valid).sum(dim=-1).to(raw.dtype)
+        return w, stats
+
+    if spec.level == "sequence":
+        row_log = view.row_log_ratio
+    else:  # geometric
+        row_log = safe_div(view.row_log_ratio, view.n)
+    raw_row = torch.exp(row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    w_row = apply_is_mode(raw_row, spec)
+    w = w_row[:, None] * view.maskf
+    stats["is_w_sum"] = w_row * view.n
+    stats["is_w_sq"] = w_row * w_row * view.n
+    stats["is_raw_sum"] = raw_row * view.n
+    stats["is_row_log"] = row_log
+    if spec.mode == "mask":
+        outside = (raw_row < spec.lower) | (raw_row > spec.upper)
+        stats["is_n_oob"] = outside.to(w.dtype) * view.n
+    return w, stats
+
+
+def is_metrics(
+    stats: dict[str, torch.Tensor], spec: ISSpec, n_tokens: torch.Tensor, nonempty: torch.Tensor, n_rows: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """verl's IS health metrics (no prefix) from the concatenated per-row statistics."""
+    n = stats["n"]
+    w_sum, w_sq = stats["is_w_sum"], stats["is_w_sq"]
+    total_w = w_sum.sum()
+    total_w2 = w_sq.sum()
+    mean = safe_div(total_w, n_tokens)
+    second = safe_div(total_w2, n_tokens)
+    out = {
+        "rollout_is_mean": mean,
+        "rollout_is_std": population_std(total_w, total_w2, n_tokens),
+        "rollout_is_eff_sample_size": torch.where(second > 0, (mean + 1e-8) ** 2 / torch.where(second > 0, second, 1.0), 0.0),
+    }
+    upper, lower = spec.upper, spec.diag_lower
+    if spec.level == "token":
+        out["rollout_is_max"] = stats["is_raw_max"].amax()
+        out["rollout_is_min"] = stats["is_raw_min"].amin()
+        out["rollout_is_ratio_fraction_high"] = safe_div(stats["is_n_high"].sum(), n_tokens)
+        out["rollout_is_ratio_fraction_low"] = safe_div(stats["is_n_low"].sum(), n_tokens)
+    else:
+        row_log = stats["is_row_log"]
+        out["rollout_is_max"] = torch.exp(torch.clamp(max_over(row_log, nonempty), max=SAFETY_BOUND))
+        out["rollout_is_min"] = torch.exp(min_over(row_log, nonempty))
+        out["rollout_is_ratio_fraction_high"] = mean_over((row_log > math.log(upper)).to(n.dtype), nonempty, n_rows)
+        out["rollout_is_ratio_fraction_low"] = mean_over((row_log < math.log(lower)).to(n.dtype), nonempty, n_rows)
+    seq_w = safe_div(w_sum, n)
+    seq_raw = safe_div(stats["is_raw_sum"], n)
+    out["rollout_is_seq_mean"] = mean_over(seq_w, nonempty, n_rows)
+    out["rollout_is_seq_std"] = std_over(seq_w, nonempty, n_rows)
+    out["rollout_is_seq_max"] = max_over(seq_w, nonempty)
+    out["rollout_is_seq_min"] = min_over(seq_w, nonempty)
+    out["rollout_is_seq_max_deviation"] = max_over((seq_w - 1.0).abs(), nonempty)
+    out["rollout_is_seq_fraction_high"] = mean_over((seq_raw > upper).to(n.dtype), nonempty, n_rows)
+    out["rollout_is_seq_fraction_low"] = mean_over((seq_raw < lower).to(n.dtype), nonempty, n_rows)
+    if spec.mode == "mask":
+        out["rollout_is_oob_ratio"] = safe_div(stats["is_n_oob"].sum(), n_tokens)
+    return out
+
+
+def batch_norm_terms(stats: dict[str, torch.Tensor], spec: ISSpec, nonempty: torch.Tensor) -> torch.Tensor:
+    """(numerator, denominator) of the batch-normalisation mean: over valid tokens at token level, over
+    the per-sequence mean weights of non-empty rows at sequence / geometric level. Summable across ranks."""
+    if spec.level == "token":
+        return torch.stack([stats["is_w_sum"].sum(), stats["n"].sum()])
+    seq_w = safe_div(stats["is_w_sum"], stats["n"])
+    return torch.stack([torch.where(nonempty, seq_w, 0.0).sum(), nonempty.to(seq_w.dtype).sum()])

@@ -1,0 +1,243 @@
+"""Policy losses that consume the correction: PPO clip, REINFORCE, the bypass dispatcher, the DeepSeek-V3.2
+off-policy sequence mask, and loss aggregation.
+
+Rejected tokens (a 0 in the mask handed in) leave both the numerator and the denominator of every
+aggregation, in bypass and decoupled mode alike: pass the RS-modified mask, and if you pass global
+denominators (``num_tokens`` / ``num_seqs`` across data-parallel ranks) count them from that mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._masked import SAFETY_BOUND, safe_div
+
+__all__ = [
+    "AGG_MODES",
+    "agg_loss",
+    "ppo_clip_loss",
+    "reinforce_loss",
+    "bypass_policy_loss",
+    "deepseek_offpolicy_sequence_mask",
+]
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    items = list(tensors.items())
+    name0, ref = items[0]
+    if ref.dim() != 2:
+        raise ValueError(f"{name0} must be 2-D (batch, tokens), got shape {tuple(ref.shape)}")
+    for name, t in items[1:]:
+        if t is not None and t.shape != ref.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match {name0} shape {tuple(ref.shape)}")
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a (B, T) per-token loss over the valid entries of ``loss_mask``.
+
+    * ``token-mean``: sum / number of valid tokens (``num_tokens`` when given, e.g. a DP-global count)
+    * ``token-sum``: sum
+    * ``seq-mean-token-sum``: mean over sequences with >= 1 valid token of each row's sum
+    * ``seq-mean-token-mean``: mean over those sequences of each row's mean
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / ``loss_scale_factor`` (default T)
+
+    ``num_seqs`` replaces the local count of non-empty sequences. An empty mask gives 0, never NaN.
+    """
+    if loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {AGG_MODES}")
+    _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
+    valid = _valid(loss_mask)
+    masked = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    if loss_agg_mode == "token-sum":
+        return masked.sum()
+    if loss_agg_mode == "token-mean":
+        den = valid.sum().to(loss_mat.dtype) if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
+        return safe_div(masked.sum(), den)
+    n = valid.sum(dim=-1).to(loss_mat.dtype)
+    row = masked.sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        row = safe_div(row, n)
+    nonempty = n > 0
+    den = nonempty.sum().to(loss_mat.dtype) if num_seqs is None else torch.as_tensor(num_seqs, dtype=loss_mat.dtype)
+    out = safe_div(torch.where(nonempty, row, 0.0).sum(), den)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        factor = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        if factor <= 0:
+            raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor!r}")
+        out = out / factor
+    return out
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return safe_div(torch.where(valid, x, 0.0).sum(), valid.sum().to(x.dtype))
+
+
+def ppo_clip_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+):
+    """PPO clipped surrogate with asymmetric clip and dual clip.
+
+    ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``; per token
+    ``max(-A * ratio, -A * clamp(ratio, 1 - eps_low, 1 + eps_high))``, and for ``A < 0`` at most
+    ``-A * clip_ratio_c`` (dual clip). In decoupled mode pass the IS weights pi_old / pi_rollout as
+    ``rollout_is_weights`` (multiplied per token, detached). Returns ``(loss, metrics)``.
+    """
+    _check_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
+                      response_mask=response_mask, rollout_is_weights=rollout_is_weights)
+    if isinstance(clip_ratio_c, bool) or not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip constant) must be > 1, got {clip_ratio_c!r}")
+    eps_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    eps_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if eps_low < 0 or eps_high < 0 or eps_low >= 1:
+        raise ValueError(f"clip ratios must satisfy 0 <= low < 1 and high >= 0, got low={eps_low}, high={eps_high}")
+    valid = _valid(response_mask)
+    delta = torch.clamp(log_prob - old_log_prob, -SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.exp(delta)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_ratio_c
+    dual = torch.minimum(loss3, clipped)
+    per_token = torch.where(advantages < 0, dual, clipped)
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.detach()
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean((loss2 > loss1).to(delta.dtype), valid),
+            "actor/ppo_kl": _masked_mean(-delta, valid),
+            "actor/pg_clipfrac_lower": _masked_mean(((clipped > loss3) & (advantages < 0)).to(delta.dtype), valid),
+        }
+    return loss, metrics
+
+
+def reinforce_loss(
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_prob: torch.Tensor | None = None,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    **agg_kwargs,
+):
+    """REINFORCE: per token ``-A * log_prob * w`` with ``w`` the detached IS weight (or 1).
+
+    Gradient ``-E[w * A * grad log pi]``: the weight is a change of measure, never differentiated.
+    """
+    _check_same_shape(log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+                      rollout_is_weights=rollout_is_weights, rollout_log_prob=rollout_log_prob)
+    per_token = -advantages * log_prob
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.detach()
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, **agg_kwargs)
+    metrics = {}
+    if rollout_log_prob is not None:
+        with torch.no_grad():
+            metrics["actor/ppo_kl"] = _masked_mean(rollout_log_prob - log_prob, _valid(response_mask))
+    return loss, metrics
+
+
+def bypass_policy_loss(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config,
+    *,
+    loss_agg_mode: str = "token-mean",
+    process_group=None,
+    **loss_kwargs,
+):
+    """Bypass mode (pi_old = pi_rollout): the correction is recomputed on the fly against pi_theta.
+
+    Under ``no_grad``, IS weights and the RS mask are computed from ``pi_theta / pi_rollout`` with
+    ``config`` (a :class:`~moealign.correction.RolloutCorrectionConfig` with ``bypass_mode=True``). Then
+
+    * ``loss_type="reinforce"``: REINFORCE with those (detached) weights and the RS mask;
+    * ``loss_type="ppo_clip"``: PPO clipped against ``rollout_log_prob``, RS mask, **no** IS weight
+      (the ratio already is pi_theta / pi_rollout; a weight would count it twice).
+
+    Rejected tokens leave numerator and denominator. Returns ``(loss, metrics)`` including the
+    ``rollout_corr/*`` metrics (still tensors).
+    """
+    if not getattr(config, "bypass_mode", False):
+        raise ValueError("bypass_policy_loss needs a config with bypass_mode=True; in decoupled mode compute "
+                         "the correction once per batch and pass its weights to ppo_clip_loss")
+    _check_same_shape(log_prob=log_prob, rollout_log_prob=rollout_log_prob, advantages=advantages,
+                      response_mask=response_mask)
+    with torch.no_grad():
+        weights, mask, corr_metrics = config.compute(
+            log_prob.detach(), rollout_log_prob.detach(), response_mask, process_group=process_group
+        )
+    if config.loss_type == "reinforce":
+        loss, metrics = reinforce_loss(log_prob, advantages, mask, rollout_is_weights=weights,
+                                       rollout_log_prob=rollout_log_prob, loss_agg_mode=loss_agg_mode, **loss_kwargs)
+    else:
+        loss, metrics = ppo_clip_loss(log_prob, rollout_log_prob, advantages, mask,
+                                      loss_agg_mode=loss_agg_mode, **loss_kwargs)
+    metrics = dict(metrics)
+    metrics.update(corr_metrics)
+    return loss, metrics
+
+
+def deepseek_offpolicy_sequence_mask(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    delta: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (arXiv 2512.02556, Eq. 8-9).
+
+    A sequence is dropped when its advantage is negative **and** its mean k1 divergence to the sampling
+    policy, ``(1/|o|) sum_t log(pi_rollout / pi_theta)``, exceeds ``delta``. The divergence uses the
+    rollout engine's log-probs, so it catches engine mismatch and minibatch staleness alike.
+    ``advantages`` is (B, T) (the row's mean over valid tokens is used) or (B,). Returns the mask in
+    the dtype of ``response_mask``.
+    """
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (delta >= 0) or delta == float("inf"):
+        raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
+    _check_same_shape(log_prob=log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
+    valid = _valid(response_mask)
+    with torch.no_grad():
+        n = valid.sum(dim=-1).to(log_prob.dtype)
+        div = safe_div(torch.where(valid, rollout_log_prob - log_prob, 0.0).sum(dim=-1), n)
+        if advantages.dim() == 2:
+            if advantages.shape != log_prob.shape:
+                raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match {tuple(log_prob.shape)}")
+            adv = safe_div(torch.where(valid, advantages, 0.0).sum(dim=-1), n)
+        elif advantages.dim() == 1 and advantages.shape[0] == log_prob.shape[0]:
+            adv = advantages
+        else:
+            raise ValueError(f"advantages must be (B, T) or (B,), got shape {tuple(advantages.shape)}")
+        drop = (adv < 0) & (div > delta)
+    keep = ~drop[:, None]
+    if response_mask.dtype == torch.bool:
+        return response_mask & keep
+    return response_mask * keep.to(response_mask.dtype)

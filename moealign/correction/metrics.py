@@ -1,0 +1,222 @@
+"""Off-policy and agreement metrics, the metric container, and the slime naming view.
+
+All metrics are 0-d tensors on the inputs' device; :class:`CorrectionMetrics` converts them to Python
+floats in one host transfer (``to_floats``), never one sync per metric.
+
+Off-policy metrics (verl's names; the docs' formulas, rows = sequences with >= 1 valid token,
+``a_i`` / ``b_i`` = mean training / rollout log-prob of row i):
+
+* ``training_log_ppl = mean_i(-a_i)``, ``training_ppl = mean_i exp(-a_i)``; likewise ``rollout_*``.
+* ``kl = mean_t(rollout - old)`` over valid tokens (direct estimator of KL(pi_rollout || pi_train)),
+  ``k3_kl = mean_t(r - 1 - log r)`` (unclamped).
+* ``log_ppl_diff = mean_i(log_ppl_rollout_i - log_ppl_training_i)`` as the docs define it, with
+  ``log_ppl_abs_diff``, ``log_ppl_diff_max`` / ``_min``. **verl's code uses the opposite sign**
+  (``mean(rollout) - mean(old)`` per row); this module follows the docs.
+* ``ppl_ratio = exp(mean_i log(training_ppl_i / rollout_ppl_i))`` (docs). verl's code averages the
+  per-row ratios arithmetically; the two agree when every row has the same ratio.
+* ``chi2_token = mean_t(r_t^2) - 1``, ``chi2_seq = mean_i((prod_t r_t)^2) - 1`` (log-ratios clamped to
+  [-20, 20] before exp).
+* verl counts empty rows in its row means (as log-prob 0); here they are left out.
+
+Agreement metrics (the mismatch test's view; verl logs similar ones under ``training/``):
+``rollout_probs_diff_mean`` / ``_max`` / ``_std`` of ``|p_train - p_rollout|`` in probability space,
+``rollout_actor_probs_pearson_corr`` (Pearson correlation of the token probabilities; 1 when both
+are identical and constant, 0 when only one is constant), and ``logprob_abs_diff_mean`` / ``_p99`` /
+``_max`` of ``|log p_train - log p_rollout|`` (p99 with linear interpolation, as ``torch.quantile``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from ._masked import SAFETY_BOUND, max_over, mean_over, min_over, row_max, safe_div
+from .tokens import TokenView
+
+__all__ = [
+    "PREFIX",
+    "CorrectionMetrics",
+    "offpolicy_pass",
+    "offpolicy_metrics",
+    "agreement_pass",
+    "agreement_metrics",
+    "masked_quantile",
+    "SLIME_NAMES",
+    "to_slime_names",
+]
+
+PREFIX = "rollout_corr/"
+
+
+class CorrectionMetrics(dict):
+    """``name -> 0-d tensor``. Values stay on the device until :meth:`to_floats`."""
+
+    def to_floats(self) -> dict[str, float]:
+        """All metrics as Python floats, with a single device-to-host transfer."""
+        if not self:
+            return {}
+        names = list(self.keys())
+        values = torch.stack([torch.as_tensor(self[k]).detach().reshape(()).to(torch.float64) for k in names])
+        return dict(zip(names, values.cpu().tolist()))
+
+    def slime(self) -> "CorrectionMetrics":
+        """The same metrics under slime's names (``mismatch_kl``, ``mismatch_training_ppl``, ...)."""
+        return to_slime_names(self)
+
+    def with_prefix(self, prefix: str) -> "CorrectionMetrics":
+        return CorrectionMetrics({prefix + k: v for k, v in self.items()})
+
+
+def offpolicy_pass(view: TokenView) -> dict[str, torch.Tensor]:
+    return {
+        "old_sum": view.old.sum(dim=-1),
+        "rollout_sum": view.rollout.sum(dim=-1),
+        "k3_sum": (torch.exp(view.log_ratio) - view.log_ratio - 1.0).sum(dim=-1),
+        "r2_sum": (torch.exp(2.0 * view.clamped) * view.maskf).sum(dim=-1),
+    }
+
+
+def offpolicy_metrics(
+    stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor, nonempty: torch.Tensor, n_rows: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    n = stats["n"]
+    train_mean = safe_div(stats["old_sum"], n)
+    rollout_mean = safe_div(stats["rollout_sum"], n)
+    diff = train_mean - rollout_mean  # = log_ppl_rollout - log_ppl_training per row (docs' sign)
+    row_log = stats["row_log_ratio"].clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return {
+        "training_ppl": mean_over(torch.exp(-train_mean), nonempty, n_rows),
+        "training_log_ppl": mean_over(-train_mean, nonempty, n_rows),
+        "rollout_ppl": mean_over(torch.exp(-rollout_mean), nonempty, n_rows),
+        "rollout_log_ppl": mean_over(-rollout_mean, nonempty, n_rows),
+        "kl": safe_div(-stats["row_log_ratio"].sum(), n_tokens),
+        "k3_kl": safe_div(stats["k3_sum"].sum(), n_tokens),
+        "log_ppl_diff": mean_over(diff, nonempty, n_rows),
+        "log_ppl_abs_diff": mean_over(diff.abs(), nonempty, n_rows),
+        "log_ppl_diff_max": max_over(diff, nonempty),
+        "log_ppl_diff_min": min_over(diff, nonempty),
+        "ppl_ratio": torch.exp(mean_over(-diff, nonempty, n_rows)),
+        "chi2_token": safe_div(stats["r2_sum"].sum(), n_tokens) - 1.0,
+        "chi2_seq": mean_over(torch.exp(2.0 * row_log), nonempty, n_rows) - 1.0,
+    }
+
+
+def agreement_pass(view: TokenView) -> dict[str, torch.Tensor]:
+    p_train = torch.exp(view.old) * view.maskf
+    p_rollout = torch.exp(view.rollout) * view.maskf
+    diff = p_train - p_rollout
+    abs_lr = view.log_ratio.abs()
+    return {
+        "p_train_sum": p_train.sum(dim=-1),
+        "p_rollout_sum": p_rollout.sum(dim=-1),
+        "p_train_sq": (p_train * p_train).sum(dim=-1),
+        "p_rollout_sq": (p_rollout * p_rollout).sum(dim=-1),
+        "p_cross": (p_train * p_rollout).sum(dim=-1),
+        "p_absdiff_sum": diff.abs().sum(dim=-1),
+        "p_absdiff_max": row_max(diff.abs(), view.valid),
+        "p_diff_sq": (diff * diff).sum(dim=-1),
+        "lr_abs_sum": abs_lr.sum(dim=-1),
+        "lr_abs_max": row_max(abs_lr, view.valid),
+    }
+
+
+def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    s = {k: stats[k].sum() for k in ("p_train_sum", "p_rollout_sum", "p_train_sq", "p_rollout_sq", "p_cross",
+                                      "p_absdiff_sum", "p_diff_sq", "lr_abs_sum")}
+    mean_x = safe_div(s["p_train_sum"], n_tokens)
+    mean_y = safe_div(s["p_rollout_sum"], n_tokens)
+    cov = safe_div(s["p_cross"], n_tokens) - mean_x * mean_y
+    var_x = torch.clamp(safe_div(s["p_train_sq"], n_tokens) - mean_x * mean_x, min=0.0)
+    var_y = torch.clamp(safe_div(s["p_rollout_sq"], n_tokens) - mean_y * mean_y, min=0.0)
+    denom = torch.sqrt(var_x * var_y)
+    identical = s["p_diff_sq"] == 0
+    pearson = torch.where(
+        denom > 0,
+        torch.clamp(cov / torch.where(denom > 0, denom, 1.0), -1.0, 1.0),
+        torch.where(identical, 1.0, 0.0),
+    )
+    diff_mean = safe_div(s["p_absdiff_sum"], n_tokens)
+    diff_var = torch.clamp(safe_div(s["p_diff_sq"], n_tokens) - diff_mean * diff_mean, min=0.0)
+    return {
+        "rollout_probs_diff_mean": diff_mean,
+        "rollout_probs_diff_max": stats["p_absdiff_max"].amax(),
+        "rollout_probs_diff_std": torch.sqrt(diff_var),
+        "rollout_actor_probs_pearson_corr": pearson,
+        "logprob_abs_diff_mean": safe_div(s["lr_abs_sum"], n_tokens),
+        "logprob_abs_diff_max": stats["lr_abs_max"].amax(),
+    }
+
+
+def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid: int) -> torch.Tensor:
+    """Exact ``q``-quantile (linear interpolation, as ``torch.quantile``) of ``values[valid]``.
+
+    ``n_valid`` is the number of valid entries (known on the host). One ``topk`` over the tail: cheaper
+    than a sort, and no boolean compaction.
+    """
+    if n_valid <= 0:
+        raise ValueError("masked_quantile needs at least one valid entry")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q} outside [0, 1]")
+    flat = torch.where(valid, values, float("-inf")).reshape(-1)
+    pos = q * (n_valid - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n_valid - 1)
+    frac = pos - lo
+    top = torch.topk(flat, n_valid - lo, largest=True, sorted=True).values  # descending
+    v_lo = top[-1]
+    v_hi = top[-1 - (hi - lo)]
+    return v_lo + (v_hi - v_lo) * frac
+
+
+# slime's names for the same quantities (examples/train_infer_mismatch_helper, slime's MIS metrics).
+SLIME_NAMES = {
+    "training_log_ppl": "mismatch_training_log_ppl",
+    "training_ppl": "mismatch_training_ppl",
+    "rollout_log_ppl": "mismatch_rollout_log_ppl",
+    "rollout_ppl": "mismatch_rollout_ppl",
+    "kl": "mismatch_kl",
+    "k3_kl": "mismatch_k3_kl",
+    "log_ppl_diff": "mismatch_log_ppl_diff",
+    "log_ppl_abs_diff": "mismatch_log_ppl_abs_diff",
+    "ppl_ratio": "mismatch_ppl_ratio",
+    "chi2_token": "mismatch_chi2_token",
+    "chi2_seq": "mismatch_chi2_seq",
+    "logprob_abs_diff_mean": "train_rollout_logprob_abs_diff",
+    "rollout_is_mean": "mis_ratio_mean_after_mis",
+    "rollout_is_batch_norm_factor": "mis_batch_norm_factor",
+    "rollout_is_catastrophic_token_fraction": "mis_catastrophic_token_fraction",
+    "rollout_is_veto_fraction": "mis_catastrophic_seq_fraction",
+    "rollout_is_eff_sample_size": "mis_eff_sample_size",
+    "rollout_rs_masked_fraction": "mis_rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction": "mis_rs_seq_masked_fraction",
+}
+# IS fractions take the name of the mode that produced them.
+_SLIME_MODE_FRACTIONS = {
+    "truncate": {"rollout_is_ratio_fraction_high": "mis_truncate_fraction"},
+    "clip": {"rollout_is_ratio_fraction_high": "mis_clip_fraction_high",
+             "rollout_is_ratio_fraction_low": "mis_clip_fraction_low"},
+    "mask": {"rollout_is_ratio_fraction_high": "mis_mask_fraction_high",
+             "rollout_is_ratio_fraction_low": "mis_mask_fraction_low"},
+}
+
+
+def to_slime_names(metrics: Mapping[str, torch.Tensor], is_mode: str | None = None) -> CorrectionMetrics:
+    """Rename metrics for slime users. Keys may carry verl's ``rollout_corr/`` prefix or not; names slime
+    has no counterpart for are kept under their verl name without the prefix."""
+    if is_mode is None:
+        is_mode = getattr(metrics, "is_mode", None)
+    table = dict(SLIME_NAMES)
+    table.update(_SLIME_MODE_FRACTIONS.get(is_mode or "", {}))
+    out = CorrectionMetrics()
+    for key, value in metrics.items():
+        bare = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        out[table.get(bare, bare)] = value
+    return out
+
+
+def merge(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part)
+    return out

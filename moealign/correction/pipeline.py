@@ -1,0 +1,482 @@
+"""The rollout-correction pipeline: validation, one pass over the tokens, metrics.
+
+:func:`compute_rollout_correction_and_rejection_mask` is the verl-compatible entry point. Internally the
+batch is processed in blocks of whole rows: each block is read once and yields its weights, its keep mask
+and a handful of per-row sums; every metric is then derived from the per-row sums (O(B) work). Blocks keep
+the temporaries small (cache-resident, no page faults from large transient allocations). With
+``fused=True`` (or ``MOEALIGN_FUSED=1``) the whole pass is compiled by ``torch.compile`` (dynamic shapes,
+no recompilation per batch shape) into a few fused loops.
+
+Inputs are checked with one host sync per call: shapes, a 0/1 mask, at least one valid token, and finite
+log-probs at valid positions (NaN/Inf at padding is ignored). A failed check raises ``ValueError``
+naming the tensor and the count; no weight is ever silently NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ._masked import safe_div
+from .is_weights import batch_norm_terms, is_metrics, is_weights_pass
+from .metrics import (
+    PREFIX,
+    CorrectionMetrics,
+    agreement_metrics,
+    agreement_pass,
+    masked_quantile,
+    offpolicy_metrics,
+    offpolicy_pass,
+)
+from .rejection import rs_metrics, rs_pass, veto_metrics, veto_pass
+from .thresholds import LEGACY_RS_LEVELS, ISSpec, RSOption, parse_is_spec, parse_rs_spec
+from .tokens import TokenView
+
+__all__ = [
+    "CorrectionPlan",
+    "build_plan",
+    "run_plan",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_offpolicy_metrics",
+    "compute_agreement_metrics",
+]
+
+# Elements per block in the eager path: 2^18 fp32 = 1 MiB per temporary.
+_BLOCK_ELEMENTS = 1 << 18
+
+
+@dataclass(frozen=True)
+class CorrectionPlan:
+    """Everything static about one correction call (hashable: the key of a compiled pass)."""
+
+    is_spec: ISSpec | None = None
+    rs_options: tuple[RSOption, ...] = ()
+    veto_threshold: float | None = None
+    batch_normalize: bool = False
+    agreement: bool = False
+
+    @property
+    def keeps_mask(self) -> bool:
+        return bool(self.rs_options) or self.veto_threshold is not None
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
+    for name, t in (("old_log_prob", old), ("rollout_log_prob", rollout), ("response_mask", mask)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if old.dim() != 2:
+        raise ValueError(f"old_log_prob must be 2-D (batch, tokens), got shape {tuple(old.shape)}")
+    if rollout.shape != old.shape:
+        raise ValueError(
+            f"rollout_log_prob shape {tuple(rollout.shape)} does not match old_log_prob shape {tuple(old.shape)}"
+        )
+    if mask.shape != old.shape:
+        raise ValueError(f"response_mask shape {tuple(mask.shape)} does not match log-prob shape {tuple(old.shape)}")
+    for name, t in (("old_log_prob", old), ("rollout_log_prob", rollout)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if mask.is_complex() or (mask.dtype != torch.bool and mask.is_floating_point() is False and mask.dtype not in (
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)):
+        raise TypeError(f"response_mask must be bool, integer or floating point, got {mask.dtype}")
+    if old.device != rollout.device or old.device != mask.device:
+        raise ValueError(
+            f"inputs on different devices: old {old.device}, rollout {rollout.device}, mask {mask.device}"
+        )
+
+
+def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
+    return torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
+
+
+def _raise_on_checks(checks: list[float], shape) -> int:
+    n_valid, bad_old, bad_rollout, bad_mask = (int(x) for x in checks)
+    if bad_mask:
+        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
+    if n_valid == 0:
+        raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(shape)}")
+    for name, bad in (("old_log_prob", bad_old), ("rollout_log_prob", bad_rollout)):
+        if bad:
+            raise ValueError(
+                f"{name} has {bad} non-finite value(s) (NaN or Inf) at valid positions (response_mask == 1); "
+                "a -inf log-prob usually means the token lies outside the other engine's sampling support: "
+                "apply the rollout's sampling mask to the trainer's logits, or mask such tokens out"
+            )
+    return n_valid
+
+
+# ------------------------------------------------------------------------------------------------ pass
+
+
+def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
+    """Weights, keep mask and per-row statistics of one block of rows."""
+    view = TokenView.build(old, rollout, mask, dtype)
+    stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
+    stats["bad_old"] = (view.valid & ~torch.isfinite(old)).sum(dim=-1).to(dtype)
+    stats["bad_rollout"] = (view.valid & ~torch.isfinite(rollout)).sum(dim=-1).to(dtype)
+    if mask.dtype != torch.bool:
+        stats["bad_mask"] = ((mask != 0) & (mask != 1)).sum(dim=-1).to(dtype)
+    stats.update(offpolicy_pass(view))
+    weights = keep = None
+    if plan.is_spec is not None:
+        weights, s = is_weights_pass(view, plan.is_spec)
+        stats.update(s)
+    if plan.rs_options:
+        keep, s = rs_pass(view, plan.rs_options)
+        stats.update(s)
+    if plan.veto_threshold is not None:
+        veto_keep, s = veto_pass(view, plan.veto_threshold)
+        keep = veto_keep.expand_as(view.valid) if keep is None else keep & veto_keep
+        stats.update(s)
+    if plan.agreement:
+        stats.update(agreement_pass(view))
+    return weights, keep, stats
+
+
+def _finalize(stats: dict[str, torch.Tensor], plan: CorrectionPlan):
+    """All metrics (no prefix) and the validation counts, from the per-row statistics."""
+    n = stats["n"]
+    n_tokens = n.sum()
+    nonempty = n > 0
+    n_rows = nonempty.to(n.dtype).sum()
+    metrics = offpolicy_metrics(stats, n_tokens, nonempty, n_rows)
+    bn_terms = None
+    if plan.is_spec is not None:
+        metrics.update(is_metrics(stats, plan.is_spec, n_tokens, nonempty, n_rows))
+        if plan.batch_normalize:
+            bn_terms = batch_norm_terms(stats, plan.is_spec, nonempty)
+    if plan.rs_options:
+        metrics.update(rs_metrics(stats, plan.rs_options, n_tokens, nonempty, n_rows))
+    if plan.veto_threshold is not None:
+        metrics.update(veto_metrics(stats, n_tokens, nonempty, n_rows))
+    if plan.agreement:
+        metrics.update(agreement_metrics(stats, n_tokens))
+    zero = torch.zeros((), dtype=n.dtype, device=n.device)
+    checks = torch.stack([
+        n_tokens,
+        stats["bad_old"].sum(),
+        stats["bad_rollout"].sum(),
+        stats["bad_mask"].sum() if "bad_mask" in stats else zero,
+    ])
+    return metrics, bn_terms, checks
+
+
+def _whole_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
+    weights, keep, stats = _block_pass(old, rollout, mask, plan, dtype)
+    metrics, bn_terms, checks = _finalize(stats, plan)
+    return weights, keep, metrics, bn_terms, checks
+
+
+def _blocked_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
+    rows, width = old.shape
+    block = max(1, _BLOCK_ELEMENTS // max(width, 1))
+    if block >= rows:
+        return _whole_pass(old, rollout, mask, plan, dtype)
+    weights = torch.empty((rows, width), dtype=dtype, device=old.device) if plan.is_spec is not None else None
+    keep = torch.empty((rows, width), dtype=torch.bool, device=old.device) if plan.keeps_mask else None
+    parts: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, rows, block):
+        sl = slice(start, min(start + block, rows))
+        w, k, stats = _block_pass(old[sl], rollout[sl], mask[sl], plan, dtype)
+        if weights is not None:
+            weights[sl] = w
+        if keep is not None:
+            keep[sl] = k
+        for key, value in stats.items():
+            parts.setdefault(key, []).append(value)
+    stats = {key: torch.cat(values) for key, values in parts.items()}
+    metrics, bn_terms, checks = _finalize(stats, plan)
+    return weights, keep, metrics, bn_terms, checks
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(plan: CorrectionPlan, dtype: torch.dtype):
+    return torch.compile(functools.partial(_whole_pass, plan=plan, dtype=dtype), dynamic=True)
+
+
+def _fused_default() -> bool:
+    return os.environ.get("MOEALIGN_FUSED", "0") not in ("", "0", "false", "False")
+
+
+def run_plan(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    plan: CorrectionPlan,
+    *,
+    process_group=None,
+    fused: bool | None = None,
+):
+    """Execute a plan. Returns ``(weights or None, modified_mask, metrics)``; metrics carry no prefix."""
+    _check_shapes(old_log_prob, rollout_log_prob, response_mask)
+    dtype = _compute_dtype(old_log_prob, rollout_log_prob)
+    if fused is None:
+        fused = _fused_default()
+    with torch.no_grad():
+        if old_log_prob.numel() == 0:
+            raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
+        if fused:
+            weights, keep, metrics, bn_terms, checks = _compiled(plan, dtype)(
+                old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach()
+            )
+        else:
+            weights, keep, metrics, bn_terms, checks = _blocked_pass(
+                old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach(), plan, dtype
+            )
+        n_valid = _raise_on_checks(checks.tolist(), old_log_prob.shape)  # the one host sync
+        if plan.agreement:
+            valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+            abs_lr = (old_log_prob.detach().to(dtype) - rollout_log_prob.detach().to(dtype)).abs()
+            metrics["logprob_abs_diff_p99"] = masked_quantile(abs_lr, valid, 0.99, n_valid)
+        if plan.batch_normalize and plan.is_spec is not None:
+            if process_group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(bn_terms, op=dist.ReduceOp.SUM, group=process_group)
+            mean = safe_div(bn_terms[0], bn_terms[1])
+            ok = mean > 1e-8
+            weights.mul_(torch.where(ok, 1.0 / torch.where(ok, mean, 1.0), 1.0))
+            metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0)
+        if keep is None:
+            modified = response_mask.clone()
+        elif response_mask.dtype == torch.bool:
+            modified = response_mask & keep
+        else:
+            modified = response_mask * keep.to(response_mask.dtype)
+    if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
+        weights = weights.to(torch.float64)
+    out = CorrectionMetrics(metrics)
+    out.is_mode = plan.is_spec.mode if plan.is_spec is not None else None
+    return weights, modified, out
+
+
+# ----------------------------------------------------------------------------------------- entry points
+
+_EXTENDED = {
+    "rollout_is_mode",
+    "rollout_is_threshold_lower",
+    "rollout_rs_threshold_lower",
+    "rollout_token_veto_threshold",
+    "process_group",
+    "agreement_metrics",
+    "fused",
+}
+
+
+def _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
+    """Map the earlier ``token`` / ``sequence`` / ``geometric`` spelling onto the current modes."""
+    if isinstance(rollout_rs, str) and rollout_rs.strip() in LEGACY_RS_LEVELS:
+        level = rollout_rs.strip()
+        mode = LEGACY_RS_LEVELS[level]
+        if rollout_rs_threshold is None:
+            raise ValueError(f"rollout_rs_threshold is required when rollout_rs={level!r}")
+        if isinstance(rollout_rs_threshold, str) and "_" in rollout_rs_threshold:
+            band = rollout_rs_threshold.strip()
+            if rollout_rs_threshold_lower is not None:
+                raise ValueError("give the lower bound either in 'lower_upper' or as rollout_rs_threshold_lower, not both")
+        else:
+            from .thresholds import _as_positive_float
+
+            upper = _as_positive_float(rollout_rs_threshold, "rollout_rs_threshold")
+            lower = (
+                1.0 / upper
+                if rollout_rs_threshold_lower is None
+                else _as_positive_float(rollout_rs_threshold_lower, "rollout_rs_threshold_lower")
+            )
+            if lower > upper:
+                raise ValueError(f"rollout_rs_threshold_lower {lower} > rollout_rs_threshold {upper}")
+            band = f"{lower!r}_{upper!r}"
+        warnings.warn(
+            f"rollout_rs={level!r} is the earlier spelling: use rollout_rs={mode!r} with "
+            f"rollout_rs_threshold={band!r}",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return mode, band
+    if rollout_rs_threshold_lower is not None:
+        raise ValueError(
+            "rollout_rs_threshold_lower belongs to the earlier token/sequence/geometric spelling; "
+            "with the current modes write the k1 band as rollout_rs_threshold='lower_upper'"
+        )
+    return rollout_rs, rollout_rs_threshold
+
+
+def _veto(threshold):
+    if threshold is None:
+        return None
+    from .thresholds import _as_positive_float
+
+    c = _as_positive_float(threshold, "rollout_token_veto_threshold")
+    warnings.warn(
+        "rollout_token_veto_threshold is the earlier veto; the nearest current spelling is "
+        f"rollout_rs='seq_max_k2' with rollout_rs_threshold={0.5 * math.log(c) ** 2!r} "
+        "(two-sided: it also rejects sequences with a token ratio above 1/C)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return c
+
+
+def build_plan(
+    rollout_is=None,
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=False,
+    rollout_rs=None,
+    rollout_rs_threshold=None,
+    *,
+    rollout_is_mode=None,
+    rollout_is_threshold_lower=None,
+    rollout_rs_threshold_lower=None,
+    rollout_token_veto_threshold=None,
+    agreement_metrics=False,
+) -> CorrectionPlan:
+    """Validate a configuration (no tensors touched) and turn it into a :class:`CorrectionPlan`."""
+    if not isinstance(rollout_is_batch_normalize, bool):
+        raise TypeError(f"rollout_is_batch_normalize must be a bool, got {rollout_is_batch_normalize!r}")
+    is_spec = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        is_spec = parse_is_spec(rollout_is, rollout_is_threshold, rollout_is_mode, rollout_is_threshold_lower)
+    elif rollout_is_mode is not None or rollout_is_threshold_lower is not None:
+        raise ValueError("rollout_is_mode / rollout_is_threshold_lower given but IS is off (rollout_is is None)")
+    options: tuple[RSOption, ...] = ()
+    rs, rs_threshold = _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
+    if rs is not None:
+        if rs_threshold is None:
+            raise ValueError(f"rollout_rs_threshold is required when rollout_rs={rs!r}")
+        options = parse_rs_spec(rs, rs_threshold)
+    return CorrectionPlan(
+        is_spec=is_spec,
+        rs_options=options,
+        veto_threshold=_veto(rollout_token_veto_threshold),
+        batch_normalize=bool(rollout_is_batch_normalize) and is_spec is not None,
+        agreement=bool(agreement_metrics),
+    )
+
+
+def compute_rollout_correction_and_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is=None,
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs=None,
+    rollout_rs_threshold=None,
+    **extended,
+):
+    """IS weights, rejection mask and metrics for one batch (verl's entry point and semantics).
+
+    Args:
+        old_log_prob: (B, T) log-probs of the sampled tokens under the training engine (pi_old; pi_theta
+            in bypass mode).
+        rollout_log_prob: (B, T) log-probs under the rollout engine's sampling distribution.
+        response_mask: (B, T) 0/1 mask of valid response tokens (bool, integer or float).
+        rollout_is: ``"token"``, ``"sequence"``, ``"geometric"`` or None (no weights).
+        rollout_is_threshold: a number (truncate, TIS) or ``"lower_upper"`` (IcePop band mask).
+        rollout_is_batch_normalize: normalise weights to mean 1 after truncation (token level over valid
+            tokens, sequence levels over per-sequence means of non-empty rows).
+        rollout_rs: a rejection mode or a comma-separated chain (see ``rejection.py``).
+        rollout_rs_threshold: one threshold for all modes, or one per mode.
+
+    Extended keywords: ``rollout_is_mode`` ("truncate" | "clip" | "mask"), ``rollout_is_threshold_lower``,
+    ``process_group`` (batch-normalisation mean over that group; never an implicit world all-reduce),
+    ``agreement_metrics`` (add the probability-agreement metrics and the p99 |delta log-prob|),
+    ``fused`` (compile the pass with torch.compile), and the earlier API ``rollout_rs`` =
+    token/sequence/geometric with ``rollout_rs_threshold_lower``, ``rollout_token_veto_threshold``
+    (accepted with a DeprecationWarning naming the current spelling).
+
+    Returns:
+        ``(weights or None, modified_mask, metrics)``: detached weights of the log-prob dtype (0 on
+        padding), the mask with rejected tokens zeroed (dtype of ``response_mask``), and a
+        :class:`CorrectionMetrics` of 0-d tensors keyed ``rollout_corr/<name>``.
+    """
+    unknown = set(extended) - _EXTENDED
+    if unknown:
+        raise TypeError(f"unknown keyword argument(s) {sorted(unknown)}; accepted extras: {sorted(_EXTENDED)}")
+    plan = build_plan(
+        rollout_is,
+        rollout_is_threshold,
+        rollout_is_batch_normalize,
+        rollout_rs,
+        rollout_rs_threshold,
+        rollout_is_mode=extended.get("rollout_is_mode"),
+        rollout_is_threshold_lower=extended.get("rollout_is_threshold_lower"),
+        rollout_rs_threshold_lower=extended.get("rollout_rs_threshold_lower"),
+        rollout_token_veto_threshold=extended.get("rollout_token_veto_threshold"),
+        agreement_metrics=extended.get("agreement_metrics", False),
+    )
+    weights, modified, metrics = run_plan(
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        plan,
+        process_group=extended.get("process_group"),
+        fused=extended.get("fused"),
+    )
+    if weights is not None and weights.dtype != old_log_prob.dtype:
+        weights = weights.to(old_log_prob.dtype)
+    prefixed = metrics.with_prefix(PREFIX)
+    prefixed.is_mode = metrics.is_mode
+    return weights, modified, prefixed
+
+
+def compute_rollout_correction_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize: bool = False,
+    *,
+    rollout_is_mode=None,
+    rollout_is_threshold_lower=None,
+    process_group=None,
+):
+    """IS weights and their metrics (no prefix) from a log-ratio ``log(pi_train / pi_rollout)``."""
+    plan = build_plan(
+        rollout_is, rollout_is_threshold, rollout_is_batch_normalize,
+        rollout_is_mode=rollout_is_mode, rollout_is_threshold_lower=rollout_is_threshold_lower,
+    )
+    zeros = torch.zeros_like(log_ratio)
+    weights, _, metrics = run_plan(log_ratio, zeros, response_mask, plan, process_group=process_group)
+    return weights.to(log_ratio.dtype), _only(metrics, "rollout_is_")
+
+
+def compute_rollout_rejection_mask(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_rs: str = "token_k1",
+    rollout_rs_threshold=None,
+):
+    """Rejection mask (dtype of ``response_mask``) and RS metrics (no prefix) from a log-ratio."""
+    plan = build_plan(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
+    zeros = torch.zeros_like(log_ratio)
+    _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan)
+    return modified, _only(metrics, "rollout_rs_")
+
+
+def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask) -> CorrectionMetrics:
+    """The 13 off-policy metrics (no prefix)."""
+    _, _, metrics = run_plan(old_log_prob, rollout_log_prob, response_mask, CorrectionPlan())
+    return metrics
+
+
+def compute_agreement_metrics(old_log_prob, rollout_log_prob, response_mask) -> CorrectionMetrics:
+    """Probability-agreement metrics and |delta log-prob| mean / p99 / max (no prefix)."""
+    _, _, metrics = run_plan(old_log_prob, rollout_log_prob, response_mask, CorrectionPlan(agreement=True))
+    keys = ("rollout_probs_", "rollout_actor_", "logprob_abs_diff_")
+    return CorrectionMetrics({k: v for k, v in metrics.items() if k.startswith(keys)})
+
+
+def _only(metrics: CorrectionMetrics, prefix: str) -> CorrectionMetrics:
+    out = CorrectionMetrics({k: v for k, v in metrics.items() if k.startswith(prefix)})
+    out.is_mode = metrics.is_mode
+    return out
