@@ -151,21 +151,26 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
 def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid: int) -> torch.Tensor:
     """Exact ``q``-quantile (linear interpolation, as ``torch.quantile``) of ``values[valid]``.
 
-    ``n_valid`` is the number of valid entries (known on the host). One ``topk`` over the tail: cheaper
-    than a sort, and no boolean compaction.
+    ``n_valid`` is the number of valid entries (known on the host). One ``kthvalue`` for the lower order
+    statistic, the next one from two fused reductions; no sort and no boolean compaction.
     """
     if n_valid <= 0:
         raise ValueError("masked_quantile needs at least one valid entry")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile {q} outside [0, 1]")
     flat = torch.where(valid, values, float("-inf")).reshape(-1)
+    n_invalid = flat.numel() - n_valid
     pos = q * (n_valid - 1)
     lo = int(pos)
-    hi = min(lo + 1, n_valid - 1)
     frac = pos - lo
-    top = torch.topk(flat, n_valid - lo, largest=True, sorted=True).values  # descending
-    v_lo = top[-1]
-    v_hi = top[-1 - (hi - lo)]
+    k = n_invalid + lo + 1  # 1-based rank in ascending order; invalid entries (-inf) come first
+    v_lo = torch.kthvalue(flat, k).values
+    if frac == 0.0 or lo + 1 >= n_valid:
+        return v_lo
+    # the (k+1)-th smallest: v_lo again if it is tied, else the smallest value above it
+    tied = (flat <= v_lo).sum() >= k + 1
+    above = torch.where(flat > v_lo, flat, float("inf")).amin()
+    v_hi = torch.where(tied, v_lo, above)
     return v_lo + (v_hi - v_lo) * frac
 
 

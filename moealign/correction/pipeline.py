@@ -101,13 +101,13 @@ def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
 def _raise_on_checks(checks: list[float], shape) -> int:
     n_valid, bad_old, bad_rollout, bad_mask = (int(x) for x in checks)
     if bad_mask:
-        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
+        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} row(s) hold other values")
     if n_valid == 0:
         raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(shape)}")
     for name, bad in (("old_log_prob", bad_old), ("rollout_log_prob", bad_rollout)):
         if bad:
             raise ValueError(
-                f"{name} has {bad} non-finite value(s) (NaN or Inf) at valid positions (response_mask == 1); "
+                f"{name} has non-finite values (NaN or Inf) at valid positions (response_mask == 1) in {bad} row(s); "
                 "a -inf log-prob usually means the token lies outside the other engine's sampling support: "
                 "apply the rollout's sampling mask to the trainer's logits, or mask such tokens out"
             )
@@ -121,11 +121,15 @@ def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
     """Weights, keep mask and per-row statistics of one block of rows."""
     view = TokenView.build(old, rollout, mask, dtype)
     stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
-    stats["bad_old"] = (view.valid & ~torch.isfinite(old)).sum(dim=-1).to(dtype)
-    stats["bad_rollout"] = (view.valid & ~torch.isfinite(rollout)).sum(dim=-1).to(dtype)
-    if mask.dtype != torch.bool:
-        stats["bad_mask"] = ((mask != 0) & (mask != 1)).sum(dim=-1).to(dtype)
     stats.update(offpolicy_pass(view))
+    # A NaN/Inf at a valid position makes its row sum non-finite (padding is already zeroed): one flag
+    # per row instead of a full isfinite pass over each input.
+    stats["bad_old"] = (~torch.isfinite(stats["old_sum"])).to(dtype)
+    stats["bad_rollout"] = (~torch.isfinite(stats["rollout_sum"])).to(dtype)
+    if mask.dtype != torch.bool:
+        # every entry is 0 or 1 iff sum(m) == sum(m^2) == number of non-zeros
+        m = mask.to(dtype)
+        stats["bad_mask"] = ((m.sum(dim=-1) != view.n) | ((m * m).sum(dim=-1) != view.n)).to(dtype)
     weights = keep = None
     if plan.is_spec is not None:
         weights, s = is_weights_pass(view, plan.is_spec)

@@ -1,0 +1,103 @@
+"""Benchmark the rollout-correction pipeline against the memory-traffic floor.
+
+The floor is cloning the three input tensors (old, rollout, mask), measured in the same run and
+interleaved with the pipeline so both see the same allocator and cache state. The pipeline is the full
+entry point: IS + RS + every metric it computes, with one host sync (as a training step would do).
+
+    python tools/bench_correction.py                     # B x T = 512 x 2048 fp32, CPU, eager + fused
+    python tools/bench_correction.py --device cuda       # on a GPU
+    python tools/bench_correction.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from moealign.correction import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+
+PRESETS = ("decoupled_geo_rs_seq_tis", "decoupled_token_icepop")
+
+
+def make_inputs(batch: int, tokens: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, tokens, generator=g) * 4.0
+    rollout = old + torch.randn(batch, tokens, generator=g) * 0.02
+    lengths = torch.randint(tokens // 4, tokens + 1, (batch,), generator=g)
+    mask = (torch.arange(tokens)[None, :] < lengths[:, None]).to(torch.float32)
+    return old.to(device), rollout.to(device), mask.to(device)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def interleaved(fns: dict, device: str, repeats: int, warmup: int = 3) -> dict[str, float]:
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--no-fused", action="store_true", help="skip the torch.compile path")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    old, rollout, mask = make_inputs(args.batch, args.tokens, args.device)
+    floor = lambda: (old.clone(), rollout.clone(), mask.clone())  # noqa: E731
+    fns = {"floor: clone x3": floor}
+    variants = [("eager", False)] + ([] if args.no_fused else [("fused", True)])
+    for preset in PRESETS:
+        kw = RolloutCorrectionConfig.preset(preset).to_kwargs()
+        for label, fused in variants:
+            for agreement in (False, True):
+                name = f"{preset} [{label}{' +agreement' if agreement else ''}]"
+
+                def run(kw=kw, fused=fused, agreement=agreement):
+                    w, m, metrics = compute_rollout_correction_and_rejection_mask(
+                        old, rollout, mask, fused=fused, agreement_metrics=agreement, **kw)
+                    return metrics.to_floats()
+
+                if fused:
+                    t0 = time.perf_counter()
+                    run()
+                    print(f"# compiled {name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                fns[name] = run
+    times = interleaved(fns, args.device, args.repeats)
+    base = times["floor: clone x3"]
+    print(f"B x T = {args.batch} x {args.tokens} float32 on {args.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{'case':<58} {'ms':>9} {'x floor':>8}")
+    rows = []
+    for name, ms in times.items():
+        print(f"{name:<58} {ms:9.2f} {ms / base:8.2f}")
+        rows.append({"case": name, "ms": ms, "ratio_to_floor": ms / base})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "tokens": args.tokens, "device": args.device, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
