@@ -599,3 +599,48 @@ def test_compute_equals_entry_point_extended(cfg):
     # to_kwargs holds only entry-point arguments
     kw = cfg.to_kwargs()
     assert "bypass_mode" not in kw and "loss_type" not in kw
+
+
+# ----------------------------------------------------------------------------------------------------
+# the earlier rollout_rs spelling (token / sequence / geometric, §1.9) through the config
+#
+# RolloutCorrectionConfig.compute() silences DeprecationWarning on the grounds that the config was
+# "warned once, at construction"; so constructing a config with the earlier spelling must warn.
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: C.from_dict({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001}),
+        lambda: C(rollout_rs="sequence", rollout_rs_threshold=2.0),
+    ],
+    ids=["from_dict", "constructor"],
+)
+def test_earlier_rs_spelling_warns_at_construction(build):
+    with pytest.warns(DeprecationWarning, match="earlier spelling"):
+        build()
+
+
+def test_earlier_rs_spelling_computes_like_current_mode():
+    old, rollout, mask = _batch(seed=13, scale=0.002)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        earlier = C.from_dict({"rollout_rs": "geometric", "rollout_rs_threshold": 1.001})
+    current = C(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001)
+    _assert_same_result(earlier.compute(old, rollout, mask), current.compute(old, rollout, mask))
+
+
+def test_yaml_unquoted_band_stays_a_band():
+    # YAML 1.1 would read 0.5_5 as 0.55; the loader keeps it the IcePop band [0.5, 5]
+    cfg = RolloutCorrectionConfig.from_yaml(
+        "rollout_is: token\nrollout_is_threshold: 0.5_5  # icepop\n"
+        "rollout_rs: token_k1,seq_max_k2\nrollout_rs_threshold: 0.5_2.0,3\n")
+    assert cfg.rollout_is_threshold == "0.5_5"
+    assert cfg.rollout_rs_threshold == "0.5_2.0,3"
+    assert cfg.plan().is_spec.mode == "mask" and cfg.plan().is_spec.lower == 0.5
+
+
+def test_slime_argv_with_unrelated_flags():
+    cfg = RolloutCorrectionConfig.from_slime_args(
+        ["--micro-batch-size", "4", "--use-tis", "--tis-upper-bound", "3", "--lr", "1e-6"])
+    assert cfg.rollout_is == "token" and cfg.rollout_is_threshold == 3.0

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from moealign.correction import pipeline as _pipeline
@@ -288,8 +288,12 @@ def test_legacy_rs_names_equal_their_new_spelling(batch, level, u, lower, band_s
 def test_veto_removes_a_sequence_iff_some_valid_token_ratio_is_below_c(batch, c):
     with pytest.warns(DeprecationWarning):
         w, mask, metrics = run(batch, rollout_is="token", rollout_is_threshold=2.0, rollout_token_veto_threshold=c)
-    lr = (batch.old - batch.rollout).double()
-    catastrophic = batch.valid & (torch.exp(torch.where(batch.valid, lr, torch.zeros((), dtype=torch.float64))) < c)
+    lr = torch.where(batch.valid, (batch.old - batch.rollout).double(), torch.zeros((), dtype=torch.float64))
+    ratio = torch.exp(lr)
+    catastrophic = batch.valid & (ratio < c)
+    # a ratio within float noise of C (e.g. exp(-1e-100) == 1.0 == C) may be classified either way
+    ambiguous = batch.valid & ((lr - math.log(c)).abs() <= 1e-6)
+    assume(not ambiguous.any())
     vetoed = catastrophic.any(-1)
     expected = kept(batch.mask) & ~vetoed[:, None]
     assert torch.equal(kept(mask), expected)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
@@ -41,9 +42,7 @@ class RolloutCorrectionConfig:
             raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.plan()  # raises on any malformed field
+        self.plan()  # raises on any malformed field; warns once for earlier spellings
 
     # ------------------------------------------------------------------ use
     def get(self, key: str, default: Any = None) -> Any:
@@ -131,7 +130,7 @@ class RolloutCorrectionConfig:
         import os
 
         text = open(source).read() if os.path.exists(source) else source
-        data = yaml.safe_load(text)
+        data = yaml.safe_load(_quote_bands(text))
         if data is None:
             data = {}
         return cls.from_dict(data)
@@ -153,7 +152,8 @@ class RolloutCorrectionConfig:
         elif isinstance(args, Mapping):
             values = dict(args)
         elif isinstance(args, Sequence) and not isinstance(args, str):
-            values = vars(slime_argument_parser().parse_args(list(args)))
+            # a full slime command line carries many other flags: parse only ours
+            values = vars(slime_argument_parser().parse_known_args(list(args))[0])
         else:
             raise TypeError(f"slime args must be a Namespace, a mapping or an argv list, got {type(args).__name__}")
         values = {k.replace("-", "_"): v for k, v in values.items()}
@@ -315,6 +315,20 @@ class RolloutCorrectionConfig:
     def pg_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=1.001):
         _renamed("pg_geo_rs_seq_tis", "bypass_pg_geo_rs_seq_tis()")
         return cls.bypass_pg_geo_rs_seq_tis(is_threshold, str(rs_threshold))
+
+
+# YAML 1.1 reads an unquoted 0.5_5 as the number 0.55 (underscores are digit separators), which would
+# silently turn the IcePop band [0.5, 5] into a truncation at 0.55. Threshold values that look like a
+# band are quoted before parsing.
+_BAND_LINE = re.compile(
+    r"^(?P<key>\s*(?:rollout_is_threshold|rollout_rs_threshold)\s*:\s*)"
+    r"(?P<value>[0-9.eE+-]+_[0-9.eE+-]+(?:\s*,\s*[0-9.eE+_-]+)*)\s*(?P<comment>#.*)?$",
+    re.MULTILINE,
+)
+
+
+def _quote_bands(text: str) -> str:
+    return _BAND_LINE.sub(lambda m: f"{m['key']}\"{m['value']}\"" + (f" {m['comment']}" if m["comment"] else ""), text)
 
 
 def _renamed(old: str, new: str) -> None:

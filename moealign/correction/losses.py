@@ -172,7 +172,11 @@ def bypass_policy_loss(
     *,
     loss_agg_mode: str = "token-mean",
     process_group=None,
-    **loss_kwargs,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    **agg_kwargs,
 ):
     """Bypass mode (pi_old = pi_rollout): the correction is recomputed on the fly against pi_theta.
 
@@ -183,8 +187,9 @@ def bypass_policy_loss(
     * ``loss_type="ppo_clip"``: PPO clipped against ``rollout_log_prob``, RS mask, **no** IS weight
       (the ratio already is pi_theta / pi_rollout; a weight would count it twice).
 
-    Rejected tokens leave numerator and denominator. Returns ``(loss, metrics)`` including the
-    ``rollout_corr/*`` metrics (still tensors).
+    The clip arguments apply to ``ppo_clip`` and are ignored by ``reinforce`` (a trainer may pass its
+    PPO settings whatever the config). Rejected tokens leave numerator and denominator. Returns
+    ``(loss, metrics)`` including the ``rollout_corr/*`` metrics (still tensors).
     """
     if not getattr(config, "bypass_mode", False):
         raise ValueError("bypass_policy_loss needs a config with bypass_mode=True; in decoupled mode compute "
@@ -197,10 +202,11 @@ def bypass_policy_loss(
         )
     if config.loss_type == "reinforce":
         loss, metrics = reinforce_loss(log_prob, advantages, mask, rollout_is_weights=weights,
-                                       rollout_log_prob=rollout_log_prob, loss_agg_mode=loss_agg_mode, **loss_kwargs)
+                                       rollout_log_prob=rollout_log_prob, loss_agg_mode=loss_agg_mode, **agg_kwargs)
     else:
-        loss, metrics = ppo_clip_loss(log_prob, rollout_log_prob, advantages, mask,
-                                      loss_agg_mode=loss_agg_mode, **loss_kwargs)
+        loss, metrics = ppo_clip_loss(log_prob, rollout_log_prob, advantages, mask, clip_ratio=clip_ratio,
+                                      clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **agg_kwargs)
     metrics = dict(metrics)
     metrics.update(corr_metrics)
     return loss, metrics
