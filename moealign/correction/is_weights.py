@@ -18,7 +18,9 @@ Metrics follow verl's names; where verl's code and its docs disagree this module
   TIS its max never exceeds the threshold.
 * batch means over sequences (``rollout_is_seq_*``, ``ratio_fraction_*`` at sequence level) run over
   the rows that have at least one valid token; verl's code counts empty rows as weight 0 / ratio 1.
-* ``rollout_is_eff_sample_size`` is 0 when every weight is 0 (verl's formula divides by zero).
+* ``rollout_is_eff_sample_size = mean(w)^2 / mean(w^2)``, without verl's ``+1e-8`` on the mean (which
+  dominates for tiny weights and pushes the value above 1), and 0 when every weight is 0.
+* ``rollout_is_std`` is computed from moments around 1, so float32 keeps weights near 1 apart.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def is_weights_pass(view: TokenView, spec: ISSpec) -> tuple[torch.Tensor, dict[s
         raw = torch.exp(view.clamped) * view.maskf
         w = apply_is_mode(raw, spec) * view.maskf
         valid = view.valid
+        dev = (w - 1.0) * view.maskf  # moments around 1: no float32 cancellation for weights near 1
         stats["is_w_sum"] = w.sum(dim=-1)
-        stats["is_w_sq"] = (w * w).sum(dim=-1)
+        stats["is_d_sum"] = dev.sum(dim=-1)
+        stats["is_d_sq"] = (dev * dev).sum(dim=-1)
         stats["is_raw_sum"] = raw.sum(dim=-1)
         stats["is_raw_max"] = row_max(raw, valid)
         stats["is_raw_min"] = row_min(raw, valid)
@@ -80,7 +84,8 @@ def is_weights_pass(view: TokenView, spec: ISSpec) -> tuple[torch.Tensor, dict[s
     w_row = apply_is_mode(raw_row, spec)
     w = w_row[:, None] * view.maskf
     stats["is_w_sum"] = w_row * view.n
-    stats["is_w_sq"] = w_row * w_row * view.n
+    stats["is_d_sum"] = (w_row - 1.0) * view.n
+    stats["is_d_sq"] = (w_row - 1.0) ** 2 * view.n
     stats["is_raw_sum"] = raw_row * view.n
     stats["is_row_log"] = row_log
     if spec.mode == "mask":
@@ -94,15 +99,15 @@ def is_metrics(
 ) -> dict[str, torch.Tensor]:
     """verl's IS health metrics (no prefix) from the concatenated per-row statistics."""
     n = stats["n"]
-    w_sum, w_sq = stats["is_w_sum"], stats["is_w_sq"]
-    total_w = w_sum.sum()
-    total_w2 = w_sq.sum()
-    mean = safe_div(total_w, n_tokens)
-    second = safe_div(total_w2, n_tokens)
+    w_sum = stats["is_w_sum"]
+    mean = safe_div(w_sum.sum(), n_tokens)
+    std = population_std(stats["is_d_sum"].sum(), stats["is_d_sq"].sum(), n_tokens)
+    second = std * std + mean * mean  # E[w^2]
     out = {
         "rollout_is_mean": mean,
-        "rollout_is_std": population_std(total_w, total_w2, n_tokens),
-        "rollout_is_eff_sample_size": torch.where(second > 0, (mean + 1e-8) ** 2 / torch.where(second > 0, second, 1.0), 0.0),
+        "rollout_is_std": std,
+        # mean^2 / E[w^2], in (0, 1] (verl adds 1e-8 to the mean, which dominates for tiny weights)
+        "rollout_is_eff_sample_size": torch.clamp(safe_div(mean * mean, second), max=1.0),
     }
     upper, lower = spec.upper, spec.diag_lower
     if spec.level == "token":

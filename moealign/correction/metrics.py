@@ -103,8 +103,11 @@ def offpolicy_metrics(
 
 
 def agreement_pass(view: TokenView) -> dict[str, torch.Tensor]:
-    p_train = torch.exp(view.old) * view.maskf
-    p_rollout = torch.exp(view.rollout) * view.maskf
+    # Probabilities in float64: confident tokens (p ~ 1) differ by ~1e-6, and in float32 the moments
+    # E[p^2] - E[p]^2 of the Pearson correlation would cancel to 0.
+    maskd = view.maskf.to(torch.float64)
+    p_train = torch.exp(view.old.to(torch.float64)) * maskd
+    p_rollout = torch.exp(view.rollout.to(torch.float64)) * maskd
     diff = p_train - p_rollout
     abs_lr = view.log_ratio.abs()
     return {
@@ -122,6 +125,7 @@ def agreement_pass(view: TokenView) -> dict[str, torch.Tensor]:
 
 
 def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    n_tokens = n_tokens.to(torch.float64)
     s = {k: stats[k].sum() for k in ("p_train_sum", "p_rollout_sum", "p_train_sq", "p_rollout_sq", "p_cross",
                                       "p_absdiff_sum", "p_diff_sq", "lr_abs_sum")}
     mean_x = safe_div(s["p_train_sum"], n_tokens)

@@ -70,19 +70,22 @@ class CorrectionPlan:
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> None:
-    for name, t in (("old_log_prob", old), ("rollout_log_prob", rollout), ("response_mask", mask)):
+_NAMES = ("old_log_prob", "rollout_log_prob")
+
+
+def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, names=_NAMES) -> None:
+    for name, t in ((names[0], old), (names[1], rollout), ("response_mask", mask)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if old.dim() != 2:
-        raise ValueError(f"old_log_prob must be 2-D (batch, tokens), got shape {tuple(old.shape)}")
+        raise ValueError(f"{names[0]} must be 2-D (batch, tokens), got shape {tuple(old.shape)}")
     if rollout.shape != old.shape:
         raise ValueError(
-            f"rollout_log_prob shape {tuple(rollout.shape)} does not match old_log_prob shape {tuple(old.shape)}"
+            f"{names[1]} shape {tuple(rollout.shape)} does not match {names[0]} shape {tuple(old.shape)}"
         )
     if mask.shape != old.shape:
         raise ValueError(f"response_mask shape {tuple(mask.shape)} does not match log-prob shape {tuple(old.shape)}")
-    for name, t in (("old_log_prob", old), ("rollout_log_prob", rollout)):
+    for name, t in ((names[0], old), (names[1], rollout)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if mask.is_complex() or (mask.dtype != torch.bool and mask.is_floating_point() is False and mask.dtype not in (
@@ -98,13 +101,13 @@ def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
 
 
-def _raise_on_checks(checks: list[float], shape) -> int:
+def _raise_on_checks(checks: list[float], shape, names=_NAMES) -> int:
     n_valid, bad_old, bad_rollout, bad_mask = (int(x) for x in checks)
     if bad_mask:
-        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} row(s) hold other values")
+        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
     if n_valid == 0:
         raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(shape)}")
-    for name, bad in (("old_log_prob", bad_old), ("rollout_log_prob", bad_rollout)):
+    for name, bad in ((names[0], bad_old), (names[1], bad_rollout)):
         if bad:
             raise ValueError(
                 f"{name} has non-finite values (NaN or Inf) at valid positions (response_mask == 1) in {bad} row(s); "
@@ -122,14 +125,12 @@ def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
     view = TokenView.build(old, rollout, mask, dtype)
     stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
     stats.update(offpolicy_pass(view))
-    # A NaN/Inf at a valid position makes its row sum non-finite (padding is already zeroed): one flag
-    # per row instead of a full isfinite pass over each input.
-    stats["bad_old"] = (~torch.isfinite(stats["old_sum"])).to(dtype)
-    stats["bad_rollout"] = (~torch.isfinite(stats["rollout_sum"])).to(dtype)
+    # NaN/Inf at a valid position (padding is already zeroed) makes sum(x * 0) NaN, while finite values,
+    # however large, give 0: one flag per row.
+    stats["bad_old"] = torch.isnan((view.old * 0.0).sum(dim=-1)).to(dtype)
+    stats["bad_rollout"] = torch.isnan((view.rollout * 0.0).sum(dim=-1)).to(dtype)
     if mask.dtype != torch.bool:
-        # every entry is 0 or 1 iff sum(m) == sum(m^2) == number of non-zeros
-        m = mask.to(dtype)
-        stats["bad_mask"] = ((m.sum(dim=-1) != view.n) | ((m * m).sum(dim=-1) != view.n)).to(dtype)
+        stats["bad_mask"] = ((mask != 0) & (mask != 1)).sum(dim=-1).to(dtype)
     weights = keep = None
     if plan.is_spec is not None:
         weights, s = is_weights_pass(view, plan.is_spec)
@@ -219,9 +220,10 @@ def run_plan(
     *,
     process_group=None,
     fused: bool | None = None,
+    names: tuple[str, str] = _NAMES,
 ):
     """Execute a plan. Returns ``(weights or None, modified_mask, metrics)``; metrics carry no prefix."""
-    _check_shapes(old_log_prob, rollout_log_prob, response_mask)
+    _check_shapes(old_log_prob, rollout_log_prob, response_mask, names)
     dtype = _compute_dtype(old_log_prob, rollout_log_prob)
     if fused is None:
         fused = _fused_default()
@@ -236,7 +238,7 @@ def run_plan(
             weights, keep, metrics, bn_terms, checks = _blocked_pass(
                 old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach(), plan, dtype
             )
-        n_valid = _raise_on_checks(checks.tolist(), old_log_prob.shape)  # the one host sync
+        n_valid = _raise_on_checks(checks.tolist(), old_log_prob.shape, names)  # the one host sync
         if plan.agreement:
             valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
             abs_lr = (old_log_prob.detach().to(dtype) - rollout_log_prob.detach().to(dtype)).abs()
@@ -433,6 +435,9 @@ def compute_rollout_correction_and_rejection_mask(
     return weights, modified, prefixed
 
 
+_LOG_RATIO_NAMES = ("log_ratio", "log_ratio")
+
+
 def compute_rollout_correction_weights(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
@@ -450,7 +455,8 @@ def compute_rollout_correction_weights(
         rollout_is_mode=rollout_is_mode, rollout_is_threshold_lower=rollout_is_threshold_lower,
     )
     zeros = torch.zeros_like(log_ratio)
-    weights, _, metrics = run_plan(log_ratio, zeros, response_mask, plan, process_group=process_group)
+    weights, _, metrics = run_plan(log_ratio, zeros, response_mask, plan, process_group=process_group,
+                                   names=_LOG_RATIO_NAMES)
     return weights.to(log_ratio.dtype), _only(metrics, "rollout_is_")
 
 
@@ -463,7 +469,7 @@ def compute_rollout_rejection_mask(
     """Rejection mask (dtype of ``response_mask``) and RS metrics (no prefix) from a log-ratio."""
     plan = build_plan(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
     zeros = torch.zeros_like(log_ratio)
-    _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan)
+    _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan, names=_LOG_RATIO_NAMES)
     return modified, _only(metrics, "rollout_rs_")
 
 

@@ -54,6 +54,8 @@ def _as_positive_float(value, what: str) -> float:
         text = value.strip()
         if not text:
             raise ValueError(f"{what} is an empty string")
+        if "_" in text:  # float("5_0") == 50.0 in Python: a second '_' in a band must not parse
+            raise ValueError(f"{what} {value!r} is not a number (a band takes exactly one '_')")
         try:
             out = float(text)
         except ValueError:
