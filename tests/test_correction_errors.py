@@ -199,7 +199,7 @@ def test_threshold_with_two_underscores(kw, text):
 
 
 def test_is_band_with_truncate_mode():
-    with pytest.raises(ValueError, match="is a band but mode 'truncate'"):
+    with pytest.raises(ValueError, match="mode 'truncate' has no lower bound"):
         call(rollout_is="token", rollout_is_threshold="0.5_5.0", rollout_is_mode="truncate")
 
 
@@ -387,3 +387,10 @@ def test_error_leaves_inputs_untouched():
         correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
     assert torch.equal(rollout, copies[1]) and torch.equal(mask, copies[2])
     assert torch.isnan(old[1, 0]) and torch.equal(old.nan_to_num(), copies[0].nan_to_num())
+
+
+def test_truncate_mode_rejects_explicit_lower_bound():
+    old, rollout, mask = batch()
+    with pytest.raises(ValueError, match="mode 'truncate' has no lower bound"):
+        correct(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
+                rollout_is_mode="truncate", rollout_is_threshold_lower=0.5)

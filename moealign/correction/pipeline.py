@@ -352,7 +352,8 @@ def build_plan(
     if rollout_is is not None and rollout_is_threshold is not None:
         is_spec = parse_is_spec(rollout_is, rollout_is_threshold, rollout_is_mode, rollout_is_threshold_lower)
     elif rollout_is_mode is not None or rollout_is_threshold_lower is not None:
-        raise ValueError("rollout_is_mode / rollout_is_threshold_lower given but IS is off (rollout_is is None)")
+        raise ValueError("rollout_is_mode / rollout_is_threshold_lower given but IS is off "
+                         "(rollout_is or rollout_is_threshold is None)")
     options: tuple[RSOption, ...] = ()
     rs, rs_threshold = _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
     if rs is not None:

@@ -131,12 +131,11 @@ def parse_is_spec(level, threshold, mode=None, lower=None) -> ISSpec:
     if not isinstance(mode, str) or mode not in IS_MODES:
         raise ValueError(f"unknown rollout_is mode {mode!r}; expected one of {IS_MODES}")
     if mode == "truncate":
-        if band_lower is not None and lower is None:
+        if band_lower is not None:
             raise ValueError(
-                f"rollout_is_threshold {threshold!r} is a band but mode 'truncate' has no lower bound; "
+                f"mode 'truncate' has no lower bound, but one was given ({band_lower}); "
                 "use a single number, or mode 'mask' / 'clip'"
             )
-        band_lower = None
     elif band_lower is None:
         band_lower = 1.0 / upper
     if band_lower is not None and band_lower > upper:
