@@ -164,9 +164,10 @@ def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid
         raise ValueError(f"quantile {q} outside [0, 1]")
     flat = torch.where(valid, values, float("-inf")).reshape(-1)
     n_invalid = flat.numel() - n_valid
-    pos = q * (n_valid - 1)
-    lo = int(pos)
-    frac = pos - lo
+    # the rank in the values' dtype, as torch.quantile computes it (0.99 in float32 is 0.99000001)
+    pos = torch.tensor(q, dtype=values.dtype) * (n_valid - 1)
+    lo = int(pos.floor())
+    frac = float(pos - lo)
     k = n_invalid + lo + 1  # 1-based rank in ascending order; invalid entries (-inf) come first
     v_lo = torch.kthvalue(flat, k).values
     if frac == 0.0 or lo + 1 >= n_valid:
@@ -175,7 +176,7 @@ def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid
     tied = (flat <= v_lo).sum() >= k + 1
     above = torch.where(flat > v_lo, flat, float("inf")).amin()
     v_hi = torch.where(tied, v_lo, above)
-    return v_lo + (v_hi - v_lo) * frac
+    return torch.lerp(v_lo, v_hi, torch.tensor(frac, dtype=values.dtype, device=values.device))
 
 
 # slime's names for the same quantities (examples/train_infer_mismatch_helper, slime's MIS metrics).
