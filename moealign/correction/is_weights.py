@@ -35,7 +35,6 @@ from ._masked import (
     mean_over,
     min_over,
     population_std,
-    row_max,
     row_min,
     safe_div,
     std_over,
@@ -46,34 +45,38 @@ from .tokens import TokenView
 __all__ = ["is_weights_pass", "is_metrics", "apply_is_mode"]
 
 
-def apply_is_mode(raw: torch.Tensor, spec: ISSpec) -> torch.Tensor:
+def apply_is_mode(raw: torch.Tensor, spec: ISSpec, out: torch.Tensor | None = None) -> torch.Tensor:
     """Truncate / clip / band-mask raw (safety-bounded) weights."""
     if spec.mode == "truncate":
-        return torch.clamp(raw, max=spec.upper)
+        return torch.clamp(raw, max=spec.upper, out=out)
     if spec.mode == "clip":
-        return torch.clamp(raw, min=spec.lower, max=spec.upper)
+        return torch.clamp(raw, min=spec.lower, max=spec.upper, out=out)
     inside = (raw >= spec.lower) & (raw <= spec.upper)
-    return torch.where(inside, raw, 0.0)
+    return torch.mul(raw, inside, out=out)
 
 
-def is_weights_pass(view: TokenView, spec: ISSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weights (b, T) for one chunk and the per-row statistics its metrics need."""
+def is_weights_pass(
+    view: TokenView, spec: ISSpec, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights (b, T) for one block (written into ``out`` when given) and the per-row statistics its
+    metrics need."""
     stats: dict[str, torch.Tensor] = {}
     if spec.level == "token":
-        raw = torch.exp(view.clamped) * view.maskf
-        w = apply_is_mode(raw, spec) * view.maskf
-        valid = view.valid
-        dev = (w - 1.0) * view.maskf  # moments around 1: no float32 cancellation for weights near 1
-        stats["is_w_sum"] = w.sum(dim=-1)
+        raw = torch.exp(view.clamped).mul_(view.maskf)  # 0 on padding
+        w = apply_is_mode(raw, spec, out)
+        if spec.mode == "clip":
+            w.mul_(view.maskf)  # clamp lifted padding to the lower bound
+        dev = w - view.maskf  # w - 1 on valid tokens, 0 on padding: moments around 1 keep float32 precise
         stats["is_d_sum"] = dev.sum(dim=-1)
-        stats["is_d_sq"] = (dev * dev).sum(dim=-1)
+        stats["is_d_sq"] = dev.mul_(dev).sum(dim=-1)
+        stats["is_w_sum"] = stats["is_d_sum"] + view.n
         stats["is_raw_sum"] = raw.sum(dim=-1)
-        stats["is_raw_max"] = row_max(raw, valid)
-        stats["is_raw_min"] = row_min(raw, valid)
-        stats["is_n_high"] = ((raw > spec.upper) & valid).sum(dim=-1).to(raw.dtype)
-        stats["is_n_low"] = ((raw < spec.diag_lower) & valid).sum(dim=-1).to(raw.dtype)
-        if spec.mode == "mask":
-            stats["is_n_oob"] = (((raw < spec.lower) | (raw > spec.upper)) & valid).sum(dim=-1).to(raw.dtype)
+        stats["is_raw_max"] = raw.amax(dim=-1)  # raw > 0 on valid tokens, 0 on padding
+        stats["is_raw_min"] = row_min(raw, view.valid)
+        stats["is_n_high"] = (raw > spec.upper).sum(dim=-1, dtype=raw.dtype)  # padding (0) never counts
+        stats["is_n_low"] = (raw < spec.diag_lower).sum(dim=-1, dtype=raw.dtype) - view.pads  # padding always does
+        if spec.mode == "mask":  # diag_lower is the band's lower bound here
+            stats["is_n_oob"] = stats["is_n_high"] + stats["is_n_low"]
         return w, stats
 
     if spec.level == "sequence":
@@ -82,7 +85,7 @@ def is_weights_pass(view: TokenView, spec: ISSpec) -> tuple[torch.Tensor, dict[s
         row_log = safe_div(view.row_log_ratio, view.n)
     raw_row = torch.exp(row_log.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     w_row = apply_is_mode(raw_row, spec)
-    w = w_row[:, None] * view.maskf
+    w = torch.mul(w_row[:, None], view.maskf, out=out)
     stats["is_w_sum"] = w_row * view.n
     stats["is_d_sum"] = (w_row - 1.0) * view.n
     stats["is_d_sq"] = (w_row - 1.0) ** 2 * view.n

@@ -102,7 +102,7 @@ def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
 
 
 def _raise_on_checks(checks: list[float], shape, names=_NAMES) -> int:
-    n_valid, bad_old, bad_rollout, bad_mask = (int(x) for x in checks)
+    n_valid, bad_old, bad_rollout, bad_mask = (int(x) if math.isfinite(x) else -1 for x in checks)
     if bad_mask:
         raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
     if n_valid == 0:

@@ -1,7 +1,8 @@
-"""The per-chunk view of a batch that every correction module reads.
+"""The per-block view of a batch that every correction module reads.
 
-A chunk is a block of whole rows of the (B, T) inputs. Padding is neutralised once here: the log-ratio
-is 0 outside the mask, so NaN/Inf written into padding by an engine never reaches a weight or a metric.
+A block is a run of whole rows of the (B, T) inputs. Padding is neutralised once here: log-probs and the
+log-ratio are 0 outside the mask, so NaN/Inf written into padding by an engine never reaches a weight or
+a metric. Modules rely on that: a per-token statistic that is 0 at log-ratio 0 needs no further masking.
 """
 
 from __future__ import annotations
@@ -24,13 +25,22 @@ class TokenView:
     n: torch.Tensor  # (b,) valid tokens per row
     row_log_ratio: torch.Tensor  # (b,) sum of the unclamped log-ratio per row
 
+    @property
+    def pads(self) -> torch.Tensor:
+        """(b,) padding entries per row."""
+        return self.valid.shape[-1] - self.n
+
     @classmethod
     def build(cls, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> "TokenView":
-        valid = mask if mask.dtype == torch.bool else mask != 0
+        if mask.dtype == torch.bool:
+            valid, maskf = mask, mask.to(dtype)
+        else:
+            valid = mask != 0
+            # a 0/1 float mask is its own float view (other values are rejected by the pipeline's check)
+            maskf = mask if mask.dtype == dtype else valid.to(dtype)
         old = torch.where(valid, old.to(dtype), 0.0)
         rollout = torch.where(valid, rollout.to(dtype), 0.0)
         log_ratio = old - rollout
-        maskf = valid.to(dtype)
         return cls(
             old=old,
             rollout=rollout,
