@@ -101,13 +101,17 @@ def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
 
 
-def _raise_on_checks(checks: list[float], shape, names=_NAMES) -> int:
-    n_valid, bad_old, bad_rollout, bad_mask = (int(x) if math.isfinite(x) else -1 for x in checks)
+def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> int:
+    n_valid, bad_input, bad_mask = (int(x) if math.isfinite(x) else -1 for x in checks)
     if bad_mask:
         raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
     if n_valid == 0:
-        raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(shape)}")
-    for name, bad in ((names[0], bad_old), (names[1], bad_rollout)):
+        raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(old.shape)}")
+    if not bad_input:
+        return n_valid
+    valid = mask if mask.dtype == torch.bool else mask != 0
+    for name, t in ((names[0], old), (names[1], rollout)):
+        bad = int((valid & ~torch.isfinite(t)).any(dim=-1).sum())
         if bad:
             raise ValueError(
                 f"{name} has non-finite values (NaN or Inf) at valid positions (response_mask == 1) in {bad} row(s); "
@@ -120,31 +124,35 @@ def _raise_on_checks(checks: list[float], shape, names=_NAMES) -> int:
 # ------------------------------------------------------------------------------------------------ pass
 
 
-def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
-    """Weights, keep mask and per-row statistics of one block of rows."""
+def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype, weights_out=None):
+    """One block of rows: weights (into ``weights_out`` when given), keep masks and per-row statistics.
+
+    Returns ``(weights, token_keep, row_keep, stats)``; ``token_keep`` is (b, T) bool or None,
+    ``row_keep`` (b,) bool or None.
+    """
     view = TokenView.build(old, rollout, mask, dtype)
     stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
     stats.update(offpolicy_pass(view))
-    # NaN/Inf at a valid position (padding is already zeroed) makes sum(x * 0) NaN, while finite values,
-    # however large, give 0: one flag per row.
-    stats["bad_old"] = torch.isnan((view.old * 0.0).sum(dim=-1)).to(dtype)
-    stats["bad_rollout"] = torch.isnan((view.rollout * 0.0).sum(dim=-1)).to(dtype)
+    # NaN/Inf at a valid position (padding is already zeroed) makes sum(log_ratio * 0) NaN, finite values
+    # give 0. One flag per row for both inputs; the (rare) error path re-checks each input exactly, so an
+    # overflow of finite values in the subtraction raises nothing.
+    stats["bad_input"] = torch.isnan((view.log_ratio * 0.0).sum(dim=-1)).to(dtype)
     if mask.dtype != torch.bool:
-        stats["bad_mask"] = ((mask != 0) & (mask != 1)).sum(dim=-1).to(dtype)
-    weights = keep = None
+        stats["bad_mask"] = (view.valid & (mask != 1)).sum(dim=-1, dtype=dtype)
+    weights = token_keep = row_keep = None
     if plan.is_spec is not None:
-        weights, s = is_weights_pass(view, plan.is_spec)
+        weights, s = is_weights_pass(view, plan.is_spec, weights_out)
         stats.update(s)
     if plan.rs_options:
-        keep, s = rs_pass(view, plan.rs_options)
+        token_keep, row_keep, s = rs_pass(view, plan.rs_options)
         stats.update(s)
     if plan.veto_threshold is not None:
         veto_keep, s = veto_pass(view, plan.veto_threshold)
-        keep = veto_keep.expand_as(view.valid) if keep is None else keep & veto_keep
+        row_keep = veto_keep if row_keep is None else row_keep & veto_keep
         stats.update(s)
     if plan.agreement:
         stats.update(agreement_pass(view))
-    return weights, keep, stats
+    return weights, token_keep, row_keep, stats
 
 
 def _finalize(stats: dict[str, torch.Tensor], plan: CorrectionPlan):
@@ -168,17 +176,20 @@ def _finalize(stats: dict[str, torch.Tensor], plan: CorrectionPlan):
     zero = torch.zeros((), dtype=n.dtype, device=n.device)
     checks = torch.stack([
         n_tokens,
-        stats["bad_old"].sum(),
-        stats["bad_rollout"].sum(),
+        stats["bad_input"].sum(),
         stats["bad_mask"].sum() if "bad_mask" in stats else zero,
     ])
     return metrics, bn_terms, checks
 
 
 def _whole_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
-    weights, keep, stats = _block_pass(old, rollout, mask, plan, dtype)
+    weights, token_keep, row_keep, stats = _block_pass(old, rollout, mask, plan, dtype)
     metrics, bn_terms, checks = _finalize(stats, plan)
-    return weights, keep, metrics, bn_terms, checks
+    return weights, token_keep, row_keep, metrics, bn_terms, checks
+
+
+def _has_token_modes(plan: CorrectionPlan) -> bool:
+    return any(opt.agg == "token" for opt in plan.rs_options)
 
 
 def _blocked_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
@@ -187,20 +198,24 @@ def _blocked_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
     if block >= rows:
         return _whole_pass(old, rollout, mask, plan, dtype)
     weights = torch.empty((rows, width), dtype=dtype, device=old.device) if plan.is_spec is not None else None
-    keep = torch.empty((rows, width), dtype=torch.bool, device=old.device) if plan.keeps_mask else None
+    token_keep = torch.empty((rows, width), dtype=torch.bool, device=old.device) if _has_token_modes(plan) else None
     parts: dict[str, list[torch.Tensor]] = {}
+    row_parts: list[torch.Tensor] = []
     for start in range(0, rows, block):
         sl = slice(start, min(start + block, rows))
-        w, k, stats = _block_pass(old[sl], rollout[sl], mask[sl], plan, dtype)
-        if weights is not None:
-            weights[sl] = w
-        if keep is not None:
-            keep[sl] = k
+        _, tk, rk, stats = _block_pass(
+            old[sl], rollout[sl], mask[sl], plan, dtype, None if weights is None else weights[sl]
+        )
+        if token_keep is not None:
+            token_keep[sl] = tk
+        if rk is not None:
+            row_parts.append(rk)
         for key, value in stats.items():
             parts.setdefault(key, []).append(value)
     stats = {key: torch.cat(values) for key, values in parts.items()}
+    row_keep = torch.cat(row_parts) if row_parts else None
     metrics, bn_terms, checks = _finalize(stats, plan)
-    return weights, keep, metrics, bn_terms, checks
+    return weights, token_keep, row_keep, metrics, bn_terms, checks
 
 
 @functools.lru_cache(maxsize=64)
@@ -230,15 +245,12 @@ def run_plan(
     with torch.no_grad():
         if old_log_prob.numel() == 0:
             raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
+        args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
         if fused:
-            weights, keep, metrics, bn_terms, checks = _compiled(plan, dtype)(
-                old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach()
-            )
+            weights, token_keep, row_keep, metrics, bn_terms, checks = _compiled(plan, dtype)(*args)
         else:
-            weights, keep, metrics, bn_terms, checks = _blocked_pass(
-                old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach(), plan, dtype
-            )
-        n_valid = _raise_on_checks(checks.tolist(), old_log_prob.shape, names)  # the one host sync
+            weights, token_keep, row_keep, metrics, bn_terms, checks = _blocked_pass(*args, plan, dtype)
+        n_valid = _raise_on_checks(checks.tolist(), *args, names)  # the one host sync
         if plan.agreement:
             valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
             abs_lr = (old_log_prob.detach().to(dtype) - rollout_log_prob.detach().to(dtype)).abs()
@@ -252,12 +264,11 @@ def run_plan(
             ok = mean > 1e-8
             weights.mul_(torch.where(ok, 1.0 / torch.where(ok, mean, 1.0), 1.0))
             metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0)
-        if keep is None:
-            modified = response_mask.clone()
-        elif response_mask.dtype == torch.bool:
-            modified = response_mask & keep
-        else:
-            modified = response_mask * keep.to(response_mask.dtype)
+        modified = response_mask.clone() if token_keep is None else response_mask * token_keep
+        if row_keep is not None:
+            modified.mul_(row_keep[:, None])
+        if modified.dtype != response_mask.dtype:
+            modified = modified.to(response_mask.dtype)
     if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
         weights = weights.to(torch.float64)
     out = CorrectionMetrics(metrics)

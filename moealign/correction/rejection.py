@@ -39,63 +39,86 @@ __all__ = ["rs_pass", "rs_metrics", "veto_pass", "veto_metrics", "token_statisti
 
 
 def token_statistic(view: TokenView, k: int) -> torch.Tensor:
-    """k1 / k2 / k3 per token (0 on padding)."""
+    """k1 / k2 / k3 per token (0 on padding, where the log-ratio is 0)."""
     s = view.clamped
     if k == 1:
         return -s
     if k == 2:
-        return 0.5 * s * s
-    return torch.exp(s) - 1.0 - s
-
-
-def _row_value(view: TokenView, stat: torch.Tensor, agg: str) -> torch.Tensor:
-    if agg == "seq_sum":
-        return stat.sum(dim=-1)
-    if agg == "seq_mean":
-        return safe_div(stat.sum(dim=-1), view.n)
-    # seq_max: 0 for a row with no valid token
-    return torch.where(view.n > 0, row_max(stat, view.valid), 0.0)
+        return s.square().mul_(0.5)
+    return torch.expm1(s).sub_(s)  # r - 1 - log r, precise for r near 1
 
 
 def rs_pass(
     view: TokenView, options: tuple[RSOption, ...]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Combined keep mask (bool, b x T; True outside the original mask too) and per-row statistics."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Keep masks of one block and per-row statistics.
+
+    Returns ``(token_keep, row_keep, stats)``: ``token_keep`` (b, T) bool from the token modes (None if
+    there are none), ``row_keep`` (b,) bool from the sequence modes (None if there are none). Both may be
+    False on padding; the caller multiplies them into the original mask.
+    """
     stats: dict[str, torch.Tensor] = {}
     cache: dict[int, torch.Tensor] = {}
-    keep_all = None
+
+    def stat_of(k: int) -> torch.Tensor:
+        if k not in cache:
+            cache[k] = token_statistic(view, k)
+        return cache[k]
+
+    dtype = view.maskf.dtype
+    token_keep = row_keep = None
     for opt in options:
-        if opt.k not in cache:
-            cache[opt.k] = token_statistic(view, opt.k)
-        stat = cache[opt.k]
         lo, hi = opt.stat_bounds
         lo_clamp = lo if opt.k == 1 else 0.0
+        zero_inside = lo <= 0.0 <= hi  # the padding value 0 passes this mode's test
         key = f"rs_{opt.name}"
         if opt.agg == "token":
-            keep = (stat >= lo) & (stat <= hi)
-            rejected = view.valid & ~keep
+            stat = stat_of(opt.k)
+            keep = stat <= hi if opt.k != 1 else (stat >= lo) & (stat <= hi)
+            rejected = ~keep if zero_inside else view.valid & ~keep
+            stats[f"{key}_rejected"] = rejected.sum(dim=-1, dtype=dtype)
             stats[f"{key}_sum"] = stat.sum(dim=-1)
-            stats[f"{key}_max"] = row_max(stat, view.valid)
+            stats[f"{key}_max"] = stat.amax(dim=-1) if opt.k != 1 else row_max(stat, view.valid)
             stats[f"{key}_min"] = row_min(stat, view.valid)
-            stats[f"{key}_n_high"] = (view.valid & (stat > hi)).sum(dim=-1).to(stat.dtype)
-            stats[f"{key}_n_low"] = (view.valid & (stat < lo)).sum(dim=-1).to(stat.dtype)
-            clamped = torch.clamp(stat, min=lo_clamp, max=hi) * view.maskf
+            pads = view.pads
+            stats[f"{key}_n_high"] = (stat > hi).sum(dim=-1, dtype=dtype) - (pads if 0.0 > hi else 0.0)
+            if opt.k == 1:
+                stats[f"{key}_n_low"] = (stat < lo).sum(dim=-1, dtype=dtype) - (pads if 0.0 < lo else 0.0)
+            else:
+                stats[f"{key}_n_low"] = torch.zeros_like(view.n)
+            clamped = torch.clamp(stat, min=lo_clamp, max=hi)
+            if not lo_clamp <= 0.0 <= hi:
+                clamped = clamped.mul_(view.maskf)
             stats[f"{key}_csum"] = clamped.sum(dim=-1)
-            stats[f"{key}_csq"] = (clamped * clamped).sum(dim=-1)
-            stats[f"{key}_rejected"] = rejected.sum(dim=-1).to(stat.dtype)
+            stats[f"{key}_csq"] = clamped.mul_(clamped).sum(dim=-1)
+            token_keep = keep if token_keep is None else token_keep & keep
         else:
-            value = _row_value(view, stat, opt.agg)
-            keep_row = (value >= lo) & (value <= hi)
-            keep = keep_row[:, None]
+            if opt.k == 1 and opt.agg != "seq_max":
+                if "neg_clamped_sum" not in stats:
+                    stats["neg_clamped_sum"] = -view.clamped.sum(dim=-1)
+                total = stats["neg_clamped_sum"]
+            elif opt.agg != "seq_max":
+                total = stat_of(opt.k).sum(dim=-1)
+            if opt.agg == "seq_sum":
+                value = total
+            elif opt.agg == "seq_mean":
+                value = safe_div(total, view.n)
+            else:  # seq_max of k2/k3 (>= 0; padding is 0): 0 for a row with no valid token
+                value = stat_of(opt.k).amax(dim=-1)
+            keep = (value >= lo) & (value <= hi)
             clamped = torch.clamp(value, min=lo_clamp, max=hi)
             stats[f"{key}_value"] = value
             stats[f"{key}_csum"] = clamped * view.n
             stats[f"{key}_csq"] = clamped * clamped * view.n
-            stats[f"{key}_rejected"] = (~keep_row).to(stat.dtype) * view.n
-        keep_all = keep if keep_all is None else keep_all & keep
-    keep_all = keep_all.expand_as(view.valid)
-    stats["rs_rejected"] = (view.valid & ~keep_all).sum(dim=-1).to(view.maskf.dtype)
-    return keep_all, stats
+            stats[f"{key}_rejected"] = (~keep).to(dtype) * view.n
+            row_keep = keep if row_keep is None else row_keep & keep
+    stats.pop("neg_clamped_sum", None)
+    if token_keep is None:
+        stats["rs_rejected"] = (~row_keep).to(dtype) * view.n
+    else:
+        kept = token_keep if row_keep is None else token_keep & row_keep[:, None]
+        stats["rs_rejected"] = view.n - (kept & view.valid).sum(dim=-1, dtype=dtype)
+    return token_keep, row_keep, stats
 
 
 def rs_metrics(
@@ -144,10 +167,13 @@ def rs_metrics(
 
 
 def veto_pass(view: TokenView, threshold: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Keep mask (b, 1) of rows with no catastrophic token (unclamped ratio < threshold)."""
-    catastrophic = view.valid & (view.log_ratio < math.log(threshold))
-    count = catastrophic.sum(dim=-1).to(view.maskf.dtype)
-    return (count == 0)[:, None], {"veto_catastrophic": count}
+    """Row keep mask (b,) of rows with no catastrophic token (unclamped ratio < threshold)."""
+    log_c = math.log(threshold)
+    below = view.log_ratio < log_c
+    count = below.sum(dim=-1, dtype=view.maskf.dtype)
+    if 0.0 < log_c:  # padding (log-ratio 0) would count
+        count = count - view.pads
+    return count == 0, {"veto_catastrophic": count}
 
 
 def veto_metrics(
