@@ -135,7 +135,7 @@ def offpolicy_expected(rows):
         "rollout_ppl": mean(math.exp(-x) for x in b),
         "rollout_log_ppl": mean(-x for x in b),
         "kl": mean(-x for x in flat),
-        "k3_kl": mean(math.exp(x) - 1.0 - x for x in flat),
+        "k3_kl": mean(math.exp(c) - 1.0 - c for c in (max(-20.0, min(20.0, x)) for x in flat)),
         "log_ppl_diff": mean(d),
         "log_ppl_abs_diff": mean(abs(x) for x in d),
         "log_ppl_diff_max": max(d),
@@ -305,13 +305,13 @@ def test_offpolicy_metrics_base_batch():
     check(f, offpolicy_expected(BASE))
 
 
-def test_offpolicy_safety_bound_and_unclamped_k3():
-    """chi2 uses log-ratios clamped to [-20, 20]; kl and k3_kl do not clamp."""
+def test_offpolicy_safety_bound_and_clamped_k3():
+    """chi2 and k3_kl use log-ratios clamped to [-20, 20] (verl leaves k3_kl unclamped); kl does not clamp."""
     rows = [[(0.0, -25.0)], [(-30.0, 0.0)], [(math.log(0.5), math.log(0.25))]]
     _, _, _, f = run(rows)
     expected = offpolicy_expected(rows)
     assert expected["chi2_token"] == pytest.approx((math.exp(40) + math.exp(-40) + 4.0) / 3 - 1.0)
-    assert expected["k3_kl"] == pytest.approx((math.exp(25) - 26.0 + math.exp(-30) + 29.0 + 1.0 - LN2) / 3)
+    assert expected["k3_kl"] == pytest.approx((math.exp(20) - 21.0 + math.exp(-20) + 19.0 + 1.0 - LN2) / 3)
     check(f, expected)
 
 

@@ -8,7 +8,8 @@ Off-policy metrics (verl's names; the docs' formulas, rows = sequences with >= 1
 
 * ``training_log_ppl = mean_i(-a_i)``, ``training_ppl = mean_i exp(-a_i)``; likewise ``rollout_*``.
 * ``kl = mean_t(rollout - old)`` over valid tokens (direct estimator of KL(pi_rollout || pi_train)),
-  ``k3_kl = mean_t(r - 1 - log r)`` (unclamped).
+  ``k3_kl = mean_t(r - 1 - log r)`` with ``log r`` clamped to [-20, 20] like every other exp here (verl
+  leaves it unclamped, so one catastrophic token turns it into inf).
 * ``log_ppl_diff = mean_i(log_ppl_rollout_i - log_ppl_training_i)`` as the docs define it, with
   ``log_ppl_abs_diff``, ``log_ppl_diff_max`` / ``_min``. **verl's code uses the opposite sign**
   (``mean(rollout) - mean(old)`` per row); this module follows the docs.
@@ -69,13 +70,15 @@ class CorrectionMetrics(dict):
 
 
 def offpolicy_pass(view: TokenView) -> dict[str, torch.Tensor]:
+    # One expm1 serves k3 = (r - 1) - log r and r^2 - 1 = (r - 1)(r + 1): expm1 keeps the tiny gaps of
+    # well-aligned engines (log r ~ 1e-4) in float32, and both are 0 at padding (log r = 0 there).
+    rm1 = torch.expm1(view.clamped)
+    view.k3 = rm1 - view.clamped
     return {
         "old_sum": view.old.sum(dim=-1),
         "rollout_sum": view.rollout.sum(dim=-1),
-        # expm1 keeps the small differences of well-aligned engines (log r ~ 1e-4) in float32; both
-        # terms are 0 at padding (log r = 0 there)
-        "k3_sum": (torch.expm1(view.log_ratio) - view.log_ratio).sum(dim=-1),
-        "r2m1_sum": torch.expm1(2.0 * view.clamped).sum(dim=-1),
+        "k3_sum": view.k3.sum(dim=-1),
+        "r2m1_sum": (rm1 + 2.0).mul_(rm1).sum(dim=-1),
     }
 
 
@@ -105,51 +108,56 @@ def offpolicy_metrics(
 
 
 def agreement_pass(view: TokenView) -> dict[str, torch.Tensor]:
-    # Probabilities in float64: confident tokens (p ~ 1) differ by ~1e-6, and in float32 the moments
-    # E[p^2] - E[p]^2 of the Pearson correlation would cancel to 0.
-    maskd = view.maskf.to(torch.float64)
-    p_train = torch.exp(view.old.to(torch.float64)) * maskd
-    p_rollout = torch.exp(view.rollout.to(torch.float64)) * maskd
-    diff = p_train - p_rollout
+    # Moments of the probabilities are centred per row (and combined across rows in
+    # agreement_metrics): confident tokens (p ~ 1) differ by ~1e-6, and raw moments E[p^2] - E[p]^2
+    # would cancel to 0 in float32.
+    maskf = view.maskf
+    p_train = torch.exp(view.old).mul_(maskf)
+    p_rollout = torch.exp(view.rollout).mul_(maskf)
+    sx, sy = p_train.sum(dim=-1), p_rollout.sum(dim=-1)
+    dx = (p_train - safe_div(sx, view.n)[:, None]).mul_(maskf)
+    dy = (p_rollout - safe_div(sy, view.n)[:, None]).mul_(maskf)
+    diff = p_train.sub_(p_rollout).abs_()  # |p_train - p_rollout|, 0 on padding
     abs_lr = view.log_ratio.abs()
     return {
-        "p_train_sum": p_train.sum(dim=-1),
-        "p_rollout_sum": p_rollout.sum(dim=-1),
-        "p_train_sq": (p_train * p_train).sum(dim=-1),
-        "p_rollout_sq": (p_rollout * p_rollout).sum(dim=-1),
-        "p_cross": (p_train * p_rollout).sum(dim=-1),
-        "p_absdiff_sum": diff.abs().sum(dim=-1),
-        "p_absdiff_max": row_max(diff.abs(), view.valid),
-        "p_diff_sq": (diff * diff).sum(dim=-1),
+        "p_train_sum": sx,
+        "p_rollout_sum": sy,
+        "p_cxx": (dx * dx).sum(dim=-1),
+        "p_cyy": (dy * dy).sum(dim=-1),
+        "p_cxy": dx.mul_(dy).sum(dim=-1),
+        "p_absdiff_sum": diff.sum(dim=-1),
+        "p_absdiff_max": diff.amax(dim=-1),
+        "p_diff_sq": diff.mul_(diff).sum(dim=-1),
         "lr_abs_sum": abs_lr.sum(dim=-1),
-        "lr_abs_max": row_max(abs_lr, view.valid),
+        "lr_abs_max": abs_lr.amax(dim=-1),
     }
 
 
 def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    n_tokens = n_tokens.to(torch.float64)
-    s = {k: stats[k].sum() for k in ("p_train_sum", "p_rollout_sum", "p_train_sq", "p_rollout_sq", "p_cross",
-                                      "p_absdiff_sum", "p_diff_sq", "lr_abs_sum")}
-    mean_x = safe_div(s["p_train_sum"], n_tokens)
-    mean_y = safe_div(s["p_rollout_sum"], n_tokens)
-    cov = safe_div(s["p_cross"], n_tokens) - mean_x * mean_y
-    var_x = torch.clamp(safe_div(s["p_train_sq"], n_tokens) - mean_x * mean_x, min=0.0)
-    var_y = torch.clamp(safe_div(s["p_rollout_sq"], n_tokens) - mean_y * mean_y, min=0.0)
-    denom = torch.sqrt(var_x * var_y)
-    identical = s["p_diff_sq"] == 0
+    n = stats["n"]
+    row_mx = safe_div(stats["p_train_sum"], n)
+    row_my = safe_div(stats["p_rollout_sum"], n)
+    mx = safe_div(stats["p_train_sum"].sum(), n_tokens)
+    my = safe_div(stats["p_rollout_sum"].sum(), n_tokens)
+    ex, ey = row_mx - mx, row_my - my  # between-row parts (0 for empty rows: n = 0)
+    cxx = stats["p_cxx"].sum() + (n * ex * ex).sum()
+    cyy = stats["p_cyy"].sum() + (n * ey * ey).sum()
+    cxy = stats["p_cxy"].sum() + (n * ex * ey).sum()
+    denom = torch.sqrt(cxx * cyy)
+    identical = stats["p_diff_sq"].sum() == 0
     pearson = torch.where(
         denom > 0,
-        torch.clamp(cov / torch.where(denom > 0, denom, 1.0), -1.0, 1.0),
+        torch.clamp(cxy / torch.where(denom > 0, denom, 1.0), -1.0, 1.0),
         torch.where(identical, 1.0, 0.0),
     )
-    diff_mean = safe_div(s["p_absdiff_sum"], n_tokens)
-    diff_var = torch.clamp(safe_div(s["p_diff_sq"], n_tokens) - diff_mean * diff_mean, min=0.0)
+    diff_mean = safe_div(stats["p_absdiff_sum"].sum(), n_tokens)
+    diff_var = torch.clamp(safe_div(stats["p_diff_sq"].sum(), n_tokens) - diff_mean * diff_mean, min=0.0)
     return {
         "rollout_probs_diff_mean": diff_mean,
         "rollout_probs_diff_max": stats["p_absdiff_max"].amax(),
         "rollout_probs_diff_std": torch.sqrt(diff_var),
         "rollout_actor_probs_pearson_corr": pearson,
-        "logprob_abs_diff_mean": safe_div(s["lr_abs_sum"], n_tokens),
+        "logprob_abs_diff_mean": safe_div(stats["lr_abs_sum"].sum(), n_tokens),
         "logprob_abs_diff_max": stats["lr_abs_max"].amax(),
     }
 

@@ -45,6 +45,8 @@ def token_statistic(view: TokenView, k: int) -> torch.Tensor:
         return -s
     if k == 2:
         return s.square().mul_(0.5)
+    if view.k3 is not None:
+        return view.k3
     return torch.expm1(s).sub_(s)  # r - 1 - log r, precise for r near 1
 
 

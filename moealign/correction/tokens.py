@@ -24,6 +24,7 @@ class TokenView:
     clamped: torch.Tensor  # log_ratio clamped to [-20, 20]
     n: torch.Tensor  # (b,) valid tokens per row
     row_log_ratio: torch.Tensor  # (b,) sum of the unclamped log-ratio per row
+    k3: torch.Tensor | None = None  # r - 1 - log r on the clamped log-ratio (set by the off-policy pass)
 
     @property
     def pads(self) -> torch.Tensor:
