@@ -1,25 +1,63 @@
-"""Small masked-reduction helpers shared by the correction modules (pure torch, no host sync)."""
+"""Small helpers shared by the correction modules (pure torch, no host sync).
+
+Hot-path conventions. On CPU, a comparison that writes a bool tensor, ``torch.where`` and bool->float
+casts each cost about 8x an arithmetic op (measured on the project's 2-core machines: 170-450 us
+against 20 us per 256K floats), so the per-token code works on float 0/1 masks: comparisons write
+straight into a float buffer (``gt`` / ``lt`` / ...), padding is handled with arithmetic, and bool
+tensors appear only on per-row (B,) vectors. Under ``torch.compile`` the plain forms are used; inductor
+fuses them anyway.
+"""
 
 from __future__ import annotations
 
 import torch
 
 SAFETY_BOUND = 20.0  # log-ratio clamp before exp: exp(20) ~ 4.85e8, exp(-20) ~ 2.06e-9
+PAD_FILL = 1e30  # added to padding entries so they never win a min (subtracted: a max)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _cmp(op, x: torch.Tensor, value: float) -> torch.Tensor:
+    if _compiling():
+        return op(x, value).to(x.dtype)
+    return op(x, value, out=torch.empty_like(x))
+
+
+def gt(x: torch.Tensor, value: float) -> torch.Tensor:
+    """``x > value`` as 0/1 in x's float dtype."""
+    return _cmp(torch.gt, x, value)
+
+
+def lt(x: torch.Tensor, value: float) -> torch.Tensor:
+    return _cmp(torch.lt, x, value)
+
+
+def ge(x: torch.Tensor, value: float) -> torch.Tensor:
+    return _cmp(torch.ge, x, value)
+
+
+def le(x: torch.Tensor, value: float) -> torch.Tensor:
+    return _cmp(torch.le, x, value)
+
+
+def ne(x: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x != value`` as 0/1 of ``dtype`` (x may be any dtype)."""
+    if _compiling():
+        return (x != value).to(dtype)
+    return torch.ne(x, value, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
 def row_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-row max over valid entries; -inf for a row with none."""
+    """Per-row max over valid entries; -inf for a row with none (bool ``valid``, small tensors)."""
     return torch.where(valid, x, float("-inf")).amax(dim=-1)
 
 
 def row_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-row min over valid entries; +inf for a row with none."""
+    """Per-row min over valid entries; +inf for a row with none (bool ``valid``, small tensors)."""
     return torch.where(valid, x, float("inf")).amin(dim=-1)
-
-
-def row_sum(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-row sum over valid entries (non-finite values outside the mask are neutralised)."""
-    return torch.where(valid, x, 0.0).sum(dim=-1)
 
 
 def safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

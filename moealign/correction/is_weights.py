@@ -31,11 +31,14 @@ import torch
 
 from ._masked import (
     SAFETY_BOUND,
+    ge,
+    gt,
+    le,
+    lt,
     max_over,
     mean_over,
     min_over,
     population_std,
-    row_min,
     safe_div,
     std_over,
 )
@@ -51,7 +54,7 @@ def apply_is_mode(raw: torch.Tensor, spec: ISSpec, out: torch.Tensor | None = No
         return torch.clamp(raw, max=spec.upper, out=out)
     if spec.mode == "clip":
         return torch.clamp(raw, min=spec.lower, max=spec.upper, out=out)
-    inside = (raw >= spec.lower) & (raw <= spec.upper)
+    inside = ge(raw, spec.lower).mul_(le(raw, spec.upper))
     return torch.mul(raw, inside, out=out)
 
 
@@ -72,9 +75,9 @@ def is_weights_pass(
         stats["is_w_sum"] = stats["is_d_sum"] + view.n
         stats["is_raw_sum"] = raw.sum(dim=-1)
         stats["is_raw_max"] = raw.amax(dim=-1)  # raw > 0 on valid tokens, 0 on padding
-        stats["is_raw_min"] = row_min(raw, view.valid)
-        stats["is_n_high"] = (raw > spec.upper).sum(dim=-1, dtype=raw.dtype)  # padding (0) never counts
-        stats["is_n_low"] = (raw < spec.diag_lower).sum(dim=-1, dtype=raw.dtype) - view.pads  # padding always does
+        stats["is_raw_min"] = (raw + view.pad_fill).amin(dim=-1)
+        stats["is_n_high"] = gt(raw, spec.upper).sum(dim=-1)  # padding (0) never counts
+        stats["is_n_low"] = lt(raw, spec.diag_lower).sum(dim=-1) - view.pads  # padding always does
         if spec.mode == "mask":  # diag_lower is the band's lower bound here
             stats["is_n_oob"] = stats["is_n_high"] + stats["is_n_low"]
         return w, stats

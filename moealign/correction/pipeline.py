@@ -101,14 +101,16 @@ def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
 
 
-def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> int:
-    n_valid, bad_input, bad_mask = (int(x) if math.isfinite(x) else -1 for x in checks)
-    if bad_mask:
-        raise ValueError(f"response_mask must hold only 0 and 1; {bad_mask} entries are neither")
+def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> int | None:
+    """Raise on bad input; return the number of valid tokens, or None when non-finite values sit only in
+    padding (the caller then zeroes the padding and runs the pass again)."""
+    n_valid, bad_input, bad_mask = checks
+    if bad_mask != 0:  # also NaN
+        raise ValueError("response_mask must hold only 0 and 1 (found other values, NaN included)")
     if n_valid == 0:
         raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(old.shape)}")
-    if not bad_input:
-        return n_valid
+    if bad_input == 0:
+        return int(n_valid)
     valid = mask if mask.dtype == torch.bool else mask != 0
     for name, t in ((names[0], old), (names[1], rollout)):
         bad = int((valid & ~torch.isfinite(t)).any(dim=-1).sum())
@@ -118,7 +120,7 @@ def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> i
                 "a -inf log-prob usually means the token lies outside the other engine's sampling support: "
                 "apply the rollout's sampling mask to the trainer's logits, or mask such tokens out"
             )
-    return n_valid
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ pass
@@ -137,8 +139,8 @@ def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype, weights_out=Non
     # give 0. One flag per row for both inputs; the (rare) error path re-checks each input exactly, so an
     # overflow of finite values in the subtraction raises nothing.
     stats["bad_input"] = torch.isnan((view.log_ratio * 0.0).sum(dim=-1)).to(dtype)
-    if mask.dtype != torch.bool:
-        stats["bad_mask"] = (view.valid & (mask != 1)).sum(dim=-1, dtype=dtype)
+    if view.mask_error is not None:
+        stats["bad_mask"] = view.mask_error
     weights = token_keep = row_keep = None
     if plan.is_spec is not None:
         weights, s = is_weights_pass(view, plan.is_spec, weights_out)
@@ -192,13 +194,13 @@ def _has_token_modes(plan: CorrectionPlan) -> bool:
     return any(opt.agg == "token" for opt in plan.rs_options)
 
 
-def _blocked_pass(old, rollout, mask, plan: CorrectionPlan, dtype):
+def _blocked_pass(old, rollout, mask, *, plan: CorrectionPlan, dtype):
     rows, width = old.shape
     block = max(1, _BLOCK_ELEMENTS // max(width, 1))
     if block >= rows:
         return _whole_pass(old, rollout, mask, plan, dtype)
     weights = torch.empty((rows, width), dtype=dtype, device=old.device) if plan.is_spec is not None else None
-    token_keep = torch.empty((rows, width), dtype=torch.bool, device=old.device) if _has_token_modes(plan) else None
+    token_keep = torch.empty((rows, width), dtype=dtype, device=old.device) if _has_token_modes(plan) else None
     parts: dict[str, list[torch.Tensor]] = {}
     row_parts: list[torch.Tensor] = []
     for start in range(0, rows, block):
@@ -246,11 +248,14 @@ def run_plan(
         if old_log_prob.numel() == 0:
             raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
         args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
-        if fused:
-            weights, token_keep, row_keep, metrics, bn_terms, checks = _compiled(plan, dtype)(*args)
-        else:
-            weights, token_keep, row_keep, metrics, bn_terms, checks = _blocked_pass(*args, plan, dtype)
+        run = _compiled(plan, dtype) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
+        weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
         n_valid = _raise_on_checks(checks.tolist(), *args, names)  # the one host sync
+        if n_valid is None:  # NaN/Inf in padding only: zero the padding exactly and run again
+            valid = args[2] if args[2].dtype == torch.bool else args[2] != 0
+            args = (torch.where(valid, args[0], 0.0), torch.where(valid, args[1], 0.0), args[2])
+            weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
+            n_valid = _raise_on_checks(checks.tolist(), *args, names)
         if plan.agreement:
             valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
             abs_lr = (old_log_prob.detach().to(dtype) - rollout_log_prob.detach().to(dtype)).abs()
@@ -264,11 +269,14 @@ def run_plan(
             ok = mean > 1e-8
             weights.mul_(torch.where(ok, 1.0 / torch.where(ok, mean, 1.0), 1.0))
             metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0)
-        modified = response_mask.clone() if token_keep is None else response_mask * token_keep
+        if token_keep is None:
+            modified = response_mask.clone()
+        elif response_mask.dtype == torch.bool:
+            modified = response_mask & token_keep.bool()
+        else:
+            modified = (response_mask * token_keep).to(response_mask.dtype)
         if row_keep is not None:
             modified.mul_(row_keep[:, None])
-        if modified.dtype != response_mask.dtype:
-            modified = modified.to(response_mask.dtype)
     if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
         weights = weights.to(torch.float64)
     out = CorrectionMetrics(metrics)

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._masked import max_over, mean_over, min_over, population_std, row_max, row_min, safe_div, std_over
+from ._masked import ge, gt, le, lt, max_over, mean_over, min_over, population_std, safe_div, std_over
 from .thresholds import RSOption
 from .tokens import TokenView
 
@@ -55,9 +55,9 @@ def rs_pass(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Keep masks of one block and per-row statistics.
 
-    Returns ``(token_keep, row_keep, stats)``: ``token_keep`` (b, T) bool from the token modes (None if
-    there are none), ``row_keep`` (b,) bool from the sequence modes (None if there are none). Both may be
-    False on padding; the caller multiplies them into the original mask.
+    Returns ``(token_keep, row_keep, stats)``: ``token_keep`` (b, T) 0/1 in the compute dtype from the
+    token modes (None if there are none), ``row_keep`` (b,) bool from the sequence modes (None if there
+    are none). Both may reject padding; the caller multiplies them into the original mask.
     """
     stats: dict[str, torch.Tensor] = {}
     cache: dict[int, torch.Tensor] = {}
@@ -68,24 +68,29 @@ def rs_pass(
         return cache[k]
 
     dtype = view.maskf.dtype
+    pads = view.pads
     token_keep = row_keep = None
+    neg_clamped_sum = None
     for opt in options:
         lo, hi = opt.stat_bounds
         lo_clamp = lo if opt.k == 1 else 0.0
-        zero_inside = lo <= 0.0 <= hi  # the padding value 0 passes this mode's test
         key = f"rs_{opt.name}"
         if opt.agg == "token":
             stat = stat_of(opt.k)
-            keep = stat <= hi if opt.k != 1 else (stat >= lo) & (stat <= hi)
-            rejected = ~keep if zero_inside else view.valid & ~keep
-            stats[f"{key}_rejected"] = rejected.sum(dim=-1, dtype=dtype)
-            stats[f"{key}_sum"] = stat.sum(dim=-1)
-            stats[f"{key}_max"] = stat.amax(dim=-1) if opt.k != 1 else row_max(stat, view.valid)
-            stats[f"{key}_min"] = row_min(stat, view.valid)
-            pads = view.pads
-            stats[f"{key}_n_high"] = (stat > hi).sum(dim=-1, dtype=dtype) - (pads if 0.0 > hi else 0.0)
+            keep = le(stat, hi)
             if opt.k == 1:
-                stats[f"{key}_n_low"] = (stat < lo).sum(dim=-1, dtype=dtype) - (pads if 0.0 < lo else 0.0)
+                keep.mul_(ge(stat, lo))
+            kept_pads = pads if lo <= 0.0 <= hi else 0.0  # padding (statistic 0) passes the test
+            stats[f"{key}_rejected"] = view.n - (keep.sum(dim=-1) - kept_pads)
+            stats[f"{key}_sum"] = stat.sum(dim=-1)
+            if opt.k == 1:
+                stats[f"{key}_max"] = (stat - view.pad_fill).amax(dim=-1)
+            else:  # k2, k3 >= 0 and 0 on padding
+                stats[f"{key}_max"] = stat.amax(dim=-1)
+            stats[f"{key}_min"] = (stat + view.pad_fill).amin(dim=-1)
+            stats[f"{key}_n_high"] = gt(stat, hi).sum(dim=-1) - (pads if 0.0 > hi else 0.0)
+            if opt.k == 1:
+                stats[f"{key}_n_low"] = lt(stat, lo).sum(dim=-1) - (pads if 0.0 < lo else 0.0)
             else:
                 stats[f"{key}_n_low"] = torch.zeros_like(view.n)
             clamped = torch.clamp(stat, min=lo_clamp, max=hi)
@@ -93,20 +98,18 @@ def rs_pass(
                 clamped = clamped.mul_(view.maskf)
             stats[f"{key}_csum"] = clamped.sum(dim=-1)
             stats[f"{key}_csq"] = clamped.mul_(clamped).sum(dim=-1)
-            token_keep = keep if token_keep is None else token_keep & keep
+            token_keep = keep if token_keep is None else token_keep.mul_(keep)
         else:
-            if opt.k == 1 and opt.agg != "seq_max":
-                if "neg_clamped_sum" not in stats:
-                    stats["neg_clamped_sum"] = -view.clamped.sum(dim=-1)
-                total = stats["neg_clamped_sum"]
-            elif opt.agg != "seq_max":
-                total = stat_of(opt.k).sum(dim=-1)
-            if opt.agg == "seq_sum":
-                value = total
-            elif opt.agg == "seq_mean":
-                value = safe_div(total, view.n)
-            else:  # seq_max of k2/k3 (>= 0; padding is 0): 0 for a row with no valid token
+            if opt.agg == "seq_max":  # k2/k3 >= 0 and 0 on padding: 0 for a row with no valid token
                 value = stat_of(opt.k).amax(dim=-1)
+            else:
+                if opt.k == 1:  # sum of k1 = -sum of the clamped log-ratio, no per-token work
+                    if neg_clamped_sum is None:
+                        neg_clamped_sum = -view.clamped.sum(dim=-1)
+                    total = neg_clamped_sum
+                else:
+                    total = stat_of(opt.k).sum(dim=-1)
+                value = total if opt.agg == "seq_sum" else safe_div(total, view.n)
             keep = (value >= lo) & (value <= hi)
             clamped = torch.clamp(value, min=lo_clamp, max=hi)
             stats[f"{key}_value"] = value
@@ -114,12 +117,13 @@ def rs_pass(
             stats[f"{key}_csq"] = clamped * clamped * view.n
             stats[f"{key}_rejected"] = (~keep).to(dtype) * view.n
             row_keep = keep if row_keep is None else row_keep & keep
-    stats.pop("neg_clamped_sum", None)
     if token_keep is None:
         stats["rs_rejected"] = (~row_keep).to(dtype) * view.n
     else:
-        kept = token_keep if row_keep is None else token_keep & row_keep[:, None]
-        stats["rs_rejected"] = view.n - (kept & view.valid).sum(dim=-1, dtype=dtype)
+        kept = (token_keep * view.maskf).sum(dim=-1)
+        if row_keep is not None:
+            kept = kept * row_keep.to(dtype)
+        stats["rs_rejected"] = view.n - kept
     return token_keep, row_keep, stats
 
 
@@ -171,8 +175,7 @@ def rs_metrics(
 def veto_pass(view: TokenView, threshold: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Row keep mask (b,) of rows with no catastrophic token (unclamped ratio < threshold)."""
     log_c = math.log(threshold)
-    below = view.log_ratio < log_c
-    count = below.sum(dim=-1, dtype=view.maskf.dtype)
+    count = lt(view.log_ratio, log_c).sum(dim=-1)
     if 0.0 < log_c:  # padding (log-ratio 0) would count
         count = count - view.pads
     return count == 0, {"veto_catastrophic": count}

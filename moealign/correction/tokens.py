@@ -1,8 +1,13 @@
 """The per-block view of a batch that every correction module reads.
 
-A block is a run of whole rows of the (B, T) inputs. Padding is neutralised once here: log-probs and the
-log-ratio are 0 outside the mask, so NaN/Inf written into padding by an engine never reaches a weight or
-a metric. Modules rely on that: a per-token statistic that is 0 at log-ratio 0 needs no further masking.
+A block is a run of whole rows of the (B, T) inputs. Padding is neutralised once here: log-probs and
+the log-ratio are 0 outside the mask, so modules may rely on it (a per-token statistic that is 0 at
+log-ratio 0 needs no further masking).
+
+Padding is zeroed by multiplying with the 0/1 mask. That is exact for finite values; NaN/Inf written
+into padding would survive it, so the pipeline flags every row whose log-ratio is not finite and, when
+the flagged values turn out to sit in padding only, zeroes the padding with ``torch.where`` and runs the
+pass again (see ``pipeline.run_plan``). The common case pays for no ``where``.
 """
 
 from __future__ import annotations
@@ -11,44 +16,58 @@ from dataclasses import dataclass
 
 import torch
 
-from ._masked import SAFETY_BOUND
+from ._masked import PAD_FILL, SAFETY_BOUND, ne
 
 
 @dataclass
 class TokenView:
     old: torch.Tensor  # training-engine log-probs (compute dtype), 0 at padding
     rollout: torch.Tensor  # rollout-engine log-probs (compute dtype), 0 at padding
-    valid: torch.Tensor  # bool (b, T)
-    maskf: torch.Tensor  # valid as the compute dtype
+    maskf: torch.Tensor  # 0/1 validity as the compute dtype
     log_ratio: torch.Tensor  # old - rollout, 0 at padding, unclamped
     clamped: torch.Tensor  # log_ratio clamped to [-20, 20]
     n: torch.Tensor  # (b,) valid tokens per row
     row_log_ratio: torch.Tensor  # (b,) sum of the unclamped log-ratio per row
+    mask_error: torch.Tensor | None = None  # (b,) sum |mask - (mask != 0)|: > 0 or NaN for a non-0/1 mask
     k3: torch.Tensor | None = None  # r - 1 - log r on the clamped log-ratio (set by the off-policy pass)
+    _pad_fill: torch.Tensor | None = None
 
     @property
     def pads(self) -> torch.Tensor:
         """(b,) padding entries per row."""
-        return self.valid.shape[-1] - self.n
+        return self.maskf.shape[-1] - self.n
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Bool validity (b, T) for the few places that need one."""
+        return self.maskf != 0
+
+    @property
+    def pad_fill(self) -> torch.Tensor:
+        """(1 - mask) * 1e30: add it before a row min (subtract before a row max) to skip padding."""
+        if self._pad_fill is None:
+            self._pad_fill = (1.0 - self.maskf).mul_(PAD_FILL)
+        return self._pad_fill
 
     @classmethod
     def build(cls, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> "TokenView":
+        mask_error = None
         if mask.dtype == torch.bool:
-            valid, maskf = mask, mask.to(dtype)
+            maskf = mask.to(dtype)
         else:
-            valid = mask != 0
-            # a 0/1 float mask is its own float view (other values are rejected by the pipeline's check)
-            maskf = mask if mask.dtype == dtype else valid.to(dtype)
-        old = torch.where(valid, old.to(dtype), 0.0)
-        rollout = torch.where(valid, rollout.to(dtype), 0.0)
+            maskf = ne(mask, 0, dtype)
+            mask_error = (mask - maskf).abs_().sum(dim=-1) if mask.is_floating_point() else (
+                (mask.to(dtype) - maskf).abs_().sum(dim=-1))
+        old = old.to(dtype) * maskf
+        rollout = rollout.to(dtype) * maskf
         log_ratio = old - rollout
         return cls(
             old=old,
             rollout=rollout,
-            valid=valid,
             maskf=maskf,
             log_ratio=log_ratio,
             clamped=log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND),
             n=maskf.sum(dim=-1),
             row_log_ratio=log_ratio.sum(dim=-1),
+            mask_error=mask_error,
         )
