@@ -71,15 +71,13 @@ def mean_over(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> 
 
 
 def max_over(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Max over kept rows; 0 when none are kept."""
-    out = torch.where(keep, values, float("-inf")).amax()
-    return torch.where(keep.any(), out, 0.0)
+    """Max over kept rows (-inf when none is kept: the pipeline rejects such batches anyway)."""
+    return torch.where(keep, values, float("-inf")).amax()
 
 
 def min_over(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Min over kept rows; 0 when none are kept."""
-    out = torch.where(keep, values, float("inf")).amin()
-    return torch.where(keep.any(), out, 0.0)
+    """Min over kept rows (+inf when none is kept: the pipeline rejects such batches anyway)."""
+    return torch.where(keep, values, float("inf")).amin()
 
 
 def std_over(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

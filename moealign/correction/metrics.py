@@ -28,6 +28,7 @@ are identical and constant, 0 when only one is constant), and ``logprob_abs_diff
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Mapping
 
 import torch
@@ -58,7 +59,12 @@ class CorrectionMetrics(dict):
         if not self:
             return {}
         names = list(self.keys())
-        values = torch.stack([torch.as_tensor(self[k]).detach().reshape(()).to(torch.float64) for k in names])
+        tensors = [torch.as_tensor(self[k]).detach() for k in names]
+        ref = tensors[0]
+        if all(t.dim() == 0 and t.dtype == ref.dtype and t.device == ref.device for t in tensors):
+            values = torch.stack(tensors)  # the common case: one op, one transfer
+        else:
+            values = torch.stack([t.reshape(()).to(device=ref.device, dtype=torch.float64) for t in tensors])
         return dict(zip(names, values.cpu().tolist()))
 
     def slime(self) -> "CorrectionMetrics":
@@ -163,29 +169,45 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
 
 
 def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid: int) -> torch.Tensor:
-    """Exact ``q``-quantile (linear interpolation, as ``torch.quantile``) of ``values[valid]``.
+    """Exact ``q``-quantile (linear interpolation; bitwise the value ``torch.quantile`` gives) of
+    ``values[valid]`` for ``values >= 0`` (absolute differences).
 
-    ``n_valid`` is the number of valid entries (known on the host). One ``kthvalue`` for the lower order
-    statistic, the next one from two fused reductions; no sort and no boolean compaction.
+    ``valid`` is a bool or 0/1 tensor and ``n_valid`` its count (known on the host). Invalid entries
+    become -1 and sort first. For large inputs a strided sample gives a threshold below the answer, and
+    only the entries above it (a few percent) are selected exactly; if the sample misleads, the whole
+    tensor is used. No sort of the full input.
     """
     if n_valid <= 0:
         raise ValueError("masked_quantile needs at least one valid entry")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile {q} outside [0, 1]")
-    flat = torch.where(valid, values, float("-inf")).reshape(-1)
-    n_invalid = flat.numel() - n_valid
+    validf = valid.to(values.dtype)
+    flat = (values * validf + (validf - 1.0)).reshape(-1)  # invalid -> -1
+    total = flat.numel()
+    n_invalid = total - n_valid
     # the rank in the values' dtype, as torch.quantile computes it (0.99 in float32 is 0.99000001)
     pos = torch.tensor(q, dtype=values.dtype) * (n_valid - 1)
     lo = int(pos.floor())
     frac = float(pos - lo)
-    k = n_invalid + lo + 1  # 1-based rank in ascending order; invalid entries (-inf) come first
-    v_lo = torch.kthvalue(flat, k).values
-    if frac == 0.0 or lo + 1 >= n_valid:
+    k = n_invalid + lo + 1  # 1-based ascending rank of the lower order statistic in ``flat``
+    need = k + (1 if frac > 0.0 and lo + 1 < n_valid else 0)  # highest rank we must resolve
+    cand, offset = flat, 0
+    if total >= 1 << 16:
+        stride = 16
+        sample = flat[::stride]
+        m = sample.numel()
+        p = k / total
+        r = int(p * m - 4.0 * math.sqrt(m * p * (1.0 - p) + 1.0)) - 2
+        if r >= 1:
+            t = torch.kthvalue(sample, r).values
+            above = flat >= t
+            n_above = int(above.sum())
+            if total - n_above < k and n_above <= total // 8:  # t <= answer, and a small candidate set
+                cand, offset = flat[above], total - n_above
+    v_lo = torch.kthvalue(cand, k - offset).values
+    if need == k:
         return v_lo
-    # the (k+1)-th smallest: v_lo again if it is tied, else the smallest value above it
-    tied = (flat <= v_lo).sum() >= k + 1
-    above = torch.where(flat > v_lo, flat, float("inf")).amin()
-    v_hi = torch.where(tied, v_lo, above)
+    v_hi = torch.kthvalue(cand, k + 1 - offset).values
     return torch.lerp(v_lo, v_hi, torch.tensor(frac, dtype=values.dtype, device=values.device))
 
 

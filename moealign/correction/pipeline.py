@@ -257,9 +257,9 @@ def run_plan(
             weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
             n_valid = _raise_on_checks(checks.tolist(), *args, names)
         if plan.agreement:
-            valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
-            abs_lr = (old_log_prob.detach().to(dtype) - rollout_log_prob.detach().to(dtype)).abs()
-            metrics["logprob_abs_diff_p99"] = masked_quantile(abs_lr, valid, 0.99, n_valid)
+            # finite garbage in padding may overflow in the difference; padding is masked out anyway
+            abs_lr = torch.nan_to_num((args[0].to(dtype) - args[1].to(dtype)).abs_(), nan=0.0, posinf=0.0)
+            metrics["logprob_abs_diff_p99"] = masked_quantile(abs_lr, args[2], 0.99, n_valid)
         if plan.batch_normalize and plan.is_spec is not None:
             if process_group is not None:
                 import torch.distributed as dist
@@ -269,19 +269,27 @@ def run_plan(
             ok = mean > 1e-8
             weights.mul_(torch.where(ok, 1.0 / torch.where(ok, mean, 1.0), 1.0))
             metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0)
-        if token_keep is None:
-            modified = response_mask.clone()
-        elif response_mask.dtype == torch.bool:
-            modified = response_mask & token_keep.bool()
-        else:
-            modified = (response_mask * token_keep).to(response_mask.dtype)
-        if row_keep is not None:
-            modified.mul_(row_keep[:, None])
+        modified = _apply_keep(response_mask, token_keep, row_keep)
     if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
         weights = weights.to(torch.float64)
     out = CorrectionMetrics(metrics)
     out.is_mode = plan.is_spec.mode if plan.is_spec is not None else None
     return weights, modified, out
+
+
+def _apply_keep(mask: torch.Tensor, token_keep, row_keep) -> torch.Tensor:
+    """The original mask times the token keep (0/1, b x T) and the row keep (bool, b), in one pass."""
+    if token_keep is None and row_keep is None:
+        return mask.clone()
+    if mask.dtype == torch.bool:
+        out = mask if token_keep is None else mask & token_keep.bool()
+        return out & row_keep[:, None] if row_keep is not None else out
+    keep = token_keep
+    if row_keep is not None:
+        row = row_keep.to(mask.dtype if mask.is_floating_point() else torch.float32)[:, None]
+        keep = row if keep is None else keep.mul_(row)  # token_keep is our own buffer
+    out = mask * keep
+    return out if out.dtype == mask.dtype else out.to(mask.dtype)
 
 
 # ----------------------------------------------------------------------------------------- entry points
