@@ -24,6 +24,21 @@ from moealign.correction import RolloutCorrectionConfig, compute_rollout_correct
 PRESETS = ("decoupled_geo_rs_seq_tis", "decoupled_token_icepop")
 
 
+def warm_allocator() -> bool:
+    """Keep freed large blocks in glibc's heap (no mmap/munmap per 4 MB tensor), so that neither the
+    floor nor the pipeline pays page faults for fresh pages: the floor is then memory traffic alone.
+    Without this, which of them page-faults depends on glibc's adaptive mmap threshold, and the ratio
+    swings between runs (floor 0.5 to 3 ms here)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
+    except OSError:
+        return False
+
+
 def make_inputs(batch: int, tokens: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, tokens, generator=g) * 4.0
@@ -62,7 +77,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-fused", action="store_true", help="skip the torch.compile path")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--default-allocator", action="store_true",
+                    help="leave glibc's malloc as it is (page faults make the floor noisy)")
     args = ap.parse_args(argv)
+    warm = False if args.default_allocator else warm_allocator()
 
     old, rollout, mask = make_inputs(args.batch, args.tokens, args.device)
     floor = lambda: (old.clone(), rollout.clone(), mask.clone())  # noqa: E731
@@ -87,7 +105,8 @@ def main(argv=None) -> int:
     times = interleaved(fns, args.device, args.repeats)
     base = times["floor: clone x3"]
     print(f"B x T = {args.batch} x {args.tokens} float32 on {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+          f"{torch.get_num_threads()} threads, median of {args.repeats}, "
+          f"allocator: {'warm (no page faults)' if warm else 'default'}")
     print(f"{'case':<58} {'ms':>9} {'x floor':>8}")
     rows = []
     for name, ms in times.items():
@@ -95,7 +114,8 @@ def main(argv=None) -> int:
         rows.append({"case": name, "ms": ms, "ratio_to_floor": ms / base})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "tokens": args.tokens, "device": args.device, "rows": rows}, f, indent=2)
+            json.dump({"batch": args.batch, "tokens": args.tokens, "device": args.device, "warm_allocator": warm,
+                       "rows": rows}, f, indent=2)
     return 0
 
 

@@ -65,26 +65,37 @@ def safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
 
 
-def mean_over(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over the rows where ``keep``; ``count`` = keep.sum() (0 -> result 0)."""
-    return safe_div(torch.where(keep, values, 0.0).sum(), count)
+class RowAgg:
+    """Means, extremes and spreads over the rows that hold at least one valid token.
 
+    Built once per batch from the per-row valid counts ``n``; each statistic is then two or three small
+    ops. Per-row values of empty rows must be finite (the pass makes them 0). A batch with no valid row
+    gives non-finite results, but the pipeline rejects such a batch before anyone sees them.
+    """
 
-def max_over(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Max over kept rows (-inf when none is kept: the pipeline rejects such batches anyway)."""
-    return torch.where(keep, values, float("-inf")).amax()
+    def __init__(self, n: torch.Tensor):
+        self.keep = n > 0
+        keepf = self.keep.to(n.dtype)
+        self.count = keepf.sum()
+        self.keepf = keepf
+        self.weight = keepf / self.count
+        self.neg_fill = torch.where(self.keep, 0.0, float("-inf")).to(n.dtype)
+        self.pos_fill = -self.neg_fill
 
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        return (values * self.weight).sum()
 
-def min_over(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Min over kept rows (+inf when none is kept: the pipeline rejects such batches anyway)."""
-    return torch.where(keep, values, float("inf")).amin()
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        return (values + self.neg_fill).amax()
 
+    def min(self, values: torch.Tensor) -> torch.Tensor:
+        return (values + self.pos_fill).amin()
 
-def std_over(values: torch.Tensor, keep: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Unbiased std over kept rows (0 with fewer than two)."""
-    mean = mean_over(values, keep, count)
-    sq = torch.where(keep, (values - mean) ** 2, 0.0).sum()
-    return torch.where(count > 1, torch.sqrt(sq / torch.clamp(count - 1, min=1)), 0.0)
+    def std(self, values: torch.Tensor) -> torch.Tensor:
+        """Unbiased std (0 with fewer than two rows)."""
+        dev = (values - self.mean(values)) * self.keepf
+        var = (dev * dev).sum() / torch.clamp(self.count - 1.0, min=1.0)
+        return torch.where(self.count > 1, torch.sqrt(var), 0.0)
 
 
 def population_std(sum_x: torch.Tensor, sum_x2: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

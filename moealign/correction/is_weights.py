@@ -35,12 +35,9 @@ from ._masked import (
     gt,
     le,
     lt,
-    max_over,
-    mean_over,
-    min_over,
+    RowAgg,
     population_std,
     safe_div,
-    std_over,
 )
 from .thresholds import ISSpec
 from .tokens import TokenView
@@ -101,12 +98,12 @@ def is_weights_pass(
 
 
 def is_metrics(
-    stats: dict[str, torch.Tensor], spec: ISSpec, n_tokens: torch.Tensor, nonempty: torch.Tensor, n_rows: torch.Tensor
+    stats: dict[str, torch.Tensor], spec: ISSpec, n_tokens: torch.Tensor, rows: RowAgg
 ) -> dict[str, torch.Tensor]:
     """verl's IS health metrics (no prefix) from the concatenated per-row statistics."""
     n = stats["n"]
     w_sum = stats["is_w_sum"]
-    mean = safe_div(w_sum.sum(), n_tokens)
+    mean = (w_sum.sum()) / n_tokens
     std = population_std(stats["is_d_sum"].sum(), stats["is_d_sq"].sum(), n_tokens)
     second = std * std + mean * mean  # E[w^2]
     out = {
@@ -119,32 +116,32 @@ def is_metrics(
     if spec.level == "token":
         out["rollout_is_max"] = stats["is_raw_max"].amax()
         out["rollout_is_min"] = stats["is_raw_min"].amin()
-        out["rollout_is_ratio_fraction_high"] = safe_div(stats["is_n_high"].sum(), n_tokens)
-        out["rollout_is_ratio_fraction_low"] = safe_div(stats["is_n_low"].sum(), n_tokens)
+        out["rollout_is_ratio_fraction_high"] = (stats["is_n_high"].sum()) / n_tokens
+        out["rollout_is_ratio_fraction_low"] = (stats["is_n_low"].sum()) / n_tokens
     else:
         row_log = stats["is_row_log"]
-        out["rollout_is_max"] = torch.exp(torch.clamp(max_over(row_log, nonempty), max=SAFETY_BOUND))
-        out["rollout_is_min"] = torch.exp(min_over(row_log, nonempty))
-        out["rollout_is_ratio_fraction_high"] = mean_over((row_log > math.log(upper)).to(n.dtype), nonempty, n_rows)
-        out["rollout_is_ratio_fraction_low"] = mean_over((row_log < math.log(lower)).to(n.dtype), nonempty, n_rows)
+        out["rollout_is_max"] = torch.exp(torch.clamp(rows.max(row_log), max=SAFETY_BOUND))
+        out["rollout_is_min"] = torch.exp(rows.min(row_log))
+        out["rollout_is_ratio_fraction_high"] = rows.mean((row_log > math.log(upper)).to(n.dtype))
+        out["rollout_is_ratio_fraction_low"] = rows.mean((row_log < math.log(lower)).to(n.dtype))
     seq_w = safe_div(w_sum, n)
     seq_raw = safe_div(stats["is_raw_sum"], n)
-    out["rollout_is_seq_mean"] = mean_over(seq_w, nonempty, n_rows)
-    out["rollout_is_seq_std"] = std_over(seq_w, nonempty, n_rows)
-    out["rollout_is_seq_max"] = max_over(seq_w, nonempty)
-    out["rollout_is_seq_min"] = min_over(seq_w, nonempty)
-    out["rollout_is_seq_max_deviation"] = max_over((seq_w - 1.0).abs(), nonempty)
-    out["rollout_is_seq_fraction_high"] = mean_over((seq_raw > upper).to(n.dtype), nonempty, n_rows)
-    out["rollout_is_seq_fraction_low"] = mean_over((seq_raw < lower).to(n.dtype), nonempty, n_rows)
+    out["rollout_is_seq_mean"] = rows.mean(seq_w)
+    out["rollout_is_seq_std"] = rows.std(seq_w)
+    out["rollout_is_seq_max"] = rows.max(seq_w)
+    out["rollout_is_seq_min"] = rows.min(seq_w)
+    out["rollout_is_seq_max_deviation"] = rows.max((seq_w - 1.0).abs())
+    out["rollout_is_seq_fraction_high"] = rows.mean((seq_raw > upper).to(n.dtype))
+    out["rollout_is_seq_fraction_low"] = rows.mean((seq_raw < lower).to(n.dtype))
     if spec.mode == "mask":
-        out["rollout_is_oob_ratio"] = safe_div(stats["is_n_oob"].sum(), n_tokens)
+        out["rollout_is_oob_ratio"] = (stats["is_n_oob"].sum()) / n_tokens
     return out
 
 
-def batch_norm_terms(stats: dict[str, torch.Tensor], spec: ISSpec, nonempty: torch.Tensor) -> torch.Tensor:
+def batch_norm_terms(stats: dict[str, torch.Tensor], spec: ISSpec, rows: RowAgg) -> torch.Tensor:
     """(numerator, denominator) of the batch-normalisation mean: over valid tokens at token level, over
     the per-sequence mean weights of non-empty rows at sequence / geometric level. Summable across ranks."""
     if spec.level == "token":
         return torch.stack([stats["is_w_sum"].sum(), stats["n"].sum()])
     seq_w = safe_div(stats["is_w_sum"], stats["n"])
-    return torch.stack([torch.where(nonempty, seq_w, 0.0).sum(), nonempty.to(seq_w.dtype).sum()])
+    return torch.stack([(seq_w * rows.keepf).sum(), rows.count])

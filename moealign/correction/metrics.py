@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ._masked import SAFETY_BOUND, max_over, mean_over, min_over, row_max, safe_div
+from ._masked import SAFETY_BOUND, RowAgg, safe_div
 from .tokens import TokenView
 
 __all__ = [
@@ -89,7 +89,7 @@ def offpolicy_pass(view: TokenView) -> dict[str, torch.Tensor]:
 
 
 def offpolicy_metrics(
-    stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor, nonempty: torch.Tensor, n_rows: torch.Tensor
+    stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor, rows: RowAgg
 ) -> dict[str, torch.Tensor]:
     n = stats["n"]
     train_mean = safe_div(stats["old_sum"], n)
@@ -97,19 +97,19 @@ def offpolicy_metrics(
     diff = train_mean - rollout_mean  # = log_ppl_rollout - log_ppl_training per row (docs' sign)
     row_log = stats["row_log_ratio"].clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return {
-        "training_ppl": mean_over(torch.exp(-train_mean), nonempty, n_rows),
-        "training_log_ppl": mean_over(-train_mean, nonempty, n_rows),
-        "rollout_ppl": mean_over(torch.exp(-rollout_mean), nonempty, n_rows),
-        "rollout_log_ppl": mean_over(-rollout_mean, nonempty, n_rows),
-        "kl": safe_div(-stats["row_log_ratio"].sum(), n_tokens),
-        "k3_kl": safe_div(stats["k3_sum"].sum(), n_tokens),
-        "log_ppl_diff": mean_over(diff, nonempty, n_rows),
-        "log_ppl_abs_diff": mean_over(diff.abs(), nonempty, n_rows),
-        "log_ppl_diff_max": max_over(diff, nonempty),
-        "log_ppl_diff_min": min_over(diff, nonempty),
-        "ppl_ratio": torch.exp(mean_over(-diff, nonempty, n_rows)),
-        "chi2_token": safe_div(stats["r2m1_sum"].sum(), n_tokens),
-        "chi2_seq": mean_over(torch.expm1(2.0 * row_log), nonempty, n_rows),
+        "training_ppl": rows.mean(torch.exp(-train_mean)),
+        "training_log_ppl": rows.mean(-train_mean),
+        "rollout_ppl": rows.mean(torch.exp(-rollout_mean)),
+        "rollout_log_ppl": rows.mean(-rollout_mean),
+        "kl": (-stats["row_log_ratio"].sum()) / n_tokens,
+        "k3_kl": (stats["k3_sum"].sum()) / n_tokens,
+        "log_ppl_diff": rows.mean(diff),
+        "log_ppl_abs_diff": rows.mean(diff.abs()),
+        "log_ppl_diff_max": rows.max(diff),
+        "log_ppl_diff_min": rows.min(diff),
+        "ppl_ratio": torch.exp(rows.mean(-diff)),
+        "chi2_token": (stats["r2m1_sum"].sum()) / n_tokens,
+        "chi2_seq": rows.mean(torch.expm1(2.0 * row_log)),
     }
 
 
@@ -143,8 +143,8 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
     n = stats["n"]
     row_mx = safe_div(stats["p_train_sum"], n)
     row_my = safe_div(stats["p_rollout_sum"], n)
-    mx = safe_div(stats["p_train_sum"].sum(), n_tokens)
-    my = safe_div(stats["p_rollout_sum"].sum(), n_tokens)
+    mx = (stats["p_train_sum"].sum()) / n_tokens
+    my = (stats["p_rollout_sum"].sum()) / n_tokens
     ex, ey = row_mx - mx, row_my - my  # between-row parts (0 for empty rows: n = 0)
     cxx = stats["p_cxx"].sum() + (n * ex * ex).sum()
     cyy = stats["p_cyy"].sum() + (n * ey * ey).sum()
@@ -156,14 +156,14 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
         torch.clamp(cxy / torch.where(denom > 0, denom, 1.0), -1.0, 1.0),
         torch.where(identical, 1.0, 0.0),
     )
-    diff_mean = safe_div(stats["p_absdiff_sum"].sum(), n_tokens)
-    diff_var = torch.clamp(safe_div(stats["p_diff_sq"].sum(), n_tokens) - diff_mean * diff_mean, min=0.0)
+    diff_mean = (stats["p_absdiff_sum"].sum()) / n_tokens
+    diff_var = torch.clamp((stats["p_diff_sq"].sum()) / n_tokens - diff_mean * diff_mean, min=0.0)
     return {
         "rollout_probs_diff_mean": diff_mean,
         "rollout_probs_diff_max": stats["p_absdiff_max"].amax(),
         "rollout_probs_diff_std": torch.sqrt(diff_var),
         "rollout_actor_probs_pearson_corr": pearson,
-        "logprob_abs_diff_mean": safe_div(stats["lr_abs_sum"].sum(), n_tokens),
+        "logprob_abs_diff_mean": (stats["lr_abs_sum"].sum()) / n_tokens,
         "logprob_abs_diff_max": stats["lr_abs_max"].amax(),
     }
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._masked import safe_div
+from ._masked import RowAgg, safe_div
 from .is_weights import batch_norm_terms, is_metrics, is_weights_pass
 from .metrics import (
     PREFIX,
@@ -161,18 +161,17 @@ def _finalize(stats: dict[str, torch.Tensor], plan: CorrectionPlan):
     """All metrics (no prefix) and the validation counts, from the per-row statistics."""
     n = stats["n"]
     n_tokens = n.sum()
-    nonempty = n > 0
-    n_rows = nonempty.to(n.dtype).sum()
-    metrics = offpolicy_metrics(stats, n_tokens, nonempty, n_rows)
+    rows = RowAgg(n)
+    metrics = offpolicy_metrics(stats, n_tokens, rows)
     bn_terms = None
     if plan.is_spec is not None:
-        metrics.update(is_metrics(stats, plan.is_spec, n_tokens, nonempty, n_rows))
+        metrics.update(is_metrics(stats, plan.is_spec, n_tokens, rows))
         if plan.batch_normalize:
-            bn_terms = batch_norm_terms(stats, plan.is_spec, nonempty)
+            bn_terms = batch_norm_terms(stats, plan.is_spec, rows)
     if plan.rs_options:
-        metrics.update(rs_metrics(stats, plan.rs_options, n_tokens, nonempty, n_rows))
+        metrics.update(rs_metrics(stats, plan.rs_options, n_tokens, rows))
     if plan.veto_threshold is not None:
-        metrics.update(veto_metrics(stats, n_tokens, nonempty, n_rows))
+        metrics.update(veto_metrics(stats, n_tokens, rows))
     if plan.agreement:
         metrics.update(agreement_metrics(stats, n_tokens))
     zero = torch.zeros((), dtype=n.dtype, device=n.device)

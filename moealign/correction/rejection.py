@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._masked import ge, gt, le, lt, max_over, mean_over, min_over, population_std, safe_div, std_over
+from ._masked import RowAgg, ge, gt, le, lt, population_std, safe_div
 from .thresholds import RSOption
 from .tokens import TokenView
 
@@ -131,8 +131,7 @@ def rs_metrics(
     stats: dict[str, torch.Tensor],
     options: tuple[RSOption, ...],
     n_tokens: torch.Tensor,
-    nonempty: torch.Tensor,
-    n_rows: torch.Tensor,
+    rows: RowAgg,
 ) -> dict[str, torch.Tensor]:
     n = stats["n"]
     out: dict[str, torch.Tensor] = {}
@@ -142,33 +141,33 @@ def rs_metrics(
         lo, hi = opt.stat_bounds
         if opt.agg == "token":
             seq_values = safe_div(stats[f"{key}_sum"], n)
-            out[f"{name}_mean"] = safe_div(stats[f"{key}_sum"].sum(), n_tokens)
+            out[f"{name}_mean"] = (stats[f"{key}_sum"].sum()) / n_tokens
             out[f"{name}_max"] = stats[f"{key}_max"].amax()
             out[f"{name}_min"] = stats[f"{key}_min"].amin()
-            out[f"{name}_fraction_high"] = safe_div(stats[f"{key}_n_high"].sum(), n_tokens)
-            out[f"{name}_fraction_low"] = safe_div(stats[f"{key}_n_low"].sum(), n_tokens)
+            out[f"{name}_fraction_high"] = (stats[f"{key}_n_high"].sum()) / n_tokens
+            out[f"{name}_fraction_low"] = (stats[f"{key}_n_low"].sum()) / n_tokens
         else:
             seq_values = stats[f"{key}_value"]
-            out[f"{name}_mean"] = safe_div((seq_values * n).sum(), n_tokens)
-            out[f"{name}_max"] = max_over(seq_values, nonempty)
-            out[f"{name}_min"] = min_over(seq_values, nonempty)
-            out[f"{name}_fraction_high"] = mean_over((seq_values > hi).to(n.dtype), nonempty, n_rows)
-            out[f"{name}_fraction_low"] = mean_over((seq_values < lo).to(n.dtype), nonempty, n_rows)
+            out[f"{name}_mean"] = ((seq_values * n).sum()) / n_tokens
+            out[f"{name}_max"] = rows.max(seq_values)
+            out[f"{name}_min"] = rows.min(seq_values)
+            out[f"{name}_fraction_high"] = rows.mean((seq_values > hi).to(n.dtype))
+            out[f"{name}_fraction_low"] = rows.mean((seq_values < lo).to(n.dtype))
         out[f"{name}_std"] = population_std(stats[f"{key}_csum"].sum(), stats[f"{key}_csq"].sum(), n_tokens)
-        out[f"{name}_seq_mean"] = mean_over(seq_values, nonempty, n_rows)
-        out[f"{name}_seq_std"] = std_over(seq_values, nonempty, n_rows)
-        out[f"{name}_seq_max"] = max_over(seq_values, nonempty)
-        out[f"{name}_seq_min"] = min_over(seq_values, nonempty)
-        out[f"{name}_seq_max_deviation"] = max_over(seq_values.abs(), nonempty)
-        out[f"{name}_seq_fraction_high"] = mean_over((seq_values > hi).to(n.dtype), nonempty, n_rows)
+        out[f"{name}_seq_mean"] = rows.mean(seq_values)
+        out[f"{name}_seq_std"] = rows.std(seq_values)
+        out[f"{name}_seq_max"] = rows.max(seq_values)
+        out[f"{name}_seq_min"] = rows.min(seq_values)
+        out[f"{name}_seq_max_deviation"] = rows.max(seq_values.abs())
+        out[f"{name}_seq_fraction_high"] = rows.mean((seq_values > hi).to(n.dtype))
         if opt.k == 1:
-            out[f"{name}_seq_fraction_low"] = mean_over((seq_values < lo).to(n.dtype), nonempty, n_rows)
+            out[f"{name}_seq_fraction_low"] = rows.mean((seq_values < lo).to(n.dtype))
         rejected = stats[f"{key}_rejected"]
-        out[f"{name}_masked_fraction"] = safe_div(rejected.sum(), n_tokens)
-        out[f"{name}_seq_masked_fraction"] = mean_over((rejected > 0).to(n.dtype), nonempty, n_rows)
+        out[f"{name}_masked_fraction"] = (rejected.sum()) / n_tokens
+        out[f"{name}_seq_masked_fraction"] = rows.mean((rejected > 0).to(n.dtype))
     rejected = stats["rs_rejected"]
-    out["rollout_rs_masked_fraction"] = safe_div(rejected.sum(), n_tokens)
-    out["rollout_rs_seq_masked_fraction"] = mean_over((rejected > 0).to(n.dtype), nonempty, n_rows)
+    out["rollout_rs_masked_fraction"] = (rejected.sum()) / n_tokens
+    out["rollout_rs_seq_masked_fraction"] = rows.mean((rejected > 0).to(n.dtype))
     return out
 
 
@@ -182,10 +181,10 @@ def veto_pass(view: TokenView, threshold: float) -> tuple[torch.Tensor, dict[str
 
 
 def veto_metrics(
-    stats: dict[str, torch.Tensor], n_tokens: torch.Tensor, nonempty: torch.Tensor, n_rows: torch.Tensor
+    stats: dict[str, torch.Tensor], n_tokens: torch.Tensor, rows: RowAgg
 ) -> dict[str, torch.Tensor]:
     count = stats["veto_catastrophic"]
     return {
-        "rollout_is_veto_fraction": mean_over((count > 0).to(count.dtype), nonempty, n_rows),
-        "rollout_is_catastrophic_token_fraction": safe_div(count.sum(), n_tokens),
+        "rollout_is_veto_fraction": rows.mean((count > 0).to(count.dtype)),
+        "rollout_is_catastrophic_token_fraction": (count.sum()) / n_tokens,
     }
