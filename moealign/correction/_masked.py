@@ -43,8 +43,8 @@ def le(x: torch.Tensor, value: float) -> torch.Tensor:
     return _cmp(torch.le, x, value)
 
 
-def ne(x: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x != value`` as 0/1 of ``dtype`` (x may be any dtype)."""
+def ne(x: torch.Tensor, value, dtype: torch.dtype) -> torch.Tensor:
+    """``x != value`` (a number or a tensor) as 0/1 of ``dtype`` (x may be any dtype)."""
     if _compiling():
         return (x != value).to(dtype)
     return torch.ne(x, value, out=torch.empty(x.shape, dtype=dtype, device=x.device))

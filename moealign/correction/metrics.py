@@ -84,7 +84,8 @@ def offpolicy_pass(view: TokenView) -> dict[str, torch.Tensor]:
         "old_sum": view.old.sum(dim=-1),
         "rollout_sum": view.rollout.sum(dim=-1),
         "k3_sum": view.k3.sum(dim=-1),
-        "r2m1_sum": (rm1 + 2.0).mul_(rm1).sum(dim=-1),
+        # r^2 - 1 = (r - 1)^2 + 2 (r - 1), without a temporary
+        "r2m1_sum": torch.linalg.vecdot(rm1, rm1) + 2.0 * rm1.sum(dim=-1),
     }
 
 

@@ -135,10 +135,10 @@ def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype, weights_out=Non
     view = TokenView.build(old, rollout, mask, dtype)
     stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
     stats.update(offpolicy_pass(view))
-    # NaN/Inf at a valid position (padding is already zeroed) makes sum(log_ratio * 0) NaN, finite values
-    # give 0. One flag per row for both inputs; the (rare) error path re-checks each input exactly, so an
-    # overflow of finite values in the subtraction raises nothing.
-    stats["bad_input"] = torch.isnan((view.log_ratio * 0.0).sum(dim=-1)).to(dtype)
+    # NaN/Inf in an input makes its row's log-ratio sum non-finite: one flag per row for both inputs,
+    # with no extra pass. The (rare) flagged path re-checks each input exactly, so a sum that overflowed
+    # from finite values raises nothing.
+    stats["bad_input"] = (~torch.isfinite(view.row_log_ratio)).to(dtype)
     if view.mask_error is not None:
         stats["bad_mask"] = view.mask_error
     weights = token_keep = row_keep = None
@@ -249,12 +249,16 @@ def run_plan(
         args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
         run = _compiled(plan, dtype) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
         weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
-        n_valid = _raise_on_checks(checks.tolist(), *args, names)  # the one host sync
+        checks = checks.tolist()  # the one host sync
+        n_valid = _raise_on_checks(checks, *args, names)
         if n_valid is None:  # NaN/Inf in padding only: zero the padding exactly and run again
             valid = args[2] if args[2].dtype == torch.bool else args[2] != 0
             args = (torch.where(valid, args[0], 0.0), torch.where(valid, args[1], 0.0), args[2])
             weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
-            n_valid = _raise_on_checks(checks.tolist(), *args, names)
+            checks = checks.tolist()
+            # still flagged with clean inputs: a row sum overflowed from finite values
+            n_valid = _raise_on_checks(checks, *args, names)
+            n_valid = int(checks[0]) if n_valid is None else n_valid
         if plan.agreement:
             # finite garbage in padding may overflow in the difference; padding is masked out anyway
             abs_lr = torch.nan_to_num((args[0].to(dtype) - args[1].to(dtype)).abs_(), nan=0.0, posinf=0.0)

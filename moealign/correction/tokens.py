@@ -56,8 +56,8 @@ class TokenView:
             maskf = mask.to(dtype)
         else:
             maskf = ne(mask, 0, dtype)
-            mask_error = (mask - maskf).abs_().sum(dim=-1) if mask.is_floating_point() else (
-                (mask.to(dtype) - maskf).abs_().sum(dim=-1))
+            # entries other than 0/1 (NaN included) differ from their own "!= 0"
+            mask_error = ne(mask if mask.is_floating_point() else mask.to(dtype), maskf, dtype).sum(dim=-1)
         old = old.to(dtype) * maskf
         rollout = rollout.to(dtype) * maskf
         log_ratio = old - rollout
