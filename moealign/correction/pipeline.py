@@ -221,7 +221,29 @@ def _blocked_pass(old, rollout, mask, *, plan: CorrectionPlan, dtype):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(plan: CorrectionPlan, dtype: torch.dtype):
-    return torch.compile(functools.partial(_whole_pass, plan=plan, dtype=dtype), dynamic=True)
+    return torch.compile(functools.partial(_packed_pass, plan=plan, dtype=dtype), dynamic=True)
+
+
+def _packed_pass(old, rollout, mask, *, plan: CorrectionPlan, dtype):
+    """The whole pass for ``torch.compile``: the modified mask is built inside the graph, and the metrics
+    leave it as one vector (dozens of 0-d outputs would each cost an allocation per call)."""
+    weights, token_keep, row_keep, metrics, bn_terms, checks = _whole_pass(old, rollout, mask, plan, dtype)
+    names = tuple(metrics)
+    vector = torch.stack([metrics[k].to(torch.float64) for k in names])
+    return weights, _apply_keep(mask, token_keep, row_keep), names, vector, bn_terms, checks
+
+
+def _unpacked(run):
+    """Adapt the compiled pass to the eager pass's return convention (keeps marked as already applied)."""
+
+    def call(*args):
+        weights, modified, names, vector, bn_terms, checks = run(*args)
+        return weights, modified, _APPLIED, dict(zip(names, vector.unbind())), bn_terms, checks
+
+    return call
+
+
+_APPLIED = object()  # marker: the pass already returned the modified mask
 
 
 def _fused_default() -> bool:
@@ -247,7 +269,7 @@ def run_plan(
         if old_log_prob.numel() == 0:
             raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
         args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
-        run = _compiled(plan, dtype) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
+        run = _unpacked(_compiled(plan, dtype)) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
         weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
         checks = checks.tolist()  # the one host sync
         n_valid = _raise_on_checks(checks, *args, names)
@@ -272,7 +294,7 @@ def run_plan(
             ok = mean > 1e-8
             weights.mul_(torch.where(ok, 1.0 / torch.where(ok, mean, 1.0), 1.0))
             metrics["rollout_is_batch_norm_factor"] = torch.where(ok, mean, 1.0)
-        modified = _apply_keep(response_mask, token_keep, row_keep)
+        modified = token_keep if row_keep is _APPLIED else _apply_keep(args[2], token_keep, row_keep)
     if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
         weights = weights.to(torch.float64)
     out = CorrectionMetrics(metrics)
