@@ -1,0 +1,23 @@
+"""The benchmark scripts keep running (tiny sizes; the figures themselves live in the README)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_correction_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_correction.py"), "--batch", "6", "--tokens", "40",
+         "--repeats", "2", "--no-fused", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "x floor" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["case"].startswith("floor") and rows[0]["ratio_to_floor"] == 1.0
+    assert len(rows) == 1 + 2 * 2  # floor + 2 presets x (plain, +agreement)
+    assert all(r["ms"] > 0 for r in rows)
