@@ -9,7 +9,7 @@ no recompilation per batch shape) into a few fused loops.
 
 Inputs are checked with one host sync per call: shapes, a 0/1 mask, at least one valid token, and finite
 log-probs at valid positions (NaN/Inf at padding is ignored). A failed check raises ``ValueError``
-naming the tensor and the count; no weight is ever silently NaN.
+naming the tensor and the number of rows affected; no weight is ever silently NaN.
 """
 
 from __future__ import annotations
@@ -62,15 +62,12 @@ class CorrectionPlan:
     batch_normalize: bool = False
     agreement: bool = False
 
-    @property
-    def keeps_mask(self) -> bool:
-        return bool(self.rs_options) or self.veto_threshold is not None
-
 
 # ----------------------------------------------------------------------------------------------- inputs
 
 
 _NAMES = ("old_log_prob", "rollout_log_prob")
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, names=_NAMES) -> None:
@@ -88,8 +85,7 @@ def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     for name, t in ((names[0], old), (names[1], rollout)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if mask.is_complex() or (mask.dtype != torch.bool and mask.is_floating_point() is False and mask.dtype not in (
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)):
+    if mask.dtype != torch.bool and not mask.is_floating_point() and mask.dtype not in _INT_DTYPES:
         raise TypeError(f"response_mask must be bool, integer or floating point, got {mask.dtype}")
     if old.device != rollout.device or old.device != mask.device:
         raise ValueError(
@@ -129,8 +125,8 @@ def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> i
 def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype, weights_out=None):
     """One block of rows: weights (into ``weights_out`` when given), keep masks and per-row statistics.
 
-    Returns ``(weights, token_keep, row_keep, stats)``; ``token_keep`` is (b, T) bool or None,
-    ``row_keep`` (b,) bool or None.
+    Returns ``(weights, token_keep, row_keep, stats)``; ``token_keep`` is (b, T) 0/1 in the compute
+    dtype or None, ``row_keep`` (b,) bool or None.
     """
     view = TokenView.build(old, rollout, mask, dtype)
     stats = {"n": view.n, "row_log_ratio": view.row_log_ratio}
