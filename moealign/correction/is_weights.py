@@ -103,7 +103,7 @@ def is_metrics(
     """verl's IS health metrics (no prefix) from the concatenated per-row statistics."""
     n = stats["n"]
     w_sum = stats["is_w_sum"]
-    mean = (w_sum.sum()) / n_tokens
+    mean = w_sum.sum() / n_tokens
     std = population_std(stats["is_d_sum"].sum(), stats["is_d_sq"].sum(), n_tokens)
     second = std * std + mean * mean  # E[w^2]
     out = {
@@ -116,8 +116,8 @@ def is_metrics(
     if spec.level == "token":
         out["rollout_is_max"] = stats["is_raw_max"].amax()
         out["rollout_is_min"] = stats["is_raw_min"].amin()
-        out["rollout_is_ratio_fraction_high"] = (stats["is_n_high"].sum()) / n_tokens
-        out["rollout_is_ratio_fraction_low"] = (stats["is_n_low"].sum()) / n_tokens
+        out["rollout_is_ratio_fraction_high"] = stats["is_n_high"].sum() / n_tokens
+        out["rollout_is_ratio_fraction_low"] = stats["is_n_low"].sum() / n_tokens
     else:
         row_log = stats["is_row_log"]
         out["rollout_is_max"] = torch.exp(torch.clamp(rows.max(row_log), max=SAFETY_BOUND))
@@ -134,7 +134,7 @@ def is_metrics(
     out["rollout_is_seq_fraction_high"] = rows.mean((seq_raw > upper).to(n.dtype))
     out["rollout_is_seq_fraction_low"] = rows.mean((seq_raw < lower).to(n.dtype))
     if spec.mode == "mask":
-        out["rollout_is_oob_ratio"] = (stats["is_n_oob"].sum()) / n_tokens
+        out["rollout_is_oob_ratio"] = stats["is_n_oob"].sum() / n_tokens
     return out
 
 

@@ -102,14 +102,14 @@ def offpolicy_metrics(
         "training_log_ppl": rows.mean(-train_mean),
         "rollout_ppl": rows.mean(torch.exp(-rollout_mean)),
         "rollout_log_ppl": rows.mean(-rollout_mean),
-        "kl": (-stats["row_log_ratio"].sum()) / n_tokens,
-        "k3_kl": (stats["k3_sum"].sum()) / n_tokens,
+        "kl": -stats["row_log_ratio"].sum() / n_tokens,
+        "k3_kl": stats["k3_sum"].sum() / n_tokens,
         "log_ppl_diff": rows.mean(diff),
         "log_ppl_abs_diff": rows.mean(diff.abs()),
         "log_ppl_diff_max": rows.max(diff),
         "log_ppl_diff_min": rows.min(diff),
         "ppl_ratio": torch.exp(rows.mean(-diff)),
-        "chi2_token": (stats["r2m1_sum"].sum()) / n_tokens,
+        "chi2_token": stats["r2m1_sum"].sum() / n_tokens,
         "chi2_seq": rows.mean(torch.expm1(2.0 * row_log)),
     }
 
@@ -144,8 +144,8 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
     n = stats["n"]
     row_mx = safe_div(stats["p_train_sum"], n)
     row_my = safe_div(stats["p_rollout_sum"], n)
-    mx = (stats["p_train_sum"].sum()) / n_tokens
-    my = (stats["p_rollout_sum"].sum()) / n_tokens
+    mx = stats["p_train_sum"].sum() / n_tokens
+    my = stats["p_rollout_sum"].sum() / n_tokens
     ex, ey = row_mx - mx, row_my - my  # between-row parts (0 for empty rows: n = 0)
     cxx = stats["p_cxx"].sum() + (n * ex * ex).sum()
     cyy = stats["p_cyy"].sum() + (n * ey * ey).sum()
@@ -157,14 +157,14 @@ def agreement_metrics(stats: Mapping[str, torch.Tensor], n_tokens: torch.Tensor)
         torch.clamp(cxy / torch.where(denom > 0, denom, 1.0), -1.0, 1.0),
         torch.where(identical, 1.0, 0.0),
     )
-    diff_mean = (stats["p_absdiff_sum"].sum()) / n_tokens
-    diff_var = torch.clamp((stats["p_diff_sq"].sum()) / n_tokens - diff_mean * diff_mean, min=0.0)
+    diff_mean = stats["p_absdiff_sum"].sum() / n_tokens
+    diff_var = torch.clamp(stats["p_diff_sq"].sum() / n_tokens - diff_mean * diff_mean, min=0.0)
     return {
         "rollout_probs_diff_mean": diff_mean,
         "rollout_probs_diff_max": stats["p_absdiff_max"].amax(),
         "rollout_probs_diff_std": torch.sqrt(diff_var),
         "rollout_actor_probs_pearson_corr": pearson,
-        "logprob_abs_diff_mean": (stats["lr_abs_sum"].sum()) / n_tokens,
+        "logprob_abs_diff_mean": stats["lr_abs_sum"].sum() / n_tokens,
         "logprob_abs_diff_max": stats["lr_abs_max"].amax(),
     }
 

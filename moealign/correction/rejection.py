@@ -141,14 +141,14 @@ def rs_metrics(
         lo, hi = opt.stat_bounds
         if opt.agg == "token":
             seq_values = safe_div(stats[f"{key}_sum"], n)
-            out[f"{name}_mean"] = (stats[f"{key}_sum"].sum()) / n_tokens
+            out[f"{name}_mean"] = stats[f"{key}_sum"].sum() / n_tokens
             out[f"{name}_max"] = stats[f"{key}_max"].amax()
             out[f"{name}_min"] = stats[f"{key}_min"].amin()
-            out[f"{name}_fraction_high"] = (stats[f"{key}_n_high"].sum()) / n_tokens
-            out[f"{name}_fraction_low"] = (stats[f"{key}_n_low"].sum()) / n_tokens
+            out[f"{name}_fraction_high"] = stats[f"{key}_n_high"].sum() / n_tokens
+            out[f"{name}_fraction_low"] = stats[f"{key}_n_low"].sum() / n_tokens
         else:
             seq_values = stats[f"{key}_value"]
-            out[f"{name}_mean"] = ((seq_values * n).sum()) / n_tokens
+            out[f"{name}_mean"] = (seq_values * n).sum() / n_tokens
             out[f"{name}_max"] = rows.max(seq_values)
             out[f"{name}_min"] = rows.min(seq_values)
             out[f"{name}_fraction_high"] = rows.mean((seq_values > hi).to(n.dtype))
@@ -163,10 +163,10 @@ def rs_metrics(
         if opt.k == 1:
             out[f"{name}_seq_fraction_low"] = rows.mean((seq_values < lo).to(n.dtype))
         rejected = stats[f"{key}_rejected"]
-        out[f"{name}_masked_fraction"] = (rejected.sum()) / n_tokens
+        out[f"{name}_masked_fraction"] = rejected.sum() / n_tokens
         out[f"{name}_seq_masked_fraction"] = rows.mean((rejected > 0).to(n.dtype))
     rejected = stats["rs_rejected"]
-    out["rollout_rs_masked_fraction"] = (rejected.sum()) / n_tokens
+    out["rollout_rs_masked_fraction"] = rejected.sum() / n_tokens
     out["rollout_rs_seq_masked_fraction"] = rows.mean((rejected > 0).to(n.dtype))
     return out
 
@@ -186,5 +186,5 @@ def veto_metrics(
     count = stats["veto_catastrophic"]
     return {
         "rollout_is_veto_fraction": rows.mean((count > 0).to(count.dtype)),
-        "rollout_is_catastrophic_token_fraction": (count.sum()) / n_tokens,
+        "rollout_is_catastrophic_token_fraction": count.sum() / n_tokens,
     }
