@@ -71,3 +71,15 @@ def test_cuda_matches_cpu(fused):
         old.cuda(), rollout.cuda(), mask.cuda(), agreement_metrics=True, fused=fused, **kw)
     assert gpu[0].device.type == "cuda" and gpu[1].device.type == "cuda"
     _compare(cpu, gpu, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_failure_is_reported(monkeypatch):
+    def broken(plan, dtype):
+        def run(*args):
+            raise OSError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(pipeline, "_compiled", broken)
+    old, rollout, mask = _inputs(B=3, T=5)
+    with pytest.raises(RuntimeError, match="fused=True compiles.*OSError: no C\\+\\+ compiler.*fused=False"):
+        compute_rollout_correction_and_rejection_mask(old, rollout, mask, rollout_is="token", fused=True)

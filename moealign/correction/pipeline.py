@@ -266,7 +266,16 @@ def run_plan(
             raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
         args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
         run = _unpacked(_compiled(plan, dtype)) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
-        weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
+        try:
+            weights, token_keep, row_keep, metrics, bn_terms, checks = run(*args)
+        except Exception as exc:
+            if not fused:
+                raise
+            raise RuntimeError(
+                f"fused=True compiles the correction pass with torch.compile, which failed here "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "on CPU it needs a C++ compiler, on GPU triton. Use fused=False (same results, unfused)."
+            ) from exc
         checks = checks.tolist()  # the one host sync
         n_valid = _raise_on_checks(checks, *args, names)
         if n_valid is None:  # NaN/Inf in padding only: zero the padding exactly and run again
