@@ -50,16 +50,6 @@ def ne(x: torch.Tensor, value, dtype: torch.dtype) -> torch.Tensor:
     return torch.ne(x, value, out=torch.empty(x.shape, dtype=dtype, device=x.device))
 
 
-def row_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-row max over valid entries; -inf for a row with none (bool ``valid``, small tensors)."""
-    return torch.where(valid, x, float("-inf")).amax(dim=-1)
-
-
-def row_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-row min over valid entries; +inf for a row with none (bool ``valid``, small tensors)."""
-    return torch.where(valid, x, float("inf")).amin(dim=-1)
-
-
 def safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den with 0 where den == 0 (no NaN for empty sets)."""
     return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)

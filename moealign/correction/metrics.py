@@ -29,7 +29,7 @@ are identical and constant, 0 when only one is constant), and ``logprob_abs_diff
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -255,11 +255,4 @@ def to_slime_names(metrics: Mapping[str, torch.Tensor], is_mode: str | None = No
     for key, value in metrics.items():
         bare = key[len(PREFIX):] if key.startswith(PREFIX) else key
         out[table.get(bare, bare)] = value
-    return out
-
-
-def merge(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        out.update(part)
     return out

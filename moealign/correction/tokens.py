@@ -38,11 +38,6 @@ class TokenView:
         return self.maskf.shape[-1] - self.n
 
     @property
-    def valid(self) -> torch.Tensor:
-        """Bool validity (b, T) for the few places that need one."""
-        return self.maskf != 0
-
-    @property
     def pad_fill(self) -> torch.Tensor:
         """(1 - mask) * 1e30: add it before a row min (subtract before a row max) to skip padding."""
         if self._pad_fill is None:
