@@ -204,11 +204,16 @@ def test_sequence_and_geometric_weights_constant_over_valid_tokens(batch, level,
 # --------------------------------------------------------------------------------------------- rejection
 
 
+def chain_threshold(thresholds, as_list):
+    """A chain's thresholds as a list or as one comma-separated string."""
+    return thresholds if as_list else ",".join(str(t) for t in thresholds)
+
+
 @SETTINGS
 @given(batch=batches(), chain=chains(), as_list=st.booleans())
 def test_rejection_only_removes_tokens(batch, chain, as_list):
     modes, thresholds = chain
-    thr = thresholds if as_list else ",".join(str(t) for t in thresholds)
+    thr = chain_threshold(thresholds, as_list)
     w, mask, _ = run(batch, rollout_rs=",".join(modes), rollout_rs_threshold=thr)
     assert w is None
     assert mask.dtype == batch.mask.dtype
@@ -238,7 +243,7 @@ def test_every_single_mode_only_removes_tokens(batch, mode, data):
 @given(batch=batches(), chain=chains(), as_list=st.booleans())
 def test_chain_equals_and_of_its_modes(batch, chain, as_list):
     modes, thresholds = chain
-    thr = thresholds if as_list else ",".join(str(t) for t in thresholds)
+    thr = chain_threshold(thresholds, as_list)
     _, chained, metrics = run(batch, rollout_rs=",".join(modes), rollout_rs_threshold=thr)
     expected = kept(batch.mask).clone()
     singles = {}

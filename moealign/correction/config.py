@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from .pipeline import build_plan, compute_rollout_correction_and_rejection_mask
+from .pipeline import build_plan, compute_rollout_correction_and_rejection_mask, legacy_rs_spelling
 
 __all__ = ["RolloutCorrectionConfig", "PRESETS", "LEGACY_PRESETS", "LOSS_TYPES", "slime_argument_parser"]
 
@@ -111,7 +111,7 @@ class RolloutCorrectionConfig:
             data.setdefault("loss_type", "reinforce" if upg else "ppo_clip")
         lower = data.pop("rollout_rs_threshold_lower", None)
         if lower is not None:
-            data["rollout_rs"], data["rollout_rs_threshold"] = _legacy_band(
+            data["rollout_rs"], data["rollout_rs_threshold"] = legacy_rs_spelling(
                 data.get("rollout_rs"), data.get("rollout_rs_threshold"), lower
             )
         known = {f.name for f in fields(cls)}
@@ -334,20 +334,6 @@ def _quote_bands(text: str) -> str:
 def _renamed(old: str, new: str) -> None:
     warnings.warn(f"preset {old!r} is the earlier name: use RolloutCorrectionConfig.{new}",
                   DeprecationWarning, stacklevel=3)
-
-
-def _legacy_band(rollout_rs, threshold, lower):
-    from .thresholds import LEGACY_RS_LEVELS, _as_positive_float
-
-    if rollout_rs not in LEGACY_RS_LEVELS:
-        raise ValueError("rollout_rs_threshold_lower belongs to rollout_rs = token / sequence / geometric; "
-                         "with the current modes write the k1 band as 'lower_upper'")
-    warnings.warn(f"rollout_rs={rollout_rs!r} with rollout_rs_threshold_lower is the earlier spelling: use "
-                  f"rollout_rs={LEGACY_RS_LEVELS[rollout_rs]!r} with a 'lower_upper' threshold",
-                  DeprecationWarning, stacklevel=3)
-    upper = _as_positive_float(threshold, "rollout_rs_threshold")
-    low = _as_positive_float(lower, "rollout_rs_threshold_lower")
-    return LEGACY_RS_LEVELS[rollout_rs], f"{low!r}_{upper!r}"
 
 
 _PRESET_NAMES = (

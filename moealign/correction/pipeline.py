@@ -34,7 +34,7 @@ from .metrics import (
     offpolicy_pass,
 )
 from .rejection import rs_metrics, rs_pass, veto_metrics, veto_pass
-from .thresholds import LEGACY_RS_LEVELS, ISSpec, RSOption, parse_is_spec, parse_rs_spec
+from .thresholds import LEGACY_RS_LEVELS, ISSpec, RSOption, _as_positive_float, parse_is_spec, parse_rs_spec
 from .tokens import TokenView
 
 __all__ = [
@@ -335,7 +335,7 @@ _EXTENDED = {
 }
 
 
-def _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
+def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
     """Map the earlier ``token`` / ``sequence`` / ``geometric`` spelling onto the current modes."""
     if isinstance(rollout_rs, str) and rollout_rs.strip() in LEGACY_RS_LEVELS:
         level = rollout_rs.strip()
@@ -347,8 +347,6 @@ def _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
             if rollout_rs_threshold_lower is not None:
                 raise ValueError("give the lower bound either in 'lower_upper' or as rollout_rs_threshold_lower, not both")
         else:
-            from .thresholds import _as_positive_float
-
             upper = _as_positive_float(rollout_rs_threshold, "rollout_rs_threshold")
             lower = (
                 1.0 / upper
@@ -376,8 +374,6 @@ def _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
 def _veto(threshold):
     if threshold is None:
         return None
-    from .thresholds import _as_positive_float
-
     c = _as_positive_float(threshold, "rollout_token_veto_threshold")
     warnings.warn(
         "rollout_token_veto_threshold is the earlier veto; the nearest current spelling is "
@@ -412,7 +408,7 @@ def build_plan(
         raise ValueError("rollout_is_mode / rollout_is_threshold_lower given but IS is off "
                          "(rollout_is or rollout_is_threshold is None)")
     options: tuple[RSOption, ...] = ()
-    rs, rs_threshold = _legacy_rs(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
+    rs, rs_threshold = legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
     if rs is not None:
         if rs_threshold is None:
             raise ValueError(f"rollout_rs_threshold is required when rollout_rs={rs!r}")
