@@ -17,6 +17,70 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_mismatch(args: argparse.Namespace) -> int:
+    from .mismatch import MismatchConfig, check_fail_above, format_table, parse_fail_above, run_mismatch
+
+    try:
+        bounds = parse_fail_above(args.fail_above)
+        cfg = MismatchConfig(
+            model=args.model, rollout_engine=args.rollout, rollout_dtype=args.rollout_dtype,
+            train_engine=args.train, train_dtype=args.train_dtype, num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
+            device=args.device, save_record=args.save_record, load_record=args.load_record)
+    except ValueError as exc:
+        print(f"moealign mismatch: error: {exc}", file=sys.stderr)
+        return 2
+    progress = not args.quiet and sys.stderr.isatty()
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_mismatch(cfg, progress=progress, log=log)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+    failures = check_fail_above(report, bounds)
+    for line in failures:
+        print(f"moealign mismatch: FAIL {line}", file=sys.stderr)
+    return 3 if failures else 0
+
+
+def _add_mismatch(sub) -> None:
+    from .mismatch.engines import DTYPES, ROLLOUT_ENGINES, TRAIN_ENGINES
+    from .mismatch.run import METRIC_NAMES
+
+    p = sub.add_parser(
+        "mismatch",
+        help="same checkpoint, same inputs: rollout engine vs training engine, per alignment lever",
+        description="Zero-staleness mismatch test. The rollout engine samples responses (recording log-probs, "
+        "routes and kept sets); the training engine recomputes the same tokens' log-probs without alignment, "
+        "with routing replay, with the sampling mask, and with both. With no arguments it runs the embedded "
+        "tiny MoE model on CPU.")
+    p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
+    p.add_argument("--rollout", default="hf", choices=sorted(ROLLOUT_ENGINES), help="rollout engine (default hf)")
+    p.add_argument("--rollout-dtype", default="bf16", choices=sorted(DTYPES), help="rollout dtype (default bf16)")
+    p.add_argument("--train", default="hf", choices=sorted(TRAIN_ENGINES), help="training engine (default hf)")
+    p.add_argument("--train-dtype", default="fp32", choices=sorted(DTYPES), help="training dtype (default fp32)")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts from the prompt set (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per generate() / training forward")
+    p.add_argument("--prompts", metavar="FILE", help="a JSON list of prompt strings (default: the shipped set)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--save-record", metavar="PATH", help="also write the rollout record (safetensors)")
+    p.add_argument("--load-record", metavar="PATH", help="skip the rollout; score a saved record")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
+                   help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable); metrics: "
+                   + ", ".join(METRIC_NAMES))
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    p.set_defaults(func=_cmd_mismatch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moealign",
@@ -28,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_info = sub.add_parser("info", help="torch, engines (versions or why not importable), GPUs via NVML")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
     p_info.set_defaults(func=_cmd_info)
+    _add_mismatch(sub)
     return parser
 
 

@@ -31,7 +31,7 @@ fi
 stamp="$VENV/.moealign-install-stamp"
 want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import moealign" >/dev/null 2>&1; then
-  "${PIP[@]}" install -e ".[test]"
+  "${PIP[@]}" install -e ".[test,hf]"
   echo "$want" >"$stamp"
 fi
 
@@ -50,7 +50,7 @@ case "$job" in
     exit "$rc"
     ;;
   main)
-    exec "$VENV/bin/moealign" info "$@"
+    exec "$VENV/bin/moealign" mismatch "$@"
     ;;
   run)
     PATH="$PWD/$VENV/bin:$PATH" exec "$@"

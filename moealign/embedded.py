@@ -1,0 +1,35 @@
+"""The embedded default model: a small Qwen3-MoE checkpoint shipped with the package.
+
+Built reproducibly by ``tools/build_tiny_moe.py`` (byte-level BPE and a brief training run on the
+Python standard library's own source); ``prompts.json`` is the default prompt set of ``moealign mismatch``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["EMBEDDED_MODEL_DIR", "embedded_model_path", "default_prompts"]
+
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny_moe"
+
+
+def embedded_model_path() -> Path:
+    needed = ("config.json", "model.safetensors")
+    missing = [name for name in needed if not (EMBEDDED_MODEL_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the embedded model is missing {missing} under {EMBEDDED_MODEL_DIR}; rebuild it "
+                                f"with `python tools/build_tiny_moe.py`")
+    return EMBEDDED_MODEL_DIR
+
+
+def default_prompts(path: str | Path | None = None) -> list[str]:
+    """The default prompt set (``prompts.json``: a JSON list of strings), or the one at ``path``."""
+    path = Path(path) if path is not None else EMBEDDED_MODEL_DIR / "prompts.json"
+    try:
+        prompts = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read prompts from {path}: {exc}") from None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"{path} must hold a non-empty JSON list of non-empty strings")
+    return prompts

@@ -1,0 +1,672 @@
+"""The rollout record: what flows from the rollout engine to the training engine.
+
+One :class:`RolloutRecord` holds, per sample, the token ids (prompt + response), the prompt length,
+the rollout log-probs of the sampled tokens under the distribution that was actually sampled from
+(after temperature and truncation), the routes, the kept sampling sets and the sampling parameters;
+and, per record, :class:`RecordMeta` (engine and version, model fingerprint, MoE layer numbers,
+number of experts, top-k, dtype, format version).
+
+Conventions (vLLM's, so its ``routed_experts`` drop in):
+
+* Route row ``i`` is the decision taken when token ``i`` was the *input*. Rows cover prompt + response
+  minus the final token (the last sampled token was never forwarded): ``routes`` is
+  ``[len(token_ids) - 1, len(meta.moe_layers), top_k]``.
+* Routes are ``uint8`` when the model has <= 256 experts, ``int16`` above (``top_k`` bytes per token
+  and layer, or twice that).
+* ``meta.moe_layers`` are the decoder-layer numbers of the route table's layer axis (dense layers are
+  not stored; :func:`routes_from_all_layers` converts vLLM's all-layer arrays).
+* Kept sets are CSR: ``kept_offsets`` int64 ``[response_len + 1]`` and ``kept_ids`` int32, one row per
+  generated token, ids ascending.
+
+Files are safetensors: flat concatenated tensors plus JSON metadata, a format version and a
+SHA-256 checksum over every tensor's name, dtype, shape and bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Iterable, Sequence
+
+import torch
+
+from .routing_replay.routes import RouteError, expand_routes, route_dtype, validate_routes
+from .routing_replay.sampling_mask import validate_kept_sets
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RecordError",
+    "RecordFormatError",
+    "RecordMismatchError",
+    "SamplingParams",
+    "RecordMeta",
+    "Sample",
+    "RolloutRecord",
+    "PaddedBatch",
+    "PackedBatch",
+    "config_fingerprint",
+    "router_signature",
+    "routes_from_all_layers",
+]
+
+FORMAT_VERSION = 1
+_META_KEY = "moealign.meta"
+_VERSION_KEY = "moealign.format_version"
+_CHECKSUM_KEY = "moealign.checksum"
+_ROUTER_SIGNATURE_RTOL = 2e-2
+
+
+class RecordError(ValueError):
+    """A rollout record is inconsistent (shapes, lengths, values)."""
+
+
+class RecordFormatError(RecordError):
+    """A record file is truncated, corrupt, of another format version, or not a record."""
+
+
+class RecordMismatchError(RecordError):
+    """A record belongs to another model (fingerprint, layer count, experts, top-k)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one sample. ``top_k=0``, ``top_p=1`` and ``min_p=0`` mean "off"."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise RecordError(f"sampling temperature must be finite and > 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise RecordError(f"sampling top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RecordError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise RecordError(f"sampling min_p must be in [0, 1], got {self.min_p}")
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (float(self.temperature), float(self.top_k), float(self.top_p), float(self.min_p))
+
+    @classmethod
+    def from_tuple(cls, values: Sequence[float]) -> "SamplingParams":
+        t, k, p, m = (float(v) for v in values)
+        return cls(temperature=t, top_k=int(k), top_p=p, min_p=m)
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class RecordMeta:
+    """Per-record metadata. ``moe_layers`` are decoder-layer numbers of the routes' layer axis."""
+
+    engine: str
+    engine_version: str
+    model_fingerprint: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    dtype: str
+    router_signature: tuple[float, ...] = ()
+    model_name: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))
+        object.__setattr__(self, "router_signature", tuple(float(x) for x in self.router_signature))
+        if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
+            raise RecordError(f"meta: need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
+                              f"num_experts={self.num_experts}")
+        if not self.moe_layers:
+            raise RecordError("meta: moe_layers is empty (a record needs at least one MoE layer)")
+        if len(set(self.moe_layers)) != len(self.moe_layers) or list(self.moe_layers) != sorted(self.moe_layers):
+            raise RecordError(f"meta: moe_layers must be ascending and unique, got {list(self.moe_layers)}")
+        if self.moe_layers[0] < 0 or self.moe_layers[-1] >= self.num_layers:
+            raise RecordError(f"meta: moe_layers {list(self.moe_layers)} outside [0, num_layers={self.num_layers})")
+        if self.vocab_size < 1:
+            raise RecordError(f"meta: vocab_size must be >= 1, got {self.vocab_size}")
+
+    @property
+    def route_dtype(self) -> torch.dtype:
+        return route_dtype(self.num_experts)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RecordMeta":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RecordFormatError(f"record metadata has unknown fields {unknown}")
+        return cls(**data)
+
+    def check_matches(self, other: "RecordMeta", *, what: str = "model") -> None:
+        """Raise :class:`RecordMismatchError` listing every field in which ``other`` is another model."""
+        problems = []
+        for name in ("num_layers", "moe_layers", "num_experts", "top_k", "vocab_size", "model_fingerprint"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                problems.append(f"{name}: record has {_short(a)}, {what} has {_short(b)}")
+        sa, sb = self.router_signature, other.router_signature
+        if sa and sb:
+            if len(sa) != len(sb):
+                problems.append(f"router_signature: record has {len(sa) // 2} routers, {what} has {len(sb) // 2}")
+            else:
+                bad = []
+                for r in range(0, len(sa), 2):   # (mean, rms) per router; tolerance relative to the rms
+                    scale = _ROUTER_SIGNATURE_RTOL * max(abs(sa[r + 1]), abs(sb[r + 1]), 1e-12)
+                    if abs(sa[r] - sb[r]) > scale or abs(sa[r + 1] - sb[r + 1]) > scale:
+                        bad.append(r // 2)
+                if bad:
+                    problems.append(f"router weights differ (routers {bad[:8]}): other weights")
+        if problems:
+            raise RecordMismatchError(f"the record does not belong to this {what}: " + "; ".join(problems))
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# fingerprints
+# --------------------------------------------------------------------------------------------------
+
+# Config keys that change what the network computes. Keys not in a config are skipped.
+_ARCH_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace",
+    "moe_layer_freq", "n_group", "topk_group", "routed_scaling_factor", "scoring_func",
+    "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters", "tie_word_embeddings",
+    "sliding_window", "qk_norm", "clip_qkv",
+)
+
+
+def config_fingerprint(config: dict) -> str:
+    """SHA-256 (hex, 16 chars) of the architecture fields of a model config (dtype-independent)."""
+    picked = {k: config[k] for k in _ARCH_KEYS if k in config and config[k] is not None}
+    if "model_type" not in picked:
+        raise RecordError("config_fingerprint: the config has no model_type")
+    text = json.dumps(picked, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def router_signature(router_weights: Iterable[torch.Tensor]) -> tuple[float, ...]:
+    """A dtype-tolerant summary of the router weights: per router, the mean and RMS of its weight.
+
+    Compared with a relative tolerance, it tells "same checkpoint in another dtype" from "other weights".
+    """
+    out: list[float] = []
+    for w in router_weights:
+        w64 = w.detach().to("cpu", torch.float64)
+        out += [float(w64.mean()), float(w64.square().mean().sqrt())]
+    return tuple(out)
+
+
+def routes_from_all_layers(routes: torch.Tensor, moe_layers: Sequence[int]) -> torch.Tensor:
+    """Select the MoE layers from an all-decoder-layer route array (vLLM's ``routed_experts``).
+
+    ``routes`` is ``[rows, num_hidden_layers, k]`` (uint8/uint16/int32, numpy or torch).
+    """
+    t = torch.as_tensor(routes)
+    if t.dim() != 3:
+        raise RecordError(f"routes must be [rows, layers, k], got shape {tuple(t.shape)}")
+    if moe_layers and max(moe_layers) >= t.shape[1]:
+        raise RecordError(f"routes have {t.shape[1]} layers but moe_layers go up to {max(moe_layers)}")
+    if t.dtype not in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        t = t.to(torch.int64)  # torch.uint16 has few kernels; widen first
+    return t[:, list(moe_layers)]
+
+
+# --------------------------------------------------------------------------------------------------
+# samples
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One prompt + response. See the module docstring for the row conventions."""
+
+    token_ids: torch.Tensor                   # int64 [L]
+    prompt_len: int
+    logprobs: torch.Tensor                    # float32 [L - prompt_len]
+    routes: torch.Tensor | None = None        # [L - 1, n_moe_layers, k] uint8 / int16
+    kept_offsets: torch.Tensor | None = None  # int64 [L - prompt_len + 1]
+    kept_ids: torch.Tensor | None = None      # int32 [nnz]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return self.length - int(self.prompt_len)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.token_ids[self.prompt_len:]
+
+    def validate(self, meta: RecordMeta, index: int = 0) -> None:
+        where = f"sample {index}"
+        if self.token_ids.dim() != 1 or self.token_ids.dtype not in (torch.int64, torch.int32):
+            raise RecordError(f"{where}: token_ids must be a 1-D integer tensor, got "
+                              f"{self.token_ids.dtype} {tuple(self.token_ids.shape)}")
+        if not (1 <= self.prompt_len < self.length):
+            raise RecordError(f"{where}: need 1 <= prompt_len < len(token_ids) (an empty prompt or an empty "
+                              f"response), got prompt_len={self.prompt_len}, len={self.length}")
+        if self.length and (int(self.token_ids.min()) < 0 or int(self.token_ids.max()) >= meta.vocab_size):
+            raise RecordError(f"{where}: token ids outside [0, vocab_size={meta.vocab_size})")
+        if self.logprobs.shape != (self.response_len,):
+            raise RecordError(f"{where}: logprobs has shape {tuple(self.logprobs.shape)}, expected "
+                              f"({self.response_len},) = response length")
+        if not self.logprobs.is_floating_point():
+            raise RecordError(f"{where}: logprobs must be floating point, got {self.logprobs.dtype}")
+        finite = torch.isfinite(self.logprobs)
+        if not bool(finite.all()):
+            bad = int((~finite).nonzero()[0, 0])
+            raise RecordError(f"{where}: logprobs has NaN/Inf at response position {bad} "
+                              f"(value {float(self.logprobs[bad])})")
+        if bool((self.logprobs > 1e-4).any()):
+            raise RecordError(f"{where}: logprobs must be <= 0 (log-probabilities), max is "
+                              f"{float(self.logprobs.max())}")
+        if self.routes is not None:
+            want = (self.length - 1, len(meta.moe_layers), meta.top_k)
+            if tuple(self.routes.shape) != want:
+                raise RecordError(f"{where}: routes have shape {tuple(self.routes.shape)}, expected {want} "
+                                  f"= [len(token_ids) - 1, len(moe_layers), top_k]")
+            try:
+                validate_routes(self.routes, meta.num_experts, name=f"{where} routes")
+            except RouteError as exc:
+                raise RecordError(str(exc)) from None
+        if (self.kept_offsets is None) != (self.kept_ids is None):
+            raise RecordError(f"{where}: kept_offsets and kept_ids must be given together")
+        if self.kept_offsets is not None:
+            try:
+                validate_kept_sets(self.kept_offsets, self.kept_ids, meta.vocab_size,
+                                   num_rows=self.response_len)
+            except ValueError as exc:
+                raise RecordError(f"{where}: {exc}") from None
+            _check_tokens_in_kept(self, where)
+
+
+def _check_tokens_in_kept(sample: Sample, where: str) -> None:
+    offsets, ids = sample.kept_offsets, sample.kept_ids
+    counts = offsets[1:] - offsets[:-1]
+    row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    hit = ids.to(torch.int64) == sample.response_ids.to(torch.int64)[row]
+    found = torch.zeros(counts.numel(), dtype=torch.int64).index_add_(0, row, hit.to(torch.int64))
+    if not bool((found == 1).all()):
+        bad = int((found != 1).nonzero()[0, 0])
+        raise RecordError(f"{where}: sampled token {int(sample.response_ids[bad])} at response position {bad} "
+                          f"is not in its recorded kept set")
+
+
+# --------------------------------------------------------------------------------------------------
+# batch layouts
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PaddedBatch:
+    """``[B, T]`` layout. Positions index tokens; route row ``t`` is for input token ``t``.
+
+    ``route_mask`` marks rows that carry a recorded route (all real tokens but the last of each
+    sample). ``logprobs`` / ``response_mask`` sit at the position of the token they score, and
+    ``kept_row`` gives each response token's row in the record-wide CSR kept sets (-1 elsewhere).
+    """
+
+    input_ids: torch.Tensor        # int64 [B, T]
+    attention_mask: torch.Tensor   # int64 [B, T]
+    response_mask: torch.Tensor    # bool [B, T]
+    logprobs: torch.Tensor         # float32 [B, T] (0 off the response)
+    routes: torch.Tensor | None    # [B, T, n_layers, k] record dtype (0 where route_mask is False)
+    route_mask: torch.Tensor       # bool [B, T]
+    kept_row: torch.Tensor         # int64 [B, T]
+    kept_offsets: torch.Tensor | None
+    kept_ids: torch.Tensor | None
+    prompt_lens: torch.Tensor      # int64 [B]
+    lengths: torch.Tensor          # int64 [B]
+    side: str = "right"
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        pos = self.attention_mask.cumsum(-1) - 1
+        return pos.clamp(min=0)
+
+
+@dataclass
+class PackedBatch:
+    """One row of concatenated samples (``[N]`` tensors), ``cu_seqlens`` ``[B + 1]``."""
+
+    input_ids: torch.Tensor        # int64 [N]
+    position_ids: torch.Tensor     # int64 [N]
+    cu_seqlens: torch.Tensor       # int64 [B + 1]
+    response_mask: torch.Tensor    # bool [N]
+    logprobs: torch.Tensor         # float32 [N]
+    routes: torch.Tensor | None    # [N, n_layers, k]
+    route_mask: torch.Tensor       # bool [N]
+    kept_row: torch.Tensor         # int64 [N]
+    kept_offsets: torch.Tensor | None
+    kept_ids: torch.Tensor | None
+    prompt_lens: torch.Tensor      # int64 [B]
+
+
+def _concat_kept(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not samples or samples[0].kept_offsets is None:
+        return None, None
+    parts_off, parts_ids, base = [torch.zeros(1, dtype=torch.int64)], [], 0
+    for s in samples:
+        parts_off.append(s.kept_offsets[1:].to(torch.int64) + base)
+        parts_ids.append(s.kept_ids.to(torch.int32))
+        base += int(s.kept_offsets[-1])
+    return torch.cat(parts_off), torch.cat(parts_ids)
+
+
+def _split_kept(offsets: torch.Tensor, ids: torch.Tensor, response_lens: Sequence[int]):
+    out, row = [], 0
+    for n in response_lens:
+        lo, hi = int(offsets[row]), int(offsets[row + n])
+        out.append(((offsets[row:row + n + 1] - lo).clone(), ids[lo:hi].clone()))
+        row += n
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the record
+# --------------------------------------------------------------------------------------------------
+
+
+class RolloutRecord:
+    """A batch of rollout samples plus the metadata of the model and engine that produced them."""
+
+    def __init__(self, meta: RecordMeta, samples: Sequence[Sample], *, validate: bool = True):
+        self.meta = meta
+        self.samples = list(samples)
+        if validate:
+            self.validate()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __repr__(self) -> str:
+        return (f"RolloutRecord({len(self)} samples, {self.num_response_tokens} response tokens, "
+                f"engine={self.meta.engine!r}, layers={list(self.meta.moe_layers)}, "
+                f"E={self.meta.num_experts}, k={self.meta.top_k})")
+
+    @property
+    def has_routes(self) -> bool:
+        return bool(self.samples) and self.samples[0].routes is not None
+
+    @property
+    def has_kept_sets(self) -> bool:
+        return bool(self.samples) and self.samples[0].kept_offsets is not None
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(s.response_len for s in self.samples)
+
+    def validate(self) -> None:
+        if not self.samples:
+            raise RecordError("a rollout record needs at least one sample")
+        routes = {s.routes is not None for s in self.samples}
+        kept = {s.kept_offsets is not None for s in self.samples}
+        if len(routes) > 1 or len(kept) > 1:
+            raise RecordError("either every sample has routes (kept sets) or none has")
+        want = self.meta.route_dtype
+        for i, s in enumerate(self.samples):
+            if s.routes is not None and s.routes.dtype != want:
+                raise RecordError(f"sample {i}: routes are {s.routes.dtype}, the record stores {want} for "
+                                  f"{self.meta.num_experts} experts (use compact_routes)")
+            s.validate(self.meta, i)
+
+    # ---------------------------------------------------------------- layouts
+    def to_padded(self, side: str = "right", pad_token_id: int = 0) -> PaddedBatch:
+        if side not in ("left", "right"):
+            raise RecordError(f"padding side must be 'left' or 'right', got {side!r}")
+        B = len(self.samples)
+        lengths = torch.tensor([s.length for s in self.samples], dtype=torch.int64)
+        T = int(lengths.max())
+        input_ids = torch.full((B, T), int(pad_token_id), dtype=torch.int64)
+        attention = torch.zeros(B, T, dtype=torch.int64)
+        resp = torch.zeros(B, T, dtype=torch.bool)
+        logp = torch.zeros(B, T, dtype=torch.float32)
+        route_mask = torch.zeros(B, T, dtype=torch.bool)
+        kept_row = torch.full((B, T), -1, dtype=torch.int64)
+        routes = None
+        if self.has_routes:
+            n, k = len(self.meta.moe_layers), self.meta.top_k
+            routes = torch.zeros(B, T, n, k, dtype=self.meta.route_dtype)
+        row_base = 0
+        for b, s in enumerate(self.samples):
+            L, P = s.length, s.prompt_len
+            start = 0 if side == "right" else T - L
+            sl = slice(start, start + L)
+            input_ids[b, sl] = s.token_ids.to(torch.int64)
+            attention[b, sl] = 1
+            resp[b, start + P:start + L] = True
+            logp[b, start + P:start + L] = s.logprobs.to(torch.float32)
+            route_mask[b, start:start + L - 1] = True
+            if routes is not None:
+                routes[b, start:start + L - 1] = s.routes
+            kept_row[b, start + P:start + L] = torch.arange(row_base, row_base + L - P)
+            row_base += L - P
+        kept_offsets, kept_ids = _concat_kept(self.samples)
+        return PaddedBatch(input_ids, attention, resp, logp, routes, route_mask, kept_row, kept_offsets,
+                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]), lengths, side)
+
+    def to_packed(self) -> PackedBatch:
+        lengths = [s.length for s in self.samples]
+        cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+        input_ids = torch.cat([s.token_ids.to(torch.int64) for s in self.samples])
+        position_ids = torch.cat([torch.arange(L) for L in lengths])
+        resp = torch.cat([torch.arange(s.length) >= s.prompt_len for s in self.samples])
+        logp = torch.cat([torch.cat([torch.zeros(s.prompt_len), s.logprobs.to(torch.float32)])
+                          for s in self.samples])
+        route_mask = torch.cat([torch.arange(L) < L - 1 for L in lengths])
+        routes = None
+        if self.has_routes:
+            n, k = len(self.meta.moe_layers), self.meta.top_k
+            pad = torch.zeros(1, n, k, dtype=self.meta.route_dtype)
+            routes = torch.cat([t for s in self.samples for t in (s.routes, pad)])
+        kept_row = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
+        kept_row[resp] = torch.arange(int(resp.sum()))
+        kept_offsets, kept_ids = _concat_kept(self.samples)
+        return PackedBatch(input_ids, position_ids, cu, resp, logp, routes, route_mask, kept_row, kept_offsets,
+                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]))
+
+    @classmethod
+    def from_padded(cls, meta: RecordMeta, batch: PaddedBatch, sampling: Sequence[SamplingParams]) -> "RolloutRecord":
+        B, T = batch.input_ids.shape
+        if len(sampling) != B:
+            raise RecordError(f"from_padded: {len(sampling)} sampling params for {B} samples")
+        kept = None
+        if batch.kept_offsets is not None:
+            resp_lens = [int(x) for x in (batch.lengths - batch.prompt_lens)]
+            kept = _split_kept(batch.kept_offsets, batch.kept_ids, resp_lens)
+        samples = []
+        for b in range(B):
+            L, P = int(batch.lengths[b]), int(batch.prompt_lens[b])
+            start = 0 if batch.side == "right" else T - L
+            if int(batch.attention_mask[b, start:start + L].sum()) != L:
+                raise RecordError(f"from_padded: sample {b}: attention_mask does not cover its {L} tokens "
+                                  f"on the {batch.side}")
+            samples.append(Sample(
+                token_ids=batch.input_ids[b, start:start + L].clone(),
+                prompt_len=P,
+                logprobs=batch.logprobs[b, start + P:start + L].clone(),
+                routes=None if batch.routes is None else batch.routes[b, start:start + L - 1].clone(),
+                kept_offsets=None if kept is None else kept[b][0],
+                kept_ids=None if kept is None else kept[b][1],
+                sampling=sampling[b]))
+        return cls(meta, samples)
+
+    @classmethod
+    def from_packed(cls, meta: RecordMeta, batch: PackedBatch, sampling: Sequence[SamplingParams]) -> "RolloutRecord":
+        cu = [int(x) for x in batch.cu_seqlens]
+        B = len(cu) - 1
+        if len(sampling) != B or batch.prompt_lens.numel() != B:
+            raise RecordError(f"from_packed: cu_seqlens has {B} samples, sampling {len(sampling)}, "
+                              f"prompt_lens {batch.prompt_lens.numel()}")
+        kept = None
+        if batch.kept_offsets is not None:
+            resp_lens = [cu[b + 1] - cu[b] - int(batch.prompt_lens[b]) for b in range(B)]
+            kept = _split_kept(batch.kept_offsets, batch.kept_ids, resp_lens)
+        samples = []
+        for b in range(B):
+            lo, hi, P = cu[b], cu[b + 1], int(batch.prompt_lens[b])
+            samples.append(Sample(
+                token_ids=batch.input_ids[lo:hi].clone(),
+                prompt_len=P,
+                logprobs=batch.logprobs[lo + P:hi].clone(),
+                routes=None if batch.routes is None else batch.routes[lo:hi - 1].clone(),
+                kept_offsets=None if kept is None else kept[b][0],
+                kept_ids=None if kept is None else kept[b][1],
+                sampling=sampling[b]))
+        return cls(meta, samples)
+
+    # ---------------------------------------------------------------- routes for the trainer
+    def routes_int64(self, layout: str = "packed", side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+        """Routes as int64 ``[rows, n_layers, k]`` plus the ``route_mask`` of the chosen layout."""
+        if not self.has_routes:
+            raise RecordError("this record has no routes (record with routing capture enabled)")
+        batch = self.to_packed() if layout == "packed" else self.to_padded(side)
+        routes = expand_routes(batch.routes)
+        return routes.reshape(-1, *routes.shape[-2:]), batch.route_mask.reshape(-1)
+
+    # ---------------------------------------------------------------- files
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        lengths = [s.length for s in self.samples]
+        tensors = {
+            "token_ids": torch.cat([s.token_ids.to(torch.int64) for s in self.samples]),
+            "seq_offsets": torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0),
+            "prompt_lens": torch.tensor([s.prompt_len for s in self.samples], dtype=torch.int64),
+            "logprobs": torch.cat([s.logprobs.to(torch.float32) for s in self.samples]),
+            "sampling": torch.tensor([s.sampling.as_tuple() for s in self.samples], dtype=torch.float64),
+        }
+        if self.has_routes:
+            tensors["routes"] = torch.cat([s.routes for s in self.samples]).contiguous()
+        if self.has_kept_sets:
+            tensors["kept_offsets"], tensors["kept_ids"] = _concat_kept(self.samples)
+        return tensors
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the record as safetensors (atomic: a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        tensors = {k: v.contiguous() for k, v in self._tensors().items()}
+        metadata = {_META_KEY: self.meta.to_json(), _VERSION_KEY: str(FORMAT_VERSION),
+                    _CHECKSUM_KEY: _checksum(tensors)}
+        path = os.fspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, expect: RecordMeta | None = None) -> "RolloutRecord":
+        """Read a record; verify format version, checksum and (with ``expect``) that it fits the model."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no record file at {path}")
+        tensors, metadata = _read_safetensors(path)
+        version = metadata.get(_VERSION_KEY)
+        if version is None or _META_KEY not in metadata or _CHECKSUM_KEY not in metadata:
+            raise RecordFormatError(f"{path}: a safetensors file, but not a moealign rollout record "
+                                    f"(metadata keys {sorted(metadata)})")
+        if version != str(FORMAT_VERSION):
+            raise RecordFormatError(f"{path}: record format version {version}, this moealign reads "
+                                    f"version {FORMAT_VERSION}")
+        if _checksum(tensors) != metadata[_CHECKSUM_KEY]:
+            raise RecordFormatError(f"{path}: checksum mismatch: the record file is corrupt")
+        try:
+            meta = RecordMeta.from_json(metadata[_META_KEY])
+        except (ValueError, TypeError) as exc:
+            raise RecordFormatError(f"{path}: bad record metadata: {exc}") from None
+        if expect is not None:
+            meta.check_matches(expect)
+        return cls(meta, _samples_from_tensors(tensors, meta, path))
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises SafetensorError / OSError / others on bad bytes
+        size = os.path.getsize(path)
+        raise RecordFormatError(f"{path}: truncated or corrupt record file ({size} bytes): "
+                                f"{type(exc).__name__}: {exc}") from None
+    return tensors, metadata
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, path: str) -> list[Sample]:
+    need = ("token_ids", "seq_offsets", "prompt_lens", "logprobs", "sampling")
+    missing = [k for k in need if k not in tensors]
+    if missing:
+        raise RecordFormatError(f"{path}: record file lacks tensors {missing}")
+    off = [int(x) for x in tensors["seq_offsets"]]
+    B = len(off) - 1
+    prompt_lens = [int(x) for x in tensors["prompt_lens"]]
+    if B < 1 or len(prompt_lens) != B or tensors["sampling"].shape != (B, 4) or off[-1] != tensors["token_ids"].numel():
+        raise RecordFormatError(f"{path}: inconsistent sample index (seq_offsets / prompt_lens / sampling)")
+    resp_lens = [off[b + 1] - off[b] - prompt_lens[b] for b in range(B)]
+    if tensors["logprobs"].numel() != sum(resp_lens):
+        raise RecordFormatError(f"{path}: {tensors['logprobs'].numel()} logprobs for {sum(resp_lens)} "
+                                f"response tokens")
+    routes = tensors.get("routes")
+    if routes is not None:
+        want = (off[-1] - B, len(meta.moe_layers), meta.top_k)
+        if tuple(routes.shape) != want:
+            raise RecordMismatchError(f"{path}: routes have shape {tuple(routes.shape)}, the metadata implies "
+                                      f"{want} (layers {list(meta.moe_layers)}, top_k {meta.top_k})")
+    kept = None
+    if "kept_offsets" in tensors:
+        kept = _split_kept(tensors["kept_offsets"], tensors["kept_ids"], resp_lens)
+    samples, lp, rt = [], 0, 0
+    for b in range(B):
+        L = off[b + 1] - off[b]
+        samples.append(Sample(
+            token_ids=tensors["token_ids"][off[b]:off[b + 1]],
+            prompt_len=prompt_lens[b],
+            logprobs=tensors["logprobs"][lp:lp + resp_lens[b]],
+            routes=None if routes is None else routes[rt:rt + L - 1],
+            kept_offsets=None if kept is None else kept[b][0],
+            kept_ids=None if kept is None else kept[b][1],
+            sampling=SamplingParams.from_tuple(tensors["sampling"][b].tolist())))
+        lp += resp_lens[b]
+        rt += L - 1
+    return samples
+
+
+def with_meta(record: RolloutRecord, **changes) -> RolloutRecord:
+    """A copy of ``record`` with metadata fields replaced (validated again)."""
+    return RolloutRecord(replace(record.meta, **changes), record.samples)
