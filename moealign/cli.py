@@ -19,6 +19,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_mismatch(args: argparse.Namespace) -> int:
     from .mismatch import MismatchConfig, check_fail_above, format_table, parse_fail_above, run_mismatch
+    from .patches import UnsupportedEngineError
 
     try:
         bounds = parse_fail_above(args.fail_above)
@@ -33,7 +34,12 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         return 2
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    report = run_mismatch(cfg, progress=progress, log=log)
+    try:
+        report = run_mismatch(cfg, progress=progress, log=log)
+    except (ValueError, FileNotFoundError, UnsupportedEngineError) as exc:
+        # bad input (records, prompts, models, engine versions): a clear message, no traceback
+        print(f"moealign mismatch: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as fh:

@@ -1,0 +1,149 @@
+"""`moealign mismatch` on the embedded model: schema, the levers' guarantees, --fail-above, records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from moealign.cli import main  # noqa: E402
+from moealign.mismatch import METRIC_NAMES, RUN_NAMES, MismatchConfig, parse_fail_above, run_mismatch  # noqa: E402
+from moealign.record import RecordMismatchError, RolloutRecord  # noqa: E402
+
+SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mm") / "report.json"
+    record = out.parent / "record.safetensors"
+    rc = main(["mismatch", *SMALL, "--json", str(out), "--save-record", str(record)])
+    assert rc == 0
+    return json.loads(out.read_text()), record
+
+
+def test_report_schema(small_report):
+    report, _ = small_report
+    assert set(report) >= {"model", "rollout", "train", "num_tokens", "elapsed_s", "runs"}
+    assert report["rollout"] == {"engine": "transformers", "dtype": "bf16"}
+    assert report["train"] == {"engine": "transformers", "dtype": "fp32"}
+    assert [r["name"] for r in report["runs"]] == list(RUN_NAMES)
+    n_layers = len(report["moe_layers"])
+    for run in report["runs"]:
+        m = run["metrics"]
+        assert set(METRIC_NAMES) <= set(m)
+        assert len(m["per_layer_flip_rate"]) == n_layers
+        for name in METRIC_NAMES:
+            assert isinstance(m[name], float)
+    assert report["num_tokens"] > 8 * 4
+
+
+def test_levers_are_exact(small_report):
+    report, _ = small_report
+    runs = {r["name"]: r["metrics"] for r in report["runs"]}
+    for name in ("routing_replay", "routing_replay+sampling_mask"):
+        assert runs[name]["router_flip_rate"] == 0.0
+        assert runs[name]["token_flip_rate"] == 0.0
+        assert runs[name]["per_layer_flip_rate"] == [0.0] * len(report["moe_layers"])
+    for name in ("sampling_mask", "routing_replay+sampling_mask"):
+        assert runs[name]["support_mismatch_rate"] == 0.0
+    # negative controls: without the lever the trainer's own choices differ from the rollout's
+    assert runs["baseline"]["support_mismatch_rate"] > 0.0
+    # the sampling mask removes the truncation bias: the log-prob gap shrinks a lot
+    assert runs["sampling_mask"]["mean_abs_logp_diff"] < 0.5 * runs["baseline"]["mean_abs_logp_diff"]
+
+
+def test_fp32_both_sides_shrinks_the_gap(small_report):
+    report, _ = small_report
+    r32 = run_mismatch(MismatchConfig(num_prompts=8, max_new_tokens=24, batch_size=8, rollout_dtype="fp32"))
+    bf16 = {r["name"]: r["metrics"] for r in report["runs"]}
+    fp32 = {r["name"]: r["metrics"] for r in r32["runs"]}
+    aligned = "routing_replay+sampling_mask"
+    assert fp32[aligned]["max_abs_logp_diff"] < bf16[aligned]["max_abs_logp_diff"]
+    assert fp32[aligned]["max_abs_logp_diff"] < 1e-3
+
+
+def test_load_record_reproduces(small_report, tmp_path):
+    report, record = small_report
+    again = tmp_path / "again.json"
+    assert main(["mismatch", "-q", "--load-record", str(record), "--batch-size", "8", "--json", str(again)]) == 0
+    rerun = json.loads(again.read_text())
+    assert [r["metrics"] for r in rerun["runs"]] == [r["metrics"] for r in report["runs"]]
+
+
+def test_record_of_other_model_is_refused(small_report, tmp_path):
+    _, path = small_report
+    record = RolloutRecord.load(path)
+    record.meta = type(record.meta)(**{**record.meta.__dict__, "model_fingerprint": "0" * 16})
+    other = tmp_path / "other.safetensors"
+    record.save(other)
+    with pytest.raises(RecordMismatchError, match="model_fingerprint"):
+        run_mismatch(MismatchConfig(load_record=str(other), batch_size=8))
+
+
+def test_fail_above_exit_codes(small_report, tmp_path, capsys):
+    _, record = small_report
+    base = ["mismatch", "-q", "--load-record", str(record), "--batch-size", "8"]
+    assert main(base + ["--fail-above", "router_flip_rate=0", "--fail-above", "support_mismatch_rate=0"]) == 0
+    assert main(base + ["--fail-above", "kl_k3=-1"]) == 3
+    assert "kl_k3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("item, message", [
+    ("kl_k1", "METRIC=VALUE"),
+    ("=1", "METRIC=VALUE"),
+    ("nonsense=1", "unknown metric 'nonsense'"),
+    ("kl_k1=abc", "not a number"),
+    ("kl_k1=nan", "finite"),
+])
+def test_fail_above_parse_errors(item, message):
+    with pytest.raises(ValueError, match=message):
+        parse_fail_above([item])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "0"], "num_prompts must be >= 1"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--temperature", "0"], "temperature"),
+    (["--num-prompts", "100000"], "exceeds"),
+    (["--fail-above", "bogus=1"], "unknown metric"),
+    (["--load-record", "/nonexistent/record.safetensors"], "no record file"),
+    (["--prompts", "/nonexistent/prompts.json"], "cannot read prompts"),
+])
+def test_cli_bad_input(argv, message, capsys):
+    assert main(["mismatch", "-q", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_corrupt_record(small_report, tmp_path, capsys):
+    _, path = small_report
+    data = path.read_bytes()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    assert main(["mismatch", "-q", "--load-record", str(bad)]) == 2
+    assert "truncated or corrupt" in capsys.readouterr().err
+
+
+def test_cli_unknown_engine_and_dtype(capsys):
+    for argv in (["--train", "nope"], ["--rollout-dtype", "fp8"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["mismatch", *argv])
+        assert exc.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_engine_registry_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown training engine 'megatron2'"):
+        MismatchConfig(train_engine="megatron2")
+    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
+        MismatchConfig(rollout_dtype="int4")
+
+
+def test_routes_recorded_are_compact(small_report):
+    _, path = small_report
+    record = RolloutRecord.load(path)
+    assert record.meta.num_experts <= 256
+    assert all(s.routes.dtype == torch.uint8 for s in record.samples)

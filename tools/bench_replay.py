@@ -1,0 +1,172 @@
+"""Benchmark: cost of route/kept-set recording in generate() and of routing replay in the training forward.
+
+Each figure is a ratio against its baseline measured in the same run, interleaved, median of N:
+
+* generate():   ``hf.generate_with_record`` (routes + kept sets + log-probs) vs plain ``model.generate``
+                with the same sampling settings and seed (target: at most 1.03x).
+* train fwd:    full-sequence forward (+ backward with ``--backward``) with ``hf.replay_routing`` vs
+                without (target: at most 1.03x).
+* storage:      bytes per (token, MoE layer) of the saved route table (target: top_k bytes for <= 256
+                experts; vLLM's capture and SGLang use 4 bytes per id, verl 2).
+
+    python tools/bench_replay.py                 # the embedded model, CPU
+    python tools/bench_replay.py --model PATH --device cuda --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from moealign.embedded import default_prompts, embedded_model_path  # noqa: E402
+from moealign.patches import hf  # noqa: E402
+from moealign.record import RolloutRecord, SamplingParams  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _interleaved(fns: dict, repeats: int, device: str) -> dict[str, float]:
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="transformers MoE checkpoint (default: the embedded model)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="generate() dtype")
+    ap.add_argument("--train-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--backward", action="store_true", help="time forward + backward in the training step")
+    ap.add_argument("--json", help="write the figures as JSON")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    path = args.model or str(embedded_model_path())
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    prompts = default_prompts()[: args.batch]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ids, am = enc["input_ids"].to(args.device), enc["attention_mask"].to(args.device)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+
+    gen_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[args.dtype]).to(args.device).eval()
+
+    def plain_generate():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            gen_model.generate(input_ids=ids, attention_mask=am, do_sample=True, temperature=1.0, top_k=0,
+                               top_p=0.9, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                               pad_token_id=tok.pad_token_id, use_cache=True)
+
+    def recorded_generate():
+        torch.manual_seed(0)
+        return _record(gen_model, ids, am, sampling, args, tok)
+
+    # no EOS stop in either path so both generate the same number of tokens
+    record = recorded_generate()
+    gen = _interleaved({"plain": plain_generate, "record": recorded_generate}, args.repeats, args.device)
+
+    train_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[args.train_dtype]).to(args.device)
+    train_model.train(args.backward)
+    batch = record.to_padded("right", tok.pad_token_id)
+    routes, mask = record.routes_int64("padded")
+    x, xm = batch.input_ids.to(args.device), batch.attention_mask.to(args.device)
+
+    def step():
+        if args.backward:
+            out = train_model(input_ids=x, attention_mask=xm, use_cache=False)
+            out.logits.float().logsumexp(-1).mean().backward()
+            train_model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                train_model(input_ids=x, attention_mask=xm, use_cache=False)
+
+    replay = hf.RoutingReplay(train_model, hf.describe_model(train_model), fix_aux_loss=False)
+    replay.set_targets(routes, mask)
+
+    def replayed_step():
+        replay.attach()
+        try:
+            step()
+        finally:
+            replay.undo()
+
+    step()
+    replayed_step()
+    train = _interleaved({"plain": step, "replay": replayed_step}, args.repeats * 3, args.device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        file = os.path.join(tmp, "record.safetensors")
+        record.save(file)
+        loaded = RolloutRecord.load(file)
+    route_rows = sum(s.routes.shape[0] for s in loaded.samples)
+    n_layers, k = len(record.meta.moe_layers), record.meta.top_k
+    route_bytes = sum(s.routes.numel() * s.routes.element_size() for s in loaded.samples)
+    bytes_per_token_layer = route_bytes / (route_rows * n_layers)
+
+    result = {
+        "model": "embedded:tiny_moe" if not args.model else args.model,
+        "device": args.device, "threads": torch.get_num_threads(),
+        "batch": args.batch, "new_tokens": args.new_tokens, "gen_dtype": args.dtype, "train_dtype": args.train_dtype,
+        "generate_plain_ms": gen["plain"] * 1e3, "generate_record_ms": gen["record"] * 1e3,
+        "generate_ratio": gen["record"] / gen["plain"],
+        "train_step": "forward+backward" if args.backward else "forward",
+        "train_plain_ms": train["plain"] * 1e3, "train_replay_ms": train["replay"] * 1e3,
+        "train_ratio": train["replay"] / train["plain"],
+        "route_bytes_per_token_layer": bytes_per_token_layer, "top_k": k, "num_experts": record.meta.num_experts,
+        "route_dtype": str(record.meta.route_dtype).replace("torch.", ""),
+    }
+    print(f"model {result['model']} on {args.device} ({result['threads']} threads), batch {args.batch} x "
+          f"{args.new_tokens} new tokens")
+    print(f"generate() {args.dtype}:  plain {result['generate_plain_ms']:8.2f} ms   record "
+          f"{result['generate_record_ms']:8.2f} ms   ratio {result['generate_ratio']:.3f}x  (target <= 1.03x)")
+    print(f"train {result['train_step']} {args.train_dtype}:  plain {result['train_plain_ms']:8.2f} ms   replay "
+          f"{result['train_replay_ms']:8.2f} ms   ratio {result['train_ratio']:.3f}x  (target <= 1.03x)")
+    print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
+          f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+def _record(model, ids, am, sampling, args, tok):
+    # min_new_tokens keeps both paths at the same length (no early EOS)
+    gen_config = model.generation_config
+    old = gen_config.min_new_tokens
+    gen_config.min_new_tokens = args.new_tokens
+    try:
+        return hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=args.new_tokens,
+                                       pad_token_id=tok.pad_token_id)
+    finally:
+        gen_config.min_new_tokens = old
+
+
+if __name__ == "__main__":
+    sys.exit(main())
