@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--backward", action="store_true", help="time forward + backward in the training step")
     ap.add_argument("--json", help="write the figures as JSON")
+    ap.add_argument("--prompts", help="JSON list of prompts (default: the shipped set)")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    prompts = default_prompts()[: args.batch]
+    prompts = default_prompts(args.prompts)[: args.batch]
     enc = tok(prompts, return_tensors="pt", padding=True)
     ids, am = enc["input_ids"].to(args.device), enc["attention_mask"].to(args.device)
     sampling = SamplingParams(temperature=1.0, top_p=0.9)

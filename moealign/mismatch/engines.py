@@ -87,7 +87,14 @@ def _load_hf(model_path: str, dtype: torch.dtype, device: str):
     from .._optional import require
 
     transformers = require("transformers", "the 'hf' engine needs transformers (pip install 'moealign[hf]')")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    logging = transformers.utils.logging
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()   # the harness draws its own progress; restore the user's setting after
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
     model.to(device).eval()
     return transformers, model
 
