@@ -124,6 +124,9 @@ class RecordMeta:
     def __post_init__(self):
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))
         object.__setattr__(self, "router_signature", tuple(float(x) for x in self.router_signature))
+        if len(self.router_signature) % 2:
+            raise RecordError(f"meta: router_signature holds (mean, rms) pairs, got "
+                              f"{len(self.router_signature)} values")
         if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
             raise RecordError(f"meta: need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
                               f"num_experts={self.num_experts}")
@@ -225,6 +228,8 @@ def routes_from_all_layers(routes: torch.Tensor, moe_layers: Sequence[int]) -> t
     t = torch.as_tensor(routes)
     if t.dim() != 3:
         raise RecordError(f"routes must be [rows, layers, k], got shape {tuple(t.shape)}")
+    if moe_layers and min(moe_layers) < 0:
+        raise RecordError(f"moe_layers must be decoder-layer numbers >= 0, got negative layer {min(moe_layers)}")
     if moe_layers and max(moe_layers) >= t.shape[1]:
         raise RecordError(f"routes have {t.shape[1]} layers but moe_layers go up to {max(moe_layers)}")
     if t.dtype not in (torch.uint8, torch.int16, torch.int32, torch.int64):
@@ -544,6 +549,8 @@ class RolloutRecord:
         """Routes as int64 ``[rows, n_layers, k]`` plus the ``route_mask`` of the chosen layout."""
         if not self.has_routes:
             raise RecordError("this record has no routes (record with routing capture enabled)")
+        if layout not in ("packed", "padded"):
+            raise RecordError(f"layout must be 'packed' or 'padded', got {layout!r}")
         batch = self.to_packed() if layout == "packed" else self.to_padded(side)
         routes = expand_routes(batch.routes)
         return routes.reshape(-1, *routes.shape[-2:]), batch.route_mask.reshape(-1)
@@ -649,7 +656,12 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
             raise RecordMismatchError(f"{path}: routes have shape {tuple(routes.shape)}, the metadata implies "
                                       f"{want} (layers {list(meta.moe_layers)}, top_k {meta.top_k})")
     kept = None
+    if ("kept_offsets" in tensors) != ("kept_ids" in tensors):
+        raise RecordFormatError(f"{path}: record file has only one of kept_offsets / kept_ids")
     if "kept_offsets" in tensors:
+        if tuple(tensors["kept_offsets"].shape) != (sum(resp_lens) + 1,):
+            raise RecordFormatError(f"{path}: kept_offsets has shape {tuple(tensors['kept_offsets'].shape)}, "
+                                    f"expected ({sum(resp_lens) + 1},) = response tokens + 1")
         kept = _split_kept(tensors["kept_offsets"], tensors["kept_ids"], resp_lens)
     samples, lp, rt = [], 0, 0
     for b in range(B):

@@ -92,7 +92,11 @@ def validate_routes(ids: torch.Tensor, num_experts: int, *, name: str = "routes"
         )
     if ids.numel() == 0:
         return
-    out_of_range = (ids < 0) | (ids >= num_experts)
+    # compare in a dtype that can hold num_experts: on uint8 routes, 256 wraps to 0
+    if ids.dtype == torch.int64 or num_experts <= torch.iinfo(ids.dtype).max:
+        out_of_range = (ids < 0) | (ids >= num_experts)
+    else:
+        out_of_range = ids < 0
     if bool(out_of_range.any()):
         index = tuple(int(i) for i in out_of_range.nonzero()[0])
         raise RouteError(
