@@ -49,6 +49,7 @@ __all__ = [
     "PackedBatch",
     "config_fingerprint",
     "router_signature",
+    "router_samples",
     "routes_from_all_layers",
 ]
 
@@ -118,15 +119,20 @@ class RecordMeta:
     vocab_size: int
     dtype: str
     router_signature: tuple[float, ...] = ()
+    router_samples: tuple[float, ...] = ()
     model_name: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))
         object.__setattr__(self, "router_signature", tuple(float(x) for x in self.router_signature))
+        object.__setattr__(self, "router_samples", tuple(float(x) for x in self.router_samples))
         if len(self.router_signature) % 2:
             raise RecordError(f"meta: router_signature holds (mean, rms) pairs, got "
                               f"{len(self.router_signature)} values")
+        if self.router_samples and len(self.router_samples) != ROUTER_SAMPLES * (len(self.router_signature) // 2):
+            raise RecordError(f"meta: router_samples holds {ROUTER_SAMPLES} values per router of router_signature, "
+                              f"got {len(self.router_samples)} values for {len(self.router_signature) // 2} routers")
         if self.num_experts < 1 or self.top_k < 1 or self.top_k > self.num_experts:
             raise RecordError(f"meta: need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
                               f"num_experts={self.num_experts}")
@@ -172,8 +178,15 @@ class RecordMeta:
                     scale = _ROUTER_SIGNATURE_RTOL * max(abs(sa[r + 1]), abs(sb[r + 1]), 1e-12)
                     if abs(sa[r] - sb[r]) > scale or abs(sa[r + 1] - sb[r + 1]) > scale:
                         bad.append(r // 2)
+                xa, xb = self.router_samples, other.router_samples
+                if xa and xb and len(xa) == len(xb):
+                    for r in range(len(sa) // 2):   # sampled weight entries, tolerance relative to the rms
+                        scale = _ROUTER_SIGNATURE_RTOL * max(abs(sa[2 * r + 1]), abs(sb[2 * r + 1]), 1e-12)
+                        lo, hi = r * ROUTER_SAMPLES, (r + 1) * ROUTER_SAMPLES
+                        if r not in bad and any(abs(a - b) > scale for a, b in zip(xa[lo:hi], xb[lo:hi])):
+                            bad.append(r)
                 if bad:
-                    problems.append(f"router weights differ (routers {bad[:8]}): other weights")
+                    problems.append(f"router weights differ (routers {sorted(bad)[:8]}): other weights")
         if problems:
             raise RecordMismatchError(f"the record does not belong to this {what}: " + "; ".join(problems))
 
@@ -217,6 +230,23 @@ def router_signature(router_weights: Iterable[torch.Tensor]) -> tuple[float, ...
     for w in router_weights:
         w64 = w.detach().to("cpu", torch.float64)
         out += [float(w64.mean()), float(w64.square().mean().sqrt())]
+    return tuple(out)
+
+
+ROUTER_SAMPLES = 8
+
+
+def router_samples(router_weights: Iterable[torch.Tensor], n: int = ROUTER_SAMPLES) -> tuple[float, ...]:
+    """``n`` weight entries per router at fixed, evenly spaced flat positions.
+
+    The mean and RMS of :func:`router_signature` cannot tell two random inits of one config apart;
+    individual entries can, and a dtype cast moves them by far less than the tolerance (2% of the RMS).
+    """
+    out: list[float] = []
+    for w in router_weights:
+        flat = w.detach().reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, n).round().to(torch.int64)
+        out += [float(x) for x in flat[idx.to(flat.device)].to("cpu", torch.float64)]
     return tuple(out)
 
 

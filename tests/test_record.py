@@ -1197,3 +1197,24 @@ def test_property_round_trips(record, pad):
         assert_records_equal(record, back)
         # and once more through a layout of the loaded record
         assert_records_equal(record, RolloutRecord.from_packed(back.meta, back.to_packed(), sampling))
+
+
+def test_router_samples_tell_random_inits_apart_but_not_dtype_casts():
+    """mean/RMS alone cannot separate two random inits of one config; sampled entries can."""
+    from moealign.record import router_samples
+
+    torch.manual_seed(1)
+    a = [torch.randn(64, 2048) * 0.02 for _ in range(3)]   # large enough for mean/RMS to agree
+    b = [torch.randn(64, 2048) * 0.02 for _ in range(3)]
+
+    def meta(ws):
+        return dataclasses.replace(META, router_signature=router_signature(ws), router_samples=router_samples(ws))
+
+    meta(a).check_matches(meta([w.to(torch.bfloat16) for w in a]))
+    meta(a).check_matches(meta([w.to(torch.float16) for w in a]))
+    # negative control: without the samples the two inits pass as the same model
+    dataclasses.replace(meta(a), router_samples=()).check_matches(meta(b))
+    with pytest.raises(RecordMismatchError, match=r"router weights differ \(routers \[0, 1, 2\]\)"):
+        meta(a).check_matches(meta(b))
+    with pytest.raises(RecordError, match="router_samples holds 8 values per router"):
+        dataclasses.replace(meta(a), router_samples=(0.1,) * 5)

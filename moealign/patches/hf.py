@@ -25,6 +25,7 @@ gradient; the auxiliary load-balancing loss is recomputed from the replayed choi
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -32,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..record import RecordMeta, RolloutRecord, Sample, SamplingParams, config_fingerprint, router_signature
+from ..record import (RecordMeta, RolloutRecord, Sample, SamplingParams, config_fingerprint, router_samples,
+                      router_signature)
 from ..routing_replay.gates import (
     RouterScoring,
     load_balancing_loss,
@@ -200,6 +202,7 @@ def record_meta(model: torch.nn.Module, *, engine: str = "transformers", info: M
         vocab_size=info.vocab_size,
         dtype=str(dtype).replace("torch.", ""),
         router_signature=router_signature(m.weight for _, m in info.routers),
+        router_samples=router_samples(m.weight for _, m in info.routers),
         model_name=str(getattr(model.config, "_name_or_path", "") or ""),
     )
 
@@ -428,6 +431,9 @@ def generate_with_record(
 # --------------------------------------------------------------------------------------------------
 
 
+_NO_FORWARD = object()
+
+
 @dataclass
 class ReplayCounter:
     forwards: int = 0
@@ -449,6 +455,7 @@ class RoutingReplay:
     _weights: list[torch.Tensor] | None = None
     _live: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _active: bool = False
+    _saved_model_forward: object = None   # the instance-level ``forward`` the model had before attach, if any
 
     def __post_init__(self):
         self.counters = [ReplayCounter() for _ in self.info.routers]
@@ -544,25 +551,37 @@ class RoutingReplay:
         return forward
 
     def _model_forward(self, original):
+        signature = inspect.signature(type(self.model).forward)
+
         def forward(*args, **kwargs):
             self._live.clear()
+            # The aux loss is fixed on the output object: where the caller asks for a tuple, get the object
+            # and convert at the end, as transformers' ``can_return_tuple`` does.
+            want_tuple = kwargs.get("return_dict") is False
+            if want_tuple:
+                kwargs["return_dict"] = True
             out = original(*args, **kwargs)
             aux = getattr(out, "aux_loss", None)
-            if aux is None or not self._live:
-                return out
-            by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for index, logits, ids in self._live:   # with activation recompute the last call per layer wins
-                by_layer[index] = (logits, ids)
-            ordered = [by_layer[i] for i in sorted(by_layer)]
-            new_aux = load_balancing_loss([lg for lg, _ in ordered], [ids for _, ids in ordered],
-                                          self.info.num_experts, self.info.top_k,
-                                          attention_mask=kwargs.get("attention_mask"))
-            coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0))
-            if getattr(out, "loss", None) is not None:
-                out.loss = out.loss - coef * aux.to(out.loss.device) + coef * new_aux.to(out.loss.device)
-            out.aux_loss = new_aux
+            if aux is not None and self._live:
+                by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+                for index, logits, ids in self._live:   # with activation recompute the last call per layer wins
+                    by_layer[index] = (logits, ids)
+                ordered = [by_layer[i] for i in sorted(by_layer)]
+                try:   # attention_mask may come by keyword or by position
+                    attention_mask = signature.bind_partial(self.model, *args, **kwargs).arguments.get("attention_mask")
+                except TypeError:
+                    attention_mask = kwargs.get("attention_mask")
+                new_aux = load_balancing_loss([lg for lg, _ in ordered], [ids for _, ids in ordered],
+                                              self.info.num_experts, self.info.top_k,
+                                              attention_mask=attention_mask)
+                # the coefficient the model itself applied (an instance attribute in every supported family)
+                coef = float(getattr(self.model, "router_aux_loss_coef",
+                                     getattr(self.model.config, "router_aux_loss_coef", 0.0)))
+                if getattr(out, "loss", None) is not None:
+                    out.loss = out.loss - coef * aux.to(out.loss.device) + coef * new_aux.to(out.loss.device)
+                out.aux_loss = new_aux
             self._live.clear()
-            return out
+            return out.to_tuple() if want_tuple and not isinstance(out, tuple) else out
 
         return forward
 
@@ -576,6 +595,7 @@ class RoutingReplay:
         for index, (_, module) in enumerate(self.info.routers):
             module.forward = self._router_forward(index, module)
         if self.fix_aux_loss:
+            self._saved_model_forward = self.model.__dict__.get("forward", _NO_FORWARD)
             self.model.forward = self._model_forward(self.model.forward)
         self._active = True
         return self
@@ -586,7 +606,11 @@ class RoutingReplay:
         for _, module in self.info.routers:
             module.__dict__.pop("forward", None)
         if self.fix_aux_loss:
-            self.model.__dict__.pop("forward", None)
+            if self._saved_model_forward is _NO_FORWARD:
+                self.model.__dict__.pop("forward", None)
+            else:   # put back a wrapper someone else installed (accelerate, a profiler, ...)
+                self.model.__dict__["forward"] = self._saved_model_forward
+            self._saved_model_forward = None
         self._live.clear()
         self._active = False
 
