@@ -289,6 +289,22 @@ def test_record_is_deterministic_with_seed(models):
     assert any(not torch.equal(x.token_ids, z.token_ids) for x, z in zip(a.samples, c.samples))
 
 
+def test_kept_set_chunked_flush_equals_single_chunk(models, monkeypatch):
+    """Kept-set masks flushed every step (many chunks) give the same record as one chunk; it validates."""
+    model = models["qwen3_moe"]
+    ids, am = left_padded_prompts()
+    sampling = SamplingParams(top_p=0.9, top_k=40)
+    one = hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=6, seed=3)
+    monkeypatch.setattr(hf, "KEPT_SET_FLUSH_BYTES", 1)
+    many = hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=6, seed=3, validate=True)
+    many.validate()
+    one.validate()
+    for x, y in zip(one.samples, many.samples):
+        assert torch.equal(x.kept_offsets, y.kept_offsets) and torch.equal(x.kept_ids, y.kept_ids)
+        assert torch.equal(x.logprobs, y.logprobs)
+    assert sum(s.kept_ids.numel() for s in one.samples) > 0
+
+
 def test_record_without_routes_or_kept_sets(models):
     model = models["olmoe"]
     ids, am = left_padded_prompts()
