@@ -21,3 +21,19 @@ def test_bench_correction_smoke(tmp_path):
     assert rows[0]["case"].startswith("floor") and rows[0]["ratio_to_floor"] == 1.0
     assert len(rows) == 1 + 2 * 2  # floor + 2 presets x (plain, +agreement)
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_bench_replay_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_replay.py"), "--batch", "2", "--new-tokens", "4",
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ratio" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["generate_ratio"] > 0 and result["train_ratio"] > 0
+    # uint8 routes: exactly top_k bytes per (token, MoE layer) for <= 256 experts
+    assert result["route_dtype"] == "uint8"
+    assert result["route_bytes_per_token_layer"] == result["top_k"]
