@@ -259,9 +259,10 @@ class RouteCapture:
 
 
 @contextlib.contextmanager
-def capture_routes(model: torch.nn.Module, *, keep_logits: bool = False) -> Iterator[RouteCapture]:
+def capture_routes(model: torch.nn.Module, *, keep_logits: bool = False,
+                   info: MoEModelInfo | None = None) -> Iterator[RouteCapture]:
     """Record every router decision of ``model`` while the block runs (hooks removed on exit)."""
-    capture = RouteCapture(describe_model(model), keep_logits).attach()
+    capture = RouteCapture(info or describe_model(model), keep_logits).attach()
     try:
         yield capture
     finally:
@@ -275,51 +276,47 @@ KEPT_SET_FLUSH_BYTES = 64 << 20
 class _KeptSetCapture:
     """The last logits processor of ``generate()``: sees the processed scores sampling uses.
 
-    Per step it keeps the kept set (finite entries) and resolves the previous step's sampled token's
-    log-prob (``score - logsumexp(scores)``) once the token appears in ``input_ids``. Kept-set masks are
-    buffered and turned into ids in chunks (one ``nonzero`` per chunk, not per step), so the capture
-    costs a few vector ops per step.
+    It keeps each step's processed scores (a reference: transformers does not modify them after the
+    processors) and, in chunks bounded by ``flush_bytes``, turns them into the kept sets (finite entries)
+    and the sampled tokens' log-probs (``score - logsumexp(scores)``), once the tokens are known. Per
+    step the capture costs one list append; the work is a few large vector ops per chunk.
     """
 
     def __init__(self, prompt_width: int, flush_bytes: int = 64 << 20):
         self.prompt_width = prompt_width
         self.flush_bytes = flush_bytes
         self.steps = 0
-        self.logprobs: list[torch.Tensor] = []             # per step [B]
+        self.logprobs: list[torch.Tensor] = []             # per chunk [B, S_c]
         self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []   # (counts [B, S_c], ids int32 b-major)
-        self._masks: list[torch.Tensor] = []               # pending per-step bool [B, V]
-        self._prev: torch.Tensor | None = None
-        self._prev_lse: torch.Tensor | None = None
+        self._pending: list[torch.Tensor] = []             # per step float32 [B, V], not yet flushed
+        self._flushed = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         if step != self.steps:
             raise ReplayError(f"kept-set capture saw step {step} after {self.steps} steps: generate() "
                               f"did not call the logits processors once per token")
-        self._resolve(input_ids[:, -1:])
-        scores32 = scores.to(torch.float32)
-        self._prev, self._prev_lse = scores32, torch.logsumexp(scores32, dim=-1)
-        self._masks.append(scores32 > float("-inf"))
+        if self._pending and len(self._pending) * self._pending[0].numel() * 4 >= self.flush_bytes:
+            self._flush(input_ids)   # the tokens of every pending step are in input_ids now
+        self._pending.append(scores.to(torch.float32))
         self.steps += 1
-        if len(self._masks) * scores.numel() >= self.flush_bytes:
-            self._flush()
         return scores
 
-    def _resolve(self, tokens: torch.Tensor) -> None:
-        if self._prev is not None:
-            self.logprobs.append(self._prev.gather(1, tokens).squeeze(1) - self._prev_lse)
-            self._prev = self._prev_lse = None
-
-    def _flush(self) -> None:
-        if self._masks:
-            masks = torch.stack(self._masks, dim=1)          # [B, S_c, V]
-            self.chunks.append((masks.sum(dim=-1), masks.nonzero()[:, 2].to(torch.int32)))
-            self._masks = []
+    def _flush(self, tokens: torch.Tensor) -> None:
+        if not self._pending:
+            return
+        scores = torch.stack(self._pending, dim=1)                        # [B, S_c, V]
+        lo = self.prompt_width + self._flushed
+        sampled = tokens[:, lo:lo + scores.shape[1]].to(scores.device)    # [B, S_c]
+        lse = torch.logsumexp(scores, dim=-1)
+        self.logprobs.append(scores.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) - lse)
+        kept = scores > float("-inf")
+        self.chunks.append((kept.sum(dim=-1), kept.nonzero()[:, 2].to(torch.int32)))
+        self._flushed += scores.shape[1]
+        self._pending = []
 
     def finish(self, sequences: torch.Tensor) -> None:
-        if len(self.logprobs) < self.steps:
-            self._resolve(sequences[:, -1:])
-        self._flush()
+        self._flush(sequences)
 
     def kept_sets(self, resp_lens: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per sample, the CSR kept sets of its first ``resp_lens[b]`` steps."""
@@ -411,7 +408,7 @@ def generate_with_record(
     if seed is not None:
         torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:
-        capture = stack.enter_context(capture_routes(model)) if record_routes else None
+        capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
         stack.enter_context(_append_logits_processor(model, kept))
         with torch.no_grad():
             sequences = model.generate(
@@ -423,7 +420,7 @@ def generate_with_record(
     kept.finish(sequences)
     generated = sequences[:, S0:]
     steps = generated.shape[1]
-    if kept.steps != steps or len(kept.logprobs) != steps:
+    if kept.steps != steps or sum(lp.shape[1] for lp in kept.logprobs) != steps:
         raise ReplayError(f"kept-set capture saw {kept.steps} steps for {steps} generated tokens")
     resp_lens = _response_lengths(generated, eos_ids)
 
@@ -438,9 +435,9 @@ def generate_with_record(
             prefill = calls[0].reshape(B, S0, -1)
             decode = [c.reshape(B, 1, -1) for c in calls[1:]]
             per_layer.append(torch.cat([prefill] + decode, dim=1))   # [B, S0 + steps - 1, k]
-        routes_bt = torch.stack(per_layer, dim=2).cpu()              # [B, S0 + steps - 1, n, k]
+        routes_bt = compact_routes(torch.stack(per_layer, dim=2), info.num_experts).cpu()  # [B, S0+steps-1, n, k]
 
-    logprobs = torch.stack(kept.logprobs, dim=1).cpu()                # [B, steps]
+    logprobs = torch.cat(kept.logprobs, dim=1).cpu()                  # [B, steps]
     kept_sets = kept.kept_sets(resp_lens) if record_kept_sets else None
 
     meta = record_meta(model, engine=engine, info=info)
@@ -453,7 +450,7 @@ def generate_with_record(
         routes = None
         if routes_bt is not None:
             valid = torch.cat([am_cpu[b].bool(), torch.ones(R - 1, dtype=torch.bool)])
-            routes = compact_routes(routes_bt[b, :S0 + R - 1][valid], info.num_experts)
+            routes = routes_bt[b, :S0 + R - 1][valid]   # validated and compacted once above
         kept_offsets, kept_ids = kept_sets[b] if kept_sets is not None else (None, None)
         samples.append(Sample(token_ids=token_ids, prompt_len=int(prompt.numel()), logprobs=logprobs[b, :R].clone(),
                               routes=routes, kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=sampling))
