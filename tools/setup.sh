@@ -31,7 +31,7 @@ fi
 stamp="$VENV/.moealign-install-stamp"
 want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import moealign" >/dev/null 2>&1; then
-  "${PIP[@]}" install -e ".[test,hf]"
+  "${PIP[@]}" install -e ".[test,hf,megatron]"
   echo "$want" >"$stamp"
 fi
 

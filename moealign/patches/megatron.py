@@ -1,0 +1,338 @@
+"""Megatron-core adapter: CPU mode, replay safety audit, and a driver for Megatron's own RouterReplay.
+
+Megatron-core (0.16.1 to 0.19.x) already has routing replay (``moe_enable_routing_replay=True``: one
+``RouterReplay`` per ``TopKRouter``, a process-global list, actions RECORD / REPLAY_FORWARD /
+REPLAY_BACKWARD). This module drives it instead of re-implementing it, and guards its traps:
+
+* :func:`audit_replay_config` raises :class:`ReplayConfigError` naming the field for every config in
+  which replay would silently not apply or be wrong (router fusion, sinkhorn / quantile routing,
+  capacity-factor token dropping, replay disabled).
+* :class:`RouterReplayDriver` binds targets to the live routers of one model by ``layer_number`` (never
+  by position in the global list; MTP routers excluded), converts a record's routes into each router's
+  int64 ``[local_tokens, k]`` targets, sets the actions, and counts what every router consumed.
+* :func:`enable_megatron_cpu` is an explicit, reversible CPU mode (tests, the embedded default); it
+  refuses to activate when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..routing_replay.routes import RouteError, validate_routes
+from ._version import UnsupportedEngineError, check_engine_version, engine_version
+
+__all__ = [
+    "SUPPORTED_MEGATRON",
+    "ReplayConfigError",
+    "ReplayCounterError",
+    "megatron_version",
+    "enable_megatron_cpu",
+    "MegatronCPUMode",
+    "audit_replay_config",
+    "moe_routers",
+    "RouterReplayDriver",
+]
+
+SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
+_SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
+_AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+class ReplayConfigError(ValueError):
+    """A Megatron config in which routing replay would silently not apply, or apply wrongly."""
+
+
+class ReplayCounterError(RuntimeError):
+    """A router did not consume exactly its replay targets."""
+
+
+def megatron_version():
+    """Import megatron.core and check its version against :data:`SUPPORTED_MEGATRON`."""
+    _, version = engine_version("megatron.core", "moealign.patches.megatron needs megatron-core")
+    check_engine_version("megatron-core", version, SUPPORTED_MEGATRON)
+    return version
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU mode
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MegatronCPUMode:
+    """Undo handle of :func:`enable_megatron_cpu` (also a context manager)."""
+
+    _saved: list[tuple[object, str, object, bool]] = field(default_factory=list)
+    active: bool = False
+
+    def _set(self, owner, name: str, value) -> None:
+        had = hasattr(owner, name)
+        self._saved.append((owner, name, getattr(owner, name, None), had))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        for owner, name, value, had in reversed(self._saved):
+            if had:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+        self._saved.clear()
+        self.active = False
+
+    def __enter__(self) -> "MegatronCPUMode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def enable_megatron_cpu() -> MegatronCPUMode:
+    """Let Megatron-core build and run models on CPU (gloo), reversibly.
+
+    Patches, all undone by ``undo()``: ``torch.cuda.current_device`` returns ``"cpu"`` (Megatron moves
+    router weights and rotary buffers to it); the tensor-parallel CUDA RNG tracker uses the CPU RNG;
+    ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; 0.16.1's ``moe_utils`` gets the
+    names it only defines when transformer-engine imports (set to None, as 0.19 does itself).
+    Raises RuntimeError when CUDA is available: the CPU mode is never active on a GPU machine.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("enable_megatron_cpu() refuses to run where CUDA is available; use the GPU")
+    megatron_version()
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    mode = MegatronCPUMode()
+    mode._set(torch.cuda, "current_device", lambda: "cpu")
+    mode._set(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    mode._set(torch.cuda, "manual_seed", lambda seed: None)
+    mode._set(mrandom, "_get_cuda_rng_state",
+              lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    mode._set(mrandom, "_set_cuda_rng_state",
+              lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+                 "fused_moe_aux_loss"):
+        if not hasattr(moe_utils, name):
+            mode._set(moe_utils, name, None)
+    mode.active = True
+    return mode
+
+
+# --------------------------------------------------------------------------------------------------
+# audit
+# --------------------------------------------------------------------------------------------------
+
+
+def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
+    """Raise :class:`ReplayConfigError` naming the field for every setting that breaks replay.
+
+    ``aux_loss``: Megatron computes its load-balancing aux loss from the router's *own* top-k, not the
+    replayed one: ``"warn"`` (default) warns, ``"error"`` raises, ``"ignore"`` says nothing. Returns the
+    warnings issued.
+    """
+    problems, notes = [], []
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    if not get("moe_enable_routing_replay", False):
+        problems.append("moe_enable_routing_replay=False: the routers have no RouterReplay, nothing would replay")
+    if get("moe_router_fusion", False):
+        problems.append("moe_router_fusion=True: the fused top-k returns before the replay hook, so replay is "
+                        "silently ignored; set moe_router_fusion=False")
+    lb = get("moe_router_load_balancing_type", "aux_loss")
+    lb_types = lb if isinstance(lb, (list, tuple)) else [lb]
+    for t in lb_types:
+        if t in _SKIPPING_ROUTING_TYPES:
+            problems.append(f"moe_router_load_balancing_type={t!r}: this routing type bypasses RouterReplay")
+    if get("moe_expert_capacity_factor") is not None:
+        problems.append(f"moe_expert_capacity_factor={get('moe_expert_capacity_factor')}: token dropping runs "
+                        f"after replay and can drop replayed routes; use dropless MoE (None)")
+    if not get("num_moe_experts"):
+        problems.append("num_moe_experts is not set: not a MoE config")
+    if problems:
+        raise ReplayConfigError("routing replay would not apply as asked: " + "; ".join(problems))
+    coeff = get("moe_aux_loss_coeff", 0.0)
+    coeff = sum(coeff) if isinstance(coeff, (list, tuple)) else coeff
+    if any(t in _AUX_FROM_OWN_TOPK for t in lb_types) and coeff:
+        msg = (f"moe_router_load_balancing_type={lb!r} with moe_aux_loss_coeff={coeff}: Megatron computes the "
+               f"aux loss from the router's own top-k, not the replayed experts")
+        if aux_loss == "error":
+            raise ReplayConfigError(msg)
+        if aux_loss == "warn":
+            warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+    return notes
+
+
+# --------------------------------------------------------------------------------------------------
+# routers and the driver
+# --------------------------------------------------------------------------------------------------
+
+
+def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, TopKRouter)`` of ``model``'s MoE layers, ascending; MTP routers excluded.
+
+    Megatron's ``layer_number`` is 1-based; the returned index is 0-based like the record's ``moe_layers``.
+    """
+    megatron_version()
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, TopKRouter) and ".mtp." not in f".{name}." and not name.startswith("mtp"):
+            if module.layer_number is None:
+                raise UnsupportedEngineError(f"router {name!r} has no layer_number (set_layer_number not called)")
+            if getattr(module, "router_replay", None) is None:
+                raise ReplayConfigError(f"router {name!r} has no RouterReplay: build the model with "
+                                        f"moe_enable_routing_replay=True")
+            out.append((int(module.layer_number) - 1, module))
+    if not out:
+        raise UnsupportedEngineError("no TopKRouter in this model")
+    out.sort(key=lambda item: item[0])
+    layers = [layer for layer, _ in out]
+    if len(set(layers)) != len(layers):
+        raise UnsupportedEngineError(f"several routers share a layer_number: {layers}")
+    return out
+
+
+@dataclass
+class _Counter:
+    calls: int = 0
+    rows: int = 0
+
+
+class RouterReplayDriver:
+    """Drive Megatron's RouterReplay for one model.
+
+    ``set_routes(routes, moe_layers, batch_shape=(B, T))`` takes a record's routes ``[B*T, n_layers, k]``
+    (padded batch order, row = b*T + t, as :meth:`RolloutRecord.routes_int64` gives) or ``[N, n_layers, k]``
+    (packed, ``batch_shape=None``) and hands each router its int64 ``[local_tokens, k]`` targets in
+    Megatron's sequence-first order (row = t*B + b). ``forward()`` / ``backward()`` set REPLAY_FORWARD /
+    REPLAY_BACKWARD (activation recompute) around the model call; ``check()`` verifies the counters;
+    ``clear()`` empties targets and FIFOs between phases. Rows without a recorded route must be given
+    *distinct* padding experts (Megatron's dispatcher assumes k distinct experts per token).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, audit: bool = True):
+        self.model = model
+        config = getattr(model, "config", None)
+        if audit and config is not None:
+            audit_replay_config(config, aux_loss="ignore")
+        self.routers = moe_routers(model)
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        registry = RouterReplay.global_router_replay_instances
+        stale = [layer for layer, r in self.routers if not any(inst is r.router_replay for inst in registry)]
+        if stale:
+            raise ReplayConfigError(f"routers of layers {stale} are not in RouterReplay's global list (a stale "
+                                    f"model, or clear_global_router_replay_instances() was called after build)")
+        self.counters = [_Counter() for _ in self.routers]
+        self._originals = []
+        self._rows = None
+        for index, (_, router) in enumerate(self.routers):
+            self._wrap(index, router.router_replay)
+
+    def _wrap(self, index: int, replay) -> None:
+        original = replay.get_replay_topk
+
+        def get_replay_topk(scores, topk, *args, **kwargs):
+            if replay.router_replay_action is not None and replay.router_replay_action.value != "record":
+                self.counters[index].calls += 1
+                self.counters[index].rows += scores.shape[0]
+                want = self._rows
+                if want is not None and scores.shape[0] != want:
+                    layer = self.routers[index][0]
+                    raise ReplayCounterError(f"layer {layer}: the router saw {scores.shape[0]} tokens, the replay "
+                                             f"targets have {want} rows")
+            return original(scores, topk, *args, **kwargs)
+
+        replay.get_replay_topk = get_replay_topk
+        self._originals.append(replay)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer, _ in self.routers)
+
+    def set_routes(self, routes: torch.Tensor, moe_layers, *, batch_shape: tuple[int, int] | None = None,
+                   num_experts: int | None = None) -> None:
+        if routes.dim() != 3:
+            raise RouteError(f"routes must be [rows, layers, k], got shape {tuple(routes.shape)}")
+        moe_layers = tuple(int(x) for x in moe_layers)
+        if len(moe_layers) != routes.shape[1]:
+            raise RouteError(f"routes have {routes.shape[1]} layers but moe_layers lists {len(moe_layers)}")
+        missing = [layer for layer in self.moe_layers if layer not in moe_layers]
+        if missing:
+            raise RouteError(f"the record has no routes for this model's MoE layers {missing} "
+                             f"(record layers {list(moe_layers)}, model layers {list(self.moe_layers)})")
+        k = int(self.routers[0][1].topk)
+        if routes.shape[2] != k:
+            raise RouteError(f"routes have k={routes.shape[2]}, the model routes top-{k}")
+        E = num_experts or int(self.routers[0][1].config.num_moe_experts)
+        validate_routes(routes, E, name="replay routes")
+        ids = routes.to(torch.int64)
+        if batch_shape is not None:
+            B, T = batch_shape
+            if ids.shape[0] != B * T:
+                raise RouteError(f"routes have {ids.shape[0]} rows, batch_shape {batch_shape} implies {B * T}")
+            ids = ids.reshape(B, T, *ids.shape[1:]).transpose(0, 1).reshape(B * T, *ids.shape[1:])
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_indices()
+        for layer, router in self.routers:
+            router.router_replay.set_target_indices(ids[:, moe_layers.index(layer)].contiguous())
+        self._rows = ids.shape[0]
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        with self._action(RouterReplayAction.REPLAY_FORWARD):
+            yield
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        with self._action(RouterReplayAction.REPLAY_BACKWARD):
+            yield
+
+    @contextlib.contextmanager
+    def _action(self, action) -> Iterator[None]:
+        for _, router in self.routers:
+            router.router_replay.set_router_replay_action(action)
+        try:
+            yield
+        finally:
+            for _, router in self.routers:
+                router.router_replay.clear_router_replay_action()
+
+    def check(self, calls: int = 1) -> None:
+        bad = [(layer, c) for (layer, _), c in zip(self.routers, self.counters)
+               if c.calls != calls or (self._rows is not None and c.rows != calls * self._rows)]
+        if bad:
+            detail = ", ".join(f"layer {layer}: {c.calls} calls, {c.rows} rows" for layer, c in bad)
+            raise ReplayCounterError(f"replay counters unbalanced (expected {calls} calls of {self._rows} rows per "
+                                     f"MoE layer): {detail}")
+
+    def reset_counters(self) -> None:
+        self.counters = [_Counter() for _ in self.routers]
+
+    def clear(self) -> None:
+        """Empty targets and backward FIFOs (between phases: forward-only passes leave FIFO entries)."""
+        for _, router in self.routers:
+            router.router_replay.clear_indices()
+        self._rows = None
+
+    def undo(self) -> None:
+        self.clear()
+        for replay in self._originals:
+            replay.__dict__.pop("get_replay_topk", None)
+        self._originals.clear()
+
+    def __enter__(self) -> "RouterReplayDriver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
