@@ -226,3 +226,39 @@ def test_unsupported_version(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.15.0")
     with pytest.raises(mg.UnsupportedEngineError, match="megatron-core 0.15.0 is not supported"):
         mg.megatron_version()
+
+
+def test_activation_recompute_replays_through_replay_backward(megatron_cpu):
+    """Full activation recompute re-runs the routers in backward: REPLAY_BACKWARD serves the same targets."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _build(_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    try:
+        model.train()
+        ids, pos, mask = _inputs()
+        routes = _batch_routes(11)
+        maps, handles = _routing_maps(model)
+        with mg.RouterReplayDriver(model) as driver:
+            driver.set_routes(routes, (0, 1), batch_shape=(B, T))
+            with driver.forward():
+                out = model(ids, pos, attention_mask=mask)
+            driver.check(calls=1)
+            with driver.backward():
+                out.float().logsumexp(-1).mean().backward()
+            driver.check(calls=2)     # forward + recompute, the same rows each time
+        for h in handles:
+            h.remove()
+        assert len(maps) == 4         # 2 layers x (forward + recompute)
+        # backward recomputes the last layer first: calls are L0, L1 (forward), L1, L0 (recompute)
+        assert torch.equal(maps[0], maps[3]) and torch.equal(maps[1], maps[2])
+        want = torch.zeros(T, B, E, dtype=torch.bool)
+        want.scatter_(-1, routes[:, 0].reshape(B, T, K).transpose(0, 1), True)
+        assert torch.equal(maps[3], want.reshape(T * B, E))
+        for _, router in mg.moe_routers(model):
+            assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    finally:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        mine = {id(r.router_replay) for _, r in mg.moe_routers(model)}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
