@@ -262,3 +262,19 @@ def test_activation_recompute_replays_through_replay_backward(megatron_cpu):
         mine = {id(r.router_replay) for _, r in mg.moe_routers(model)}
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+
+
+def test_route_mask_fills_distinct_experts(megatron_cpu):
+    """Unrecorded rows (padding) would be [0, 0]: a duplicate the dispatcher cannot take; they get fillers."""
+    routes = _batch_routes(5)
+    mask = torch.ones(B * T, dtype=torch.bool)
+    mask[T - 1::T] = False            # each sample's last token
+    routes[~mask] = 0                 # what a padded record holds there
+    with mg.RouterReplayDriver(megatron_cpu) as driver:
+        with pytest.raises(RouteError, match="repeats expert 0"):
+            driver.set_routes(routes, (0, 1), batch_shape=(B, T))          # negative control
+        driver.set_routes(routes, (0, 1), batch_shape=(B, T), route_mask=mask)
+        ids, pos, attn = _inputs()
+        with torch.no_grad(), driver.forward():
+            megatron_cpu(ids, pos, attention_mask=attn)
+        driver.check(calls=1)

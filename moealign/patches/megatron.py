@@ -256,7 +256,10 @@ class RouterReplayDriver:
         return tuple(layer for layer, _ in self.routers)
 
     def set_routes(self, routes: torch.Tensor, moe_layers, *, batch_shape: tuple[int, int] | None = None,
-                   num_experts: int | None = None) -> None:
+                   route_mask: torch.Tensor | None = None, num_experts: int | None = None) -> None:
+        """Hand each router its targets. ``route_mask`` ``[rows]`` marks rows with a recorded route; the
+        others (padding, each sample's last token) get distinct filler experts ``(row + arange(k)) % E``
+        (Megatron's dispatcher needs k distinct experts per token)."""
         if routes.dim() != 3:
             raise RouteError(f"routes must be [rows, layers, k], got shape {tuple(routes.shape)}")
         moe_layers = tuple(int(x) for x in moe_layers)
@@ -270,8 +273,13 @@ class RouterReplayDriver:
         if routes.shape[2] != k:
             raise RouteError(f"routes have k={routes.shape[2]}, the model routes top-{k}")
         E = num_experts or int(self.routers[0][1].config.num_moe_experts)
-        validate_routes(routes, E, name="replay routes")
         ids = routes.to(torch.int64)
+        if route_mask is not None:
+            if route_mask.shape != (ids.shape[0],):
+                raise RouteError(f"route_mask has shape {tuple(route_mask.shape)}, expected ({ids.shape[0]},)")
+            filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
+            ids = torch.where(route_mask.bool()[:, None, None], ids, filler[:, None, :].to(ids.device))
+        validate_routes(ids, E, name="replay routes")
         if batch_shape is not None:
             B, T = batch_shape
             if ids.shape[0] != B * T:
