@@ -5,6 +5,7 @@ routers prefer some experts and whose top-p sets are small. Each peakedness chec
 negative control, a randomly initialised model of the same config, which must fail it.
 """
 
+import hashlib
 import json
 import math
 import subprocess
@@ -127,8 +128,6 @@ def test_random_model_is_not_peaked(model, tokenizer, prompts):
 
 
 def test_build_info_matches_weights():
-    import hashlib
-
     info = json.loads((ASSET / "build_info.json").read_text())
     assert info["weights_sha256"] == hashlib.sha256((ASSET / "model.safetensors").read_bytes()).hexdigest()
     assert len(info["router_entropy_over_logE_per_layer"]) == 4
