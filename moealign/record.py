@@ -51,6 +51,7 @@ __all__ = [
     "router_signature",
     "router_samples",
     "routes_from_all_layers",
+    "concat_kept_sets",
 ]
 
 FORMAT_VERSION = 1
@@ -401,7 +402,8 @@ class PackedBatch:
     prompt_lens: torch.Tensor      # int64 [B]
 
 
-def _concat_kept(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def concat_kept_sets(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The samples' kept sets as one CSR (rows in sample order); ``(None, None)`` when there are none."""
     if not samples or samples[0].kept_offsets is None:
         return None, None
     parts_off, parts_ids, base = [torch.zeros(1, dtype=torch.int64)], [], 0
@@ -500,7 +502,7 @@ class RolloutRecord:
                 routes[b, start:start + L - 1] = s.routes
             kept_row[b, start + P:start + L] = torch.arange(row_base, row_base + L - P)
             row_base += L - P
-        kept_offsets, kept_ids = _concat_kept(self.samples)
+        kept_offsets, kept_ids = concat_kept_sets(self.samples)
         return PaddedBatch(input_ids, attention, resp, logp, routes, route_mask, kept_row, kept_offsets,
                            kept_ids, torch.tensor([s.prompt_len for s in self.samples]), lengths, side)
 
@@ -520,7 +522,7 @@ class RolloutRecord:
             routes = torch.cat([t for s in self.samples for t in (s.routes, pad)])
         kept_row = torch.full((int(cu[-1]),), -1, dtype=torch.int64)
         kept_row[resp] = torch.arange(int(resp.sum()))
-        kept_offsets, kept_ids = _concat_kept(self.samples)
+        kept_offsets, kept_ids = concat_kept_sets(self.samples)
         return PackedBatch(input_ids, position_ids, cu, resp, logp, routes, route_mask, kept_row, kept_offsets,
                            kept_ids, torch.tensor([s.prompt_len for s in self.samples]))
 
@@ -598,7 +600,7 @@ class RolloutRecord:
         if self.has_routes:
             tensors["routes"] = torch.cat([s.routes for s in self.samples]).contiguous()
         if self.has_kept_sets:
-            tensors["kept_offsets"], tensors["kept_ids"] = _concat_kept(self.samples)
+            tensors["kept_offsets"], tensors["kept_ids"] = concat_kept_sets(self.samples)
         return tensors
 
     def save(self, path: str | os.PathLike) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..record import RecordMeta, RolloutRecord, SamplingParams
+from ..routing_replay.routes import expand_routes
 
 __all__ = [
     "DTYPES",
@@ -159,8 +160,9 @@ class HFTrainEngine:
             rp = None
             if replay:
                 rp = stack.enter_context(hf.replay_routing(self.model, fix_aux_loss=False))
-                routes, mask = sub.routes_int64("padded", "right")
-                rp.set_targets(routes, mask)
+                # the padded batch already holds the routes: no second layout pass
+                routes = expand_routes(batch.routes)
+                rp.set_targets(routes.reshape(-1, *routes.shape[-2:]), batch.route_mask.reshape(-1))
             out = self.model(input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev),
                              use_cache=False)
             if rp is not None:

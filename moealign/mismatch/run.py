@@ -33,7 +33,7 @@ from ..correction import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
 )
-from ..record import RolloutRecord, SamplingParams
+from ..record import RolloutRecord, SamplingParams, concat_kept_sets
 from ..routing_replay.flips import route_flip_metrics
 from ..routing_replay.sampling_mask import full_logprob, kept_logprob, kept_mask, support_mismatch, truncation_mask
 from .engines import ROLLOUT_ENGINES, TRAIN_ENGINES, parse_dtype
@@ -145,16 +145,6 @@ class _Side:
     routes: list[torch.Tensor] = field(default_factory=list)
 
 
-def _kept_slice(record: RolloutRecord, indices) -> tuple[torch.Tensor, torch.Tensor]:
-    offs, ids, base = [torch.zeros(1, dtype=torch.int64)], [], 0
-    for i in indices:
-        s = record.samples[i]
-        offs.append(s.kept_offsets[1:] + base)
-        ids.append(s.kept_ids)
-        base += int(s.kept_offsets[-1])
-    return torch.cat(offs), torch.cat(ids)
-
-
 def _score(record: RolloutRecord, indices, fwd, side: _Side) -> None:
     samples = [record.samples[i] for i in indices]
     sampling = samples[0].sampling
@@ -166,7 +156,7 @@ def _score(record: RolloutRecord, indices, fwd, side: _Side) -> None:
     side.routes.append(fwd.routes.cpu())
     if not record.has_kept_sets:
         return
-    offsets, ids = _kept_slice(record, indices)
+    offsets, ids = concat_kept_sets(samples)
     offsets, ids = offsets.to(logits.device), ids.to(logits.device)
     side.kept.append(kept_logprob(logits, fwd.tokens, offsets, ids, temperature=T).cpu())
     own = truncation_mask(logits, temperature=T, top_k=sampling.top_k or None,
