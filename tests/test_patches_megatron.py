@@ -14,36 +14,17 @@ pytest.importorskip("megatron.core")
 from moealign.patches import megatron as mg  # noqa: E402
 from moealign.routing_replay.routes import RouteError  # noqa: E402
 
-B, T, E, K, V = 3, 10, 8, 2, 512
+from megatron_util import B, E, K, T  # noqa: E402
+from megatron_util import batch_routes as _batch_routes  # noqa: E402
+from megatron_util import build as _build  # noqa: E402
+from megatron_util import config as _config  # noqa: E402
+from megatron_util import inputs as _inputs_seeded  # noqa: E402
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _config(**overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=E,
-              moe_router_topk=K, moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
-              moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-              moe_enable_routing_replay=True, use_cpu_initialization=True, params_dtype=torch.float32,
-              add_bias_linear=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-              masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-              apply_rope_fusion=False)
-    kw.update(overrides)
-    return TransformerConfig(**kw)
-
-
-def _build(cfg):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=64,
-                    position_embedding_type="rope")
 
 
 @pytest.fixture(scope="module")
@@ -73,25 +54,13 @@ def megatron_cpu():
 
 
 def _inputs():
-    torch.manual_seed(1)
-    ids = torch.randint(0, V, (B, T))
-    pos = torch.arange(T).expand(B, T)
-    mask = ~torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
-    return ids, pos, mask
+    return _inputs_seeded(1)
 
 
 def _routing_maps(model):
-    """Forward hooks on the routers: each call's routing_map [tokens, E] bool."""
-    maps, handles = [], []
-    for _, router in mg.moe_routers(model):
-        handles.append(router.register_forward_hook(lambda m, a, out, maps=maps: maps.append(out[1].detach())))
-    return maps, handles
+    from megatron_util import routing_maps
 
-
-def _batch_routes(seed: int) -> torch.Tensor:
-    """Distinct random experts per row, [B*T, 2 layers, K] in padded batch order (row = b*T + t)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * 2)]).reshape(B * T, 2, K)
+    return routing_maps(model, mg.moe_routers(model))
 
 
 def test_cpu_mode_is_reversible_and_refuses_cuda(megatron_cpu, monkeypatch):
@@ -278,3 +247,74 @@ def test_route_mask_fills_distinct_experts(megatron_cpu):
         with torch.no_grad(), driver.forward():
             megatron_cpu(ids, pos, attention_mask=attn)
         driver.check(calls=1)
+
+
+class _FakeCPGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_local_rows_cp_match_megatrons_own_cp_slicing(megatron_cpu, cp_size):
+    """BSHD: our row map equals megatron.core.utils.get_batch_on_this_cp_rank applied to the row ids."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    b, t = 3, 8 * cp_size
+    for rank in range(cp_size):
+        rows = torch.arange(b * t).reshape(b, t)
+        theirs = get_batch_on_this_cp_rank({"tokens": rows.clone()}, cp_group=_FakeCPGroup(cp_size, rank))["tokens"]
+        ours = mg.local_route_rows(batch_shape=(b, t), cp_size=cp_size, cp_rank=rank)
+        assert torch.equal(ours, theirs.t().reshape(-1))          # sequence-first after the CP slice
+        assert not torch.equal(ours, rows[:, rank * t // cp_size:(rank + 1) * t // cp_size].t().reshape(-1))
+
+
+def test_local_rows_thd_cp_is_per_sequence_zigzag(megatron_cpu):
+    """THD: each packed sequence is CP-sliced on its own (what TE's thd_get_partitioned_indices does)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = 2
+    cu, _ = mg.pad_packed_rows(torch.tensor([0, 5, 6, 19]), 2 * cp)      # lengths 5, 1, 13 -> 8, 4, 16
+    assert cu.tolist() == [0, 8, 12, 28]
+    seen = []
+    for rank in range(cp):
+        ours = mg.local_route_rows(cu_seqlens_padded=cu, cp_size=cp, cp_rank=rank)
+        want = torch.cat([get_batch_on_this_cp_rank({"tokens": torch.arange(int(s), int(e))[None]},
+                                                    cp_group=_FakeCPGroup(cp, rank))["tokens"][0]
+                          for s, e in zip(cu[:-1], cu[1:])])
+        assert torch.equal(ours, want)
+        seen.append(ours)
+    assert torch.equal(torch.cat(seen).sort().values, torch.arange(28))   # every position exactly once
+    with pytest.raises(RouteError, match="multiples of 2\\*cp_size=4"):
+        mg.local_route_rows(cu_seqlens_padded=torch.tensor([0, 6]), cp_size=2, cp_rank=0)
+
+
+def test_local_rows_sp_slices_the_sequence_first_rows(megatron_cpu):
+    rows = mg.local_route_rows(batch_shape=(2, 4), sp_size=2, sp_rank=1)
+    assert rows.tolist() == [2, 6, 3, 7]          # t = 2, 3 of both samples, sequence-first
+    with pytest.raises(RouteError, match="not divisible by the sequence-parallel size 4"):
+        mg.local_route_rows(batch_shape=(2, 6), sp_size=4, sp_rank=0)
+    with pytest.raises(RouteError, match="exactly one of"):
+        mg.local_route_rows()
+
+
+def test_packed_thd_with_padding_replays_recorded_rows(megatron_cpu):
+    """Packed routes [N] with cu_seqlens, padded THD slots get fillers; the router sees the padded row count."""
+    routes = _batch_routes(9)[:19]                                     # 19 packed rows
+    cu = torch.tensor([0, 5, 6, 19])
+    cu_padded, source = mg.pad_packed_rows(cu, 4)
+    with mg.RouterReplayDriver(megatron_cpu) as driver:
+        driver.set_routes(routes, (0, 1), cu_seqlens=cu, cu_seqlens_padded=cu_padded,
+                          parallel=dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0))
+        targets = [r.router_replay.target_topk_idx for _, r in driver.routers]
+    assert targets[0].shape == (28, 2)
+    real = source >= 0
+    assert torch.equal(targets[1][real], routes[source[real], 1])
+    assert all(len(set(row.tolist())) == 2 for row in targets[0][~real])   # distinct fillers in padding slots
+    with mg.RouterReplayDriver(megatron_cpu) as driver, pytest.raises(RouteError, match="cu_seqlens ends at 19"):
+        driver.set_routes(routes[:18], (0, 1), cu_seqlens=cu)

@@ -36,6 +36,9 @@ __all__ = [
     "audit_replay_config",
     "moe_routers",
     "RouterReplayDriver",
+    "local_route_rows",
+    "packed_source_rows",
+    "pad_packed_rows",
 ]
 
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
@@ -197,6 +200,110 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# token layout: record rows -> each router's local rows
+# --------------------------------------------------------------------------------------------------
+
+
+def _cu(cu_seqlens, name: str) -> torch.Tensor:
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise RouteError(f"{name} must be a non-decreasing 1-D tensor starting at 0, got {cu.tolist()}")
+    return cu
+
+
+def packed_source_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """For each position of a padded THD row, the packed row it holds (-1 for a padding slot)."""
+    cu, cu_padded = _cu(cu_seqlens, "cu_seqlens"), _cu(cu_seqlens_padded, "cu_seqlens_padded")
+    if cu.shape != cu_padded.shape:
+        raise RouteError(f"cu_seqlens has {cu.numel() - 1} sequences, cu_seqlens_padded {cu_padded.numel() - 1}")
+    lens, padded = cu[1:] - cu[:-1], cu_padded[1:] - cu_padded[:-1]
+    if bool((padded < lens).any()):
+        raise RouteError(f"padded sequence lengths {padded.tolist()} are shorter than {lens.tolist()}")
+    source = torch.full((int(cu_padded[-1]),), -1, dtype=torch.int64)
+    for i in range(lens.numel()):
+        n, start = int(lens[i]), int(cu_padded[i])
+        source[start:start + n] = torch.arange(int(cu[i]), int(cu[i]) + n)
+    return source
+
+
+def pad_packed_rows(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad every packed sequence to a multiple of ``multiple`` (THD with padding).
+
+    Returns ``(cu_seqlens_padded, source)`` with ``source`` as :func:`packed_source_rows`. Megatron needs
+    each THD sequence padded to a multiple of ``2 * cp_size`` (times ``tp_size`` with sequence parallelism).
+    """
+    if multiple < 1:
+        raise RouteError(f"multiple must be >= 1, got {multiple}")
+    cu = _cu(cu_seqlens, "cu_seqlens")
+    lens = cu[1:] - cu[:-1]
+    padded = (lens + multiple - 1) // multiple * multiple
+    cu_padded = torch.cat([torch.zeros(1, dtype=torch.int64), padded.cumsum(0)])
+    return cu_padded, packed_source_rows(cu, cu_padded)
+
+
+def local_route_rows(*, batch_shape: tuple[int, int] | None = None, cu_seqlens_padded: torch.Tensor | None = None,
+                     cp_size: int = 1, cp_rank: int = 0, sp_size: int = 1, sp_rank: int = 0) -> torch.Tensor:
+    """Which input rows a router sees on this rank, in the router's own row order.
+
+    Input rows are the record's layout: ``b*T + t`` for a padded ``[B, T]`` batch (``batch_shape``), or
+    positions of a packed THD row (``cu_seqlens_padded``, one sequence after another). The transformation
+    is the one Megatron applies to the data:
+
+    1. context parallelism splits each sequence into ``2*cp_size`` chunks and gives rank ``r`` chunks ``r``
+       and ``2*cp_size-1-r`` (``get_batch_on_this_cp_rank``; per sequence for THD, like TE's
+       ``thd_get_partitioned_indices``);
+    2. the model works sequence-first, ``[s, b, h]``, and the router flattens it: row = ``t*B + b``;
+    3. sequence parallelism gives TP rank ``r`` the ``r``-th of ``sp_size`` equal slices of ``s``.
+    """
+    if cp_size < 1 or not 0 <= cp_rank < cp_size or sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise RouteError(f"bad parallel layout: cp {cp_rank}/{cp_size}, sp {sp_rank}/{sp_size}")
+    if (batch_shape is None) == (cu_seqlens_padded is None):
+        raise RouteError("give exactly one of batch_shape (padded [B, T]) or cu_seqlens_padded (packed THD)")
+    if batch_shape is not None:
+        B, T = (int(x) for x in batch_shape)
+        if T % (2 * cp_size if cp_size > 1 else 1):
+            raise RouteError(f"sequence length {T} is not divisible by 2*cp_size={2 * cp_size}")
+        rows = torch.arange(B * T).reshape(B, T)
+        if cp_size > 1:
+            chunks = rows.reshape(B, 2 * cp_size, T // (2 * cp_size))
+            rows = chunks[:, [cp_rank, 2 * cp_size - 1 - cp_rank]].reshape(B, -1)
+        rows = rows.t()                                   # [s_local, B]: sequence-first
+    else:
+        cu = _cu(cu_seqlens_padded, "cu_seqlens_padded")
+        lens = cu[1:] - cu[:-1]
+        if cp_size > 1 and bool((lens % (2 * cp_size)).any()):
+            raise RouteError(f"THD sequence lengths {lens.tolist()} must be multiples of 2*cp_size={2 * cp_size} "
+                             f"(pad them: pad_packed_rows)")
+        parts = []
+        for i in range(lens.numel()):
+            start, n = int(cu[i]), int(lens[i])
+            if cp_size == 1:
+                parts.append(torch.arange(start, start + n))
+                continue
+            c = n // (2 * cp_size)
+            for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
+                parts.append(torch.arange(start + j * c, start + (j + 1) * c))
+        rows = torch.cat(parts)[:, None] if parts else torch.zeros(0, 1, dtype=torch.int64)   # [s_local, 1]
+    s_local = rows.shape[0]
+    if s_local % sp_size:
+        raise RouteError(f"local sequence length {s_local} is not divisible by the sequence-parallel size {sp_size}")
+    step = s_local // sp_size
+    return rows[sp_rank * step:(sp_rank + 1) * step].reshape(-1)
+
+
+def _parallel_layout(config) -> dict:
+    """cp/sp sizes and ranks of this process from megatron's parallel_state (1/0 when not initialised)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0)
+    sp = bool(getattr(config, "sequence_parallel", False))
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    return dict(cp_size=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                sp_size=tp_size if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
+
+
 @dataclass
 class _Counter:
     calls: int = 0
@@ -256,10 +363,23 @@ class RouterReplayDriver:
         return tuple(layer for layer, _ in self.routers)
 
     def set_routes(self, routes: torch.Tensor, moe_layers, *, batch_shape: tuple[int, int] | None = None,
-                   route_mask: torch.Tensor | None = None, num_experts: int | None = None) -> None:
-        """Hand each router its targets. ``route_mask`` ``[rows]`` marks rows with a recorded route; the
-        others (padding, each sample's last token) get distinct filler experts ``(row + arange(k)) % E``
-        (Megatron's dispatcher needs k distinct experts per token)."""
+                   route_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                   cu_seqlens_padded: torch.Tensor | None = None, num_experts: int | None = None,
+                   parallel: dict | None = None) -> None:
+        """Hand each router its targets for the next micro-batch.
+
+        ``routes`` ``[rows, n_layers, k]`` (any integer dtype) with ``moe_layers`` naming the decoder layer
+        of each route column (all layers or MoE layers only: the model's MoE layers are picked out).
+        Layout: a padded batch (``batch_shape=(B, T)``, row = ``b*T + t``) or a packed row (no
+        ``batch_shape``; ``cu_seqlens`` per sample, and ``cu_seqlens_padded`` for THD with padding, whose
+        padding slots get filler routes). Context parallelism and sequence parallelism are read from
+        megatron's ``parallel_state`` and the model config, or given as ``parallel=dict(cp_size=,
+        cp_rank=, sp_size=, sp_rank=)``; see :func:`local_route_rows`.
+
+        ``route_mask`` ``[rows]`` marks rows with a recorded route; the others (padding, each sample's
+        last token) get distinct filler experts ``(row + arange(k)) % E``: Megatron's dispatcher counts
+        ``k`` distinct experts per token, so a duplicate id is an error here, never silently deduplicated.
+        """
         if routes.dim() != 3:
             raise RouteError(f"routes must be [rows, layers, k], got shape {tuple(routes.shape)}")
         moe_layers = tuple(int(x) for x in moe_layers)
@@ -274,17 +394,36 @@ class RouterReplayDriver:
             raise RouteError(f"routes have k={routes.shape[2]}, the model routes top-{k}")
         E = num_experts or int(self.routers[0][1].config.num_moe_experts)
         ids = routes.to(torch.int64)
-        if route_mask is not None:
-            if route_mask.shape != (ids.shape[0],):
-                raise RouteError(f"route_mask has shape {tuple(route_mask.shape)}, expected ({ids.shape[0]},)")
-            filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
-            ids = torch.where(route_mask.bool()[:, None, None], ids, filler[:, None, :].to(ids.device))
+        rows = ids.shape[0]
+        mask = torch.ones(rows, dtype=torch.bool) if route_mask is None else route_mask.bool().cpu()
+        if mask.shape != (rows,):
+            raise RouteError(f"route_mask has shape {tuple(mask.shape)}, expected ({rows},)")
+        if batch_shape is not None and (cu_seqlens is not None or cu_seqlens_padded is not None):
+            raise RouteError("give batch_shape (padded) or cu_seqlens (packed), not both")
+        if batch_shape is not None and rows != batch_shape[0] * batch_shape[1]:
+            raise RouteError(f"routes have {rows} rows, batch_shape {tuple(batch_shape)} implies "
+                             f"{batch_shape[0] * batch_shape[1]}")
+        if cu_seqlens is not None and int(cu_seqlens[-1]) != rows:
+            raise RouteError(f"routes have {rows} rows, cu_seqlens ends at {int(cu_seqlens[-1])}")
+        if cu_seqlens_padded is not None:
+            if cu_seqlens is None:
+                raise RouteError("cu_seqlens_padded needs cu_seqlens (the unpadded packing of the routes)")
+            source = packed_source_rows(cu_seqlens, cu_seqlens_padded)
+            ids, mask = ids[source.clamp(min=0)], mask[source.clamp(min=0)] & (source >= 0)
+        filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
+        ids = torch.where(mask[:, None, None].to(ids.device), ids, filler[:, None, :].to(ids.device))
         validate_routes(ids, E, name="replay routes")
+        layout = parallel if parallel is not None else _parallel_layout(getattr(self.model, "config", None))
         if batch_shape is not None:
-            B, T = batch_shape
-            if ids.shape[0] != B * T:
-                raise RouteError(f"routes have {ids.shape[0]} rows, batch_shape {batch_shape} implies {B * T}")
-            ids = ids.reshape(B, T, *ids.shape[1:]).transpose(0, 1).reshape(B * T, *ids.shape[1:])
+            local = local_route_rows(batch_shape=batch_shape, **layout)
+        else:
+            cu = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+            if cu is None:
+                if layout.get("cp_size", 1) > 1:
+                    raise RouteError("context parallelism with packed routes needs cu_seqlens")
+                cu = torch.tensor([0, ids.shape[0]])
+            local = local_route_rows(cu_seqlens_padded=cu, **layout)
+        ids = ids[local.to(ids.device)]
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.clear_global_indices()

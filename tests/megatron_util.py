@@ -1,0 +1,56 @@
+"""Shared helpers of the Megatron-core CPU tests: a tiny GPT-MoE config, its build, a gloo world."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+B, T, E, K, V = 3, 10, 8, 2, 512
+
+
+def config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=E,
+              moe_router_topk=K, moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather",
+              moe_grouped_gemm=False, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+              moe_enable_routing_replay=True, use_cpu_initialization=True, params_dtype=torch.float32,
+              add_bias_linear=False, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+              masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+              apply_rope_fusion=False)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build(cfg):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=V, max_sequence_length=64,
+                        position_embedding_type="rope")
+
+
+def inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    pos = torch.arange(T).expand(B, T)
+    mask = ~torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
+    return ids, pos, mask
+
+
+def batch_routes(seed: int, layers: int = 2) -> torch.Tensor:
+    """Distinct random experts per row, [B*T, layers, K] in padded batch order (row = b*T + t)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * layers)]).reshape(B * T, layers, K)
+
+
+def routing_maps(model, routers):
+    """Forward hooks on the routers: each call's routing_map [tokens, E] bool."""
+    maps, handles = [], []
+    for _, router in routers:
+        handles.append(router.register_forward_hook(lambda m, a, out, maps=maps: maps.append(out[1].detach())))
+    return maps, handles
