@@ -159,6 +159,8 @@ def test_set_routes_missing_layer(megatron_cpu):
     ("moe_router_fusion", True, "moe_router_fusion=True"),
     ("moe_router_load_balancing_type", "sinkhorn", "'sinkhorn': this routing type bypasses RouterReplay"),
     ("moe_expert_capacity_factor", 1.0, "moe_expert_capacity_factor=1.0"),
+    ("moe_router_force_load_balancing", True, "random logits"),
+    ("cuda_graph_impl", "local", "captured router graph"),
 ])
 def test_audit_names_the_field(megatron_cpu, field, value, message):
     cfg = _config()
@@ -318,3 +320,68 @@ def test_packed_thd_with_padding_replays_recorded_rows(megatron_cpu):
     assert all(len(set(row.tolist())) == 2 for row in targets[0][~real])   # distinct fillers in padding slots
     with mg.RouterReplayDriver(megatron_cpu) as driver, pytest.raises(RouteError, match="cu_seqlens ends at 19"):
         driver.set_routes(routes[:18], (0, 1), cu_seqlens=cu)
+
+
+def _tracked_aux(model, routes, aux_loss):
+    """One training forward with replay: the per-layer load-balancing loss Megatron tracked, the driver's
+    measured disagreement, and each router's input (to recompute the loss by hand)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    ids, pos, mask = _inputs()
+    clear_aux_losses_tracker()
+    inputs = []
+    handles = [r.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for _, r in mg.moe_routers(model)]
+    model.train()
+    try:
+        with mg.RouterReplayDriver(model, aux_loss=aux_loss) as driver:
+            if routes is not None:
+                driver.set_routes(routes, (0, 1), batch_shape=(B, T))
+                with driver.forward():
+                    model(ids, pos, attention_mask=mask)
+            else:
+                model(ids, pos, attention_mask=mask)
+            disagreement = list(driver.aux_disagreement)
+        values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    finally:
+        for h in handles:
+            h.remove()
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return values, disagreement, inputs
+
+
+def _aux_from_ids(model, routes, inputs):
+    """Megatron's switch aux loss (per unit coefficient) computed by hand from the given experts."""
+    out = []
+    for layer, ((_, router), x) in enumerate(zip(mg.moe_routers(model), inputs)):
+        scores = torch.softmax(x.reshape(-1, x.shape[-1]).float() @ router.weight.float().t(), -1)
+        chosen = routes[:, layer].reshape(B, T, K).transpose(0, 1).reshape(-1, K)
+        counts = torch.zeros(E).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
+        out.append(E * (counts / (chosen.shape[0] * K) * scores.mean(0)).sum())
+    return torch.stack(out)
+
+
+def test_aux_loss_from_replayed_choices(megatron_cpu):
+    model = megatron_cpu
+    routes = _batch_routes(13)
+    own, dis_own, _ = _tracked_aux(model, routes, "own")
+    replayed, dis, inputs = _tracked_aux(model, routes, "replayed")
+    want = _aux_from_ids(model, routes, inputs)
+    torch.testing.assert_close(replayed, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(own, want, rtol=1e-3)           # negative control: Megatron's own top-k count
+    assert dis_own == [] and len(dis) == 2 and min(dis) > 0.5  # peaked routers: the rotation changes most rows
+    with pytest.warns(UserWarning, match=r"differs from the replayed experts on \d+\.\d% of tokens"):
+        _tracked_aux(model, routes, "warn")
+    native, _, _ = _tracked_aux(model, None, "own")
+    assert torch.isfinite(native).all()
+    with pytest.raises(ValueError, match="aux_loss must be one of"):
+        mg.RouterReplayDriver(model, aux_loss="mine")
+
+
+def test_aux_patch_is_undone(megatron_cpu):
+    import megatron.core.transformer.moe.router as router_mod
+
+    before = router_mod.compute_routing_scores_for_aux_loss
+    with mg.RouterReplayDriver(megatron_cpu, aux_loss="replayed"):
+        assert router_mod.compute_routing_scores_for_aux_loss is not before
+    assert router_mod.compute_routing_scores_for_aux_loss is before

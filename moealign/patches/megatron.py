@@ -44,6 +44,7 @@ __all__ = [
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 _SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
 _AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+_AUX_MODES = ("warn", "replayed", "own")
 
 
 class ReplayConfigError(ValueError):
@@ -152,6 +153,17 @@ def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
     if get("moe_expert_capacity_factor") is not None:
         problems.append(f"moe_expert_capacity_factor={get('moe_expert_capacity_factor')}: token dropping runs "
                         f"after replay and can drop replayed routes; use dropless MoE (None)")
+    if get("moe_router_force_load_balancing", False):
+        problems.append("moe_router_force_load_balancing=True: the gate weights of the replayed experts would come "
+                        "from random logits (a benchmark switch)")
+    impl = str(get("cuda_graph_impl", "none") or "none")
+    if impl != "none" or get("enable_cuda_graph", False) or get("external_cuda_graph", False):
+        scope = get("cuda_graph_scope", "full")
+        scopes = [getattr(x, "name", str(x)).lower() for x in (scope if isinstance(scope, (list, tuple)) else [scope])]
+        if not scopes or any(x in ("", "full", "full_iteration", "moe", "moe_router") for x in scopes):
+            problems.append(f"cuda_graph_impl={impl!r} with cuda_graph_scope={scope!r}: a captured router graph keeps "
+                            f"the target tensor it saw at capture, so later targets would not be replayed; exclude the "
+                            f"router from the graph (e.g. scope 'attn') or disable CUDA graphs")
     if not get("num_moe_experts"):
         problems.append("num_moe_experts is not set: not a MoE config")
     if problems:
@@ -320,10 +332,21 @@ class RouterReplayDriver:
     REPLAY_BACKWARD (activation recompute) around the model call; ``check()`` verifies the counters;
     ``clear()`` empties targets and FIFOs between phases. Rows without a recorded route must be given
     *distinct* padding experts (Megatron's dispatcher assumes k distinct experts per token).
+
+    ``aux_loss``: Megatron computes the load-balancing aux loss from the router's *own* top-k. ``"warn"``
+    (default) measures how often that differs from the replayed experts (``aux_disagreement``) and warns
+    once; ``"replayed"`` makes the aux loss count the replayed experts (the ones that ran); ``"own"``
+    leaves Megatron as it is.
     """
 
-    def __init__(self, model: torch.nn.Module, *, audit: bool = True):
+    def __init__(self, model: torch.nn.Module, *, audit: bool = True, aux_loss: str = "warn"):
+        if aux_loss not in _AUX_MODES:
+            raise ValueError(f"aux_loss must be one of {_AUX_MODES}, got {aux_loss!r}")
         self.model = model
+        self.aux_loss = aux_loss
+        self.aux_disagreement: list[float] = []   # per aux-loss computation under replay: rows whose own top-k differs
+        self._last_replayed: torch.Tensor | None = None
+        self._warned = False
         config = getattr(model, "config", None)
         if audit and config is not None:
             audit_replay_config(config, aux_loss="ignore")
@@ -340,6 +363,39 @@ class RouterReplayDriver:
         self._rows = None
         for index, (_, router) in enumerate(self.routers):
             self._wrap(index, router.router_replay)
+        self._aux_patch = self._patch_aux_scores() if aux_loss != "own" else None
+
+    def _patch_aux_scores(self):
+        """Wrap megatron's ``compute_routing_scores_for_aux_loss`` (router module global): right after a
+        replayed top-k of one of this model's routers, measure how often the router's own top-k differs
+        from the replayed one and, with ``aux_loss="replayed"``, hand back the replayed routing map so the
+        load-balancing loss counts the experts that actually ran."""
+        import megatron.core.transformer.moe.router as router_mod
+
+        original = router_mod.compute_routing_scores_for_aux_loss
+        driver = self
+
+        def compute_routing_scores_for_aux_loss(logits, topk, score_function, *args, **kwargs):
+            routing_map, scores = original(logits, topk, score_function, *args, **kwargs)
+            last, driver._last_replayed = driver._last_replayed, None
+            if not wrapper.active or last is None or last.shape[0] != routing_map.shape[0]:
+                return routing_map, scores
+            replayed = torch.zeros_like(routing_map).scatter(1, last.to(routing_map.device), True)
+            rate = float((replayed != routing_map).any(-1).float().mean())
+            driver.aux_disagreement.append(rate)
+            if driver.aux_loss == "replayed":
+                return replayed, scores
+            if rate > 0 and not driver._warned:
+                driver._warned = True
+                warnings.warn(f"Megatron computes the MoE aux loss from the router's own top-k, which differs from "
+                              f"the replayed experts on {rate:.1%} of tokens; RouterReplayDriver(aux_loss='replayed') "
+                              f"counts the replayed experts instead", stacklevel=2)
+            return routing_map, scores
+
+        wrapper = compute_routing_scores_for_aux_loss
+        wrapper.active = True
+        router_mod.compute_routing_scores_for_aux_loss = wrapper
+        return router_mod, original, wrapper
 
     def _wrap(self, index: int, replay) -> None:
         original = replay.get_replay_topk
@@ -353,7 +409,10 @@ class RouterReplayDriver:
                     layer = self.routers[index][0]
                     raise ReplayCounterError(f"layer {layer}: the router saw {scores.shape[0]} tokens, the replay "
                                              f"targets have {want} rows")
-            return original(scores, topk, *args, **kwargs)
+            probs, top_indices = original(scores, topk, *args, **kwargs)
+            replaying = replay.router_replay_action is not None and replay.router_replay_action.value != "record"
+            self._last_replayed = top_indices if replaying else None
+            return probs, top_indices
 
         replay.get_replay_topk = get_replay_topk
         self._originals.append(replay)
@@ -477,6 +536,12 @@ class RouterReplayDriver:
         for replay in self._originals:
             replay.__dict__.pop("get_replay_topk", None)
         self._originals.clear()
+        if self._aux_patch is not None:
+            module, original, wrapper = self._aux_patch
+            wrapper.active = False            # a pass-through if another driver wrapped it after us
+            if module.compute_routing_scores_for_aux_loss is wrapper:
+                module.compute_routing_scores_for_aux_loss = original
+            self._aux_patch = None
 
     def __enter__(self) -> "RouterReplayDriver":
         return self
