@@ -29,6 +29,7 @@ __all__ = [
     "register_train_engine",
     "HFRolloutEngine",
     "HFTrainEngine",
+    "MegatronTrainEngine",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -175,5 +176,84 @@ class HFTrainEngine:
         return TrainForward(logits=logits, tokens=batch.input_ids[b, p].to(dev), routes=used[route_mask])
 
 
+class MegatronTrainEngine:
+    """Megatron-core ``GPTModel`` (local spec) converted from the transformers checkpoint, in a one-process
+    world (CPU: gloo and :func:`~moealign.patches.megatron.enable_megatron_cpu`); routing replay through
+    Megatron's own RouterReplay (:class:`~moealign.patches.megatron.RouterReplayDriver`)."""
+
+    name = "megatron"
+
+    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu"):
+        from ..patches import hf
+        from ..patches import megatron as mg
+        from ..patches import megatron_checkpoint as mc
+
+        if device.startswith("cuda") != torch.cuda.is_available():
+            raise ValueError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
+                             f"not on {device!r}")
+        self.dtype, self.device = dtype, device
+        self._world = mg.init_single_process()
+        try:
+            _, hf_model = _load_hf(model_path, torch.float32, "cpu")
+            self._meta = hf.record_meta(hf_model)
+            pad = hf_model.generation_config.pad_token_id
+            self.pad_token_id = int(pad) if isinstance(pad, int) else 0
+            self.model = mc.build_megatron_from_hf(hf_model, params_dtype=parse_dtype(dtype))
+            del hf_model
+            self.model.to(device).eval()
+            self.driver = mg.RouterReplayDriver(self.model, aux_loss="own")
+        except BaseException:
+            self._world.close()
+            raise
+        self._k = int(self.driver.routers[0][1].topk)
+
+    def meta(self) -> RecordMeta:
+        return self._meta
+
+    def forward(self, record: RolloutRecord, indices, *, replay: bool) -> TrainForward:
+        sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
+        batch = sub.to_padded("right", self.pad_token_id)
+        B, T = batch.input_ids.shape
+        dev = self.device
+        # bool mask, True = masked: causal, and padded keys
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = (causal[None, None] | (batch.attention_mask == 0)[:, None, None, :]).to(dev)
+        maps = []
+        handles = [router.register_forward_hook(lambda m, a, out: maps.append(out[1].detach()))
+                   for _, router in self.driver.routers]
+        try:
+            with torch.no_grad():
+                if replay:
+                    routes = expand_routes(batch.routes)
+                    self.driver.set_routes(routes.reshape(B * T, *routes.shape[-2:]), record.meta.moe_layers,
+                                           batch_shape=(B, T), route_mask=batch.route_mask.reshape(-1))
+                    with self.driver.forward():
+                        logits = self.model(batch.input_ids.to(dev), batch.position_ids.to(dev), mask)
+                    self.driver.check(calls=1)
+                else:
+                    logits = self.model(batch.input_ids.to(dev), batch.position_ids.to(dev), mask)
+        finally:
+            for h in handles:
+                h.remove()
+            self.driver.clear()
+            self.driver.reset_counters()
+        # routing maps [T*B, E] (sequence-first) -> expert ids [B*T, n_layers, k], ascending per row
+        used = torch.stack([m.reshape(T, B, -1).transpose(0, 1).reshape(B * T, -1)
+                            .nonzero()[:, 1].reshape(B * T, self._k) for m in maps], dim=1)
+        used = used[batch.route_mask.reshape(-1).to(used.device)]
+        b, p = batch.response_mask.nonzero(as_tuple=True)
+        out = logits[b.to(dev), (p - 1).to(dev)].float()
+        return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used)
+
+    def close(self) -> None:
+        if getattr(self, "driver", None) is not None:
+            self.driver.undo()
+            self.driver = None
+        if getattr(self, "_world", None) is not None:
+            self._world.close()
+            self._world = None
+
+
 register_rollout_engine("hf", HFRolloutEngine)
 register_train_engine("hf", HFTrainEngine)
+register_train_engine("megatron", MegatronTrainEngine)

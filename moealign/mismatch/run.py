@@ -214,6 +214,22 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, bar.update
 
 
+def _train_sides(cfg: MismatchConfig, record: RolloutRecord, trainer, progress: bool) -> dict[bool, _Side]:
+    """Score every sample with the training engine, without and with routing replay."""
+    record.meta.check_matches(trainer.meta(), what="training model")
+    sides = {False: _Side(), True: _Side()}
+    batches = [list(range(i, min(i + cfg.batch_size, len(record)))) for i in range(0, len(record), cfg.batch_size)]
+    bar, update = _progress(2 * len(record), "train", progress)
+    for replay in (False, True):
+        for indices in batches:
+            fwd = trainer.forward(record, indices, replay=replay)
+            _score(record, indices, fwd, sides[replay])
+            update(len(indices))
+    if bar is not None:
+        bar.close()
+    return sides
+
+
 def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Run the mismatch test; returns the JSON-ready report (see the CLI help for its schema)."""
     from ..embedded import default_prompts, embedded_model_path
@@ -249,18 +265,13 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
 
     log(f"train: {cfg.train_engine} {cfg.train_dtype}, {record.num_response_tokens} response tokens")
     trainer = TRAIN_ENGINES[cfg.train_engine](model_path, cfg.train_dtype, device)
-    record.meta.check_matches(trainer.meta(), what="training model")
+    try:
+        sides = _train_sides(cfg, record, trainer, progress)
+    finally:
+        close = getattr(trainer, "close", None)
+        if close is not None:
+            close()
 
-    sides = {False: _Side(), True: _Side()}
-    batches = [list(range(i, min(i + cfg.batch_size, len(record)))) for i in range(0, len(record), cfg.batch_size)]
-    bar, update = _progress(2 * len(record), "train", progress)
-    for replay in (False, True):
-        for indices in batches:
-            fwd = trainer.forward(record, indices, replay=replay)
-            _score(record, indices, fwd, sides[replay])
-            update(len(indices))
-    if bar is not None:
-        bar.close()
 
     rollout_lp = torch.cat([s.logprobs.float() for s in record.samples])
     recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])

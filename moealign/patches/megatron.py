@@ -33,6 +33,8 @@ __all__ = [
     "megatron_version",
     "enable_megatron_cpu",
     "MegatronCPUMode",
+    "MegatronWorld",
+    "init_single_process",
     "audit_replay_config",
     "moe_routers",
     "RouterReplayDriver",
@@ -124,6 +126,77 @@ def enable_megatron_cpu() -> MegatronCPUMode:
             mode._set(moe_utils, name, None)
     mode.active = True
     return mode
+
+
+@dataclass
+class MegatronWorld:
+    """Undo handle of :func:`init_single_process`: tears down only what it set up."""
+
+    cpu_mode: MegatronCPUMode | None = None
+    owns_process_group: bool = False
+    owns_parallel_state: bool = False
+    init_file: str | None = None
+
+    def close(self) -> None:
+        import os
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.owns_parallel_state:
+            parallel_state.destroy_model_parallel()
+            self.owns_parallel_state = False
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_process_group = False
+        if self.init_file and os.path.exists(self.init_file):
+            os.unlink(self.init_file)
+        if self.cpu_mode is not None:
+            self.cpu_mode.undo()
+            self.cpu_mode = None
+
+    def __enter__(self) -> "MegatronWorld":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def init_single_process(seed: int = 1234) -> MegatronWorld:
+    """A one-process Megatron world (TP = PP = CP = EP = 1) for the mismatch harness and benchmarks.
+
+    On CPU it enables :func:`enable_megatron_cpu` and a gloo process group; on CUDA, NCCL. An already
+    initialised process group or ``parallel_state`` is used as it is (and left alone by ``close()``).
+    """
+    import tempfile
+
+    import torch.distributed as dist
+
+    megatron_version()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    world = MegatronWorld()
+    try:
+        if not torch.cuda.is_available():
+            world.cpu_mode = enable_megatron_cpu()
+        if not dist.is_initialized():
+            fd, world.init_file = tempfile.mkstemp(prefix="moealign-dist-")
+            import os
+
+            os.close(fd)
+            os.unlink(world.init_file)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    init_method=f"file://{world.init_file}", rank=0, world_size=1)
+            world.owns_process_group = True
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            world.owns_parallel_state = True
+        model_parallel_cuda_manual_seed(seed)
+    except BaseException:
+        world.close()
+        raise
+    return world
 
 
 # --------------------------------------------------------------------------------------------------
