@@ -1,0 +1,350 @@
+"""Kept-set (and full) log-prob of the selected token on vocab-parallel logits, shard by shard.
+
+Under tensor parallelism (TP) Megatron's output layer leaves each rank with a slice of the logits,
+``[N, V/TP]`` covering vocabulary ids ``[vocab_start, vocab_start + V/TP)`` with
+``vocab_start = tp_rank * V/TP``. Gathering the full ``[N, V]`` logits to apply the rollout's
+Keep Sampling Mask would cost TP times the memory; instead each rank masks its own slice and the
+softmax normaliser is reduced over the TP group, as Megatron's ``vocab_parallel_cross_entropy`` does:
+
+1. each rank keeps only the recorded kept ids that fall in its slice, and divides by the temperature
+   (the rollout computed its kept set and log-prob on ``logits / T``);
+2. all-reduce MAX of the per-row maximum over the kept entries (a shift for numerical safety; no
+   gradient flows through it, the result does not depend on it);
+3. all-reduce SUM of ``(logit[token] - max)`` (non-zero only on the rank owning the token) and of
+   ``sum(exp(kept - max))`` (both in one collective);
+4. ``log p = picked - log(sum_exp)``: the same number on every rank.
+
+Gradients follow Megatron's TP convention: the loss is replicated on every TP rank, so the SUM
+all-reduce passes the incoming gradient through unchanged (like
+``reduce_from_tensor_model_parallel_region``), and the gradient w.r.t. a rank's shard is that rank's
+part of ``(onehot(token) - softmax over the kept set) / T``.
+
+Bad input raises :class:`~moealign.routing_replay.routes.RouteError` naming the problem. Under a group,
+every rank raises, never only one: each rank's local checks (its logits shard, its ``vocab_start``)
+and the non-finite-logits check travel in the MAX all-reduce as a flag, so a rank with a bad shard
+cannot leave the others waiting forever in a collective.
+
+Usage with Megatron-core (a GPTModel built with ``parallel_output=True``, the default, returns
+``[b, s, V/TP]`` logits per rank when no labels are given)::
+
+    from megatron.core import parallel_state as ps
+    from moealign.routing_replay.vocab_parallel import vocab_parallel_kept_logprob
+
+    logits = model(input_ids, position_ids, attention_mask)          # [b, s, V/TP]
+    local = logits.reshape(-1, logits.shape[-1])[rows]                 # rows that produced the tokens
+    start = ps.get_tensor_model_parallel_rank() * local.shape[-1]
+    logp = vocab_parallel_kept_logprob(local, tokens, (offsets, ids), start,
+                                       group=ps.get_tensor_model_parallel_group(), temperature=T)
+
+``group=None`` means no tensor parallelism: the shard is the whole vocabulary (``vocab_start`` 0) and
+``torch.distributed`` need not be initialised. Pure torch and ``torch.distributed``; no engine import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .routes import RouteError, check_integer_tensor, describe
+from .sampling_mask import _check_temperature, validate_kept_sets
+
+__all__ = ["vocab_parallel_full_logprob", "vocab_parallel_kept_logprob"]
+
+
+# ----------------------------------------------------------------------------------------- collectives
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """SUM all-reduce whose backward is the identity (the loss is replicated over the TP group)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GroupReduce:
+    """MAX / SUM over a process group (or nothing, for ``group=None`` or a group of one)."""
+
+    def __init__(self, group):
+        if group is None:
+            self.group, self.size, self.rank = None, 1, 0
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RouteError("a process group was given but torch.distributed is not initialised")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise RouteError("this process is not a member of the given process group")
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.size == 1 else _AllReduceSum.apply(x, self.group)
+
+
+# ----------------------------------------------------------------------------------------- input checks
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_shared_inputs(tokens, kept) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Checks that need no vocabulary size (tokens, CSR structure); same outcome on every rank."""
+    check_integer_tensor(tokens, "tokens")
+    if tokens.dim() != 1:
+        raise RouteError(f"tokens must be a 1-D tensor [N], got shape {tuple(tokens.shape)}")
+    if kept is None:
+        return tokens, None
+    if not (isinstance(kept, (tuple, list)) and len(kept) == 2):
+        raise RouteError(f"kept must be None (full support) or a pair (offsets, ids), got {describe(kept)}")
+    offsets, ids = kept
+    check_integer_tensor(offsets, "offsets")
+    check_integer_tensor(ids, "ids")
+    if offsets.dim() != 1 or offsets.numel() != tokens.numel() + 1:
+        raise RouteError(
+            f"kept sets have {offsets.numel() - 1 if offsets.dim() == 1 else describe(offsets)} rows "
+            f"(offsets shape {tuple(offsets.shape)}) but there are {tokens.numel()} tokens; offsets needs N + 1 entries"
+        )
+    return tokens, (offsets, ids)
+
+
+def _check_shard(logits_shard, num_rows: int, vocab_start, expected_start: int | None) -> None:
+    if not isinstance(logits_shard, torch.Tensor):
+        raise RouteError(f"logits_shard must be a torch.Tensor, got {type(logits_shard).__name__}")
+    if logits_shard.dim() != 2 or logits_shard.shape[1] == 0:
+        raise RouteError(f"logits_shard must have shape [N, V/TP] with V/TP >= 1, got {tuple(logits_shard.shape)}")
+    if not logits_shard.is_floating_point():
+        raise RouteError(f"logits_shard must be a floating tensor, got dtype {logits_shard.dtype}")
+    if logits_shard.shape[0] != num_rows:
+        raise RouteError(f"logits_shard has {logits_shard.shape[0]} rows but tokens has {num_rows}")
+    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+        raise RouteError(f"vocab_start must be an int, got {type(vocab_start).__name__} {vocab_start!r}")
+    if expected_start is not None and vocab_start != expected_start:
+        raise RouteError(
+            f"vocab_start = {vocab_start} but this rank's slice starts at {expected_start} "
+            f"(tp_rank * V/TP with V/TP = {logits_shard.shape[1]})"
+        )
+
+
+def _check_kept_ids(tokens: torch.Tensor, kept, vocab_size: int) -> None:
+    """Token ids in range; CSR valid; each token inside its own kept set (else its log-prob is -inf)."""
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise RouteError(f"tokens[{row}] = {int(tokens[row])} is not a token id in [0, {vocab_size})")
+    if kept is None:
+        return
+    offsets, ids = kept
+    validate_kept_sets(offsets, ids, vocab_size, num_rows=tokens.numel())
+    device = offsets.device
+    counts = offsets.to(torch.int64).diff()
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+    hit = ids.to(device=device, dtype=torch.int64) == tokens.to(device=device, dtype=torch.int64)[rows]
+    found = torch.zeros(counts.numel(), dtype=torch.int64, device=device).index_add_(0, rows, hit.to(torch.int64))
+    missing = found == 0
+    if bool(missing.any()):
+        row = int(missing.nonzero()[0, 0])
+        raise RouteError(
+            f"row {row}: token {int(tokens[row])} is not in its kept set ({int(counts[row])} ids); "
+            f"its log-prob would be -inf"
+        )
+
+
+# ----------------------------------------------------------------------------------------- one shard
+
+
+@dataclass
+class _Shard:
+    """One rank's contribution: its kept logits (padded with -inf) and the token's logit if it owns it."""
+
+    values: torch.Tensor      # [N, W] kept logits / T of this slice, -inf in padding slots (differentiable)
+    chosen: torch.Tensor      # [N] token logit / T where this slice owns the token, else 0 (differentiable)
+    owns: torch.Tensor        # [N] bool: the token lies in this slice
+    nonfinite: torch.Tensor   # [N] bool: the row of this slice holds NaN or +-inf
+    vocab_start: int
+    logits: torch.Tensor      # the raw shard, for error messages
+
+
+def _shard_terms(logits_shard: torch.Tensor, tokens: torch.Tensor, kept, vocab_start: int,
+                 temperature: float) -> _Shard:
+    """Gather this slice's kept logits and the token's logit, scaled by 1/T (no [N, V/TP] copy when masked)."""
+    num_rows, width = logits_shard.shape
+    device = logits_shard.device
+    dtype = _compute_dtype(logits_shard)
+    tokens = tokens.to(device=device, dtype=torch.int64)
+    local_token = tokens - vocab_start
+    owns = (local_token >= 0) & (local_token < width)
+    chosen = logits_shard.gather(1, torch.where(owns, local_token, 0)[:, None]).squeeze(1).to(dtype) / temperature
+    chosen = torch.where(owns, chosen, torch.zeros((), dtype=dtype, device=device))
+    nonfinite = ~torch.isfinite(logits_shard).all(dim=-1)
+
+    if kept is None:
+        values = logits_shard.to(dtype) / temperature
+    else:
+        offsets, ids = kept
+        counts = offsets.to(device=device, dtype=torch.int64).diff()
+        rows = torch.repeat_interleave(torch.arange(num_rows, device=device), counts)
+        cols = ids.to(device=device, dtype=torch.int64) - vocab_start
+        here = (cols >= 0) & (cols < width)
+        rows, cols = rows[here], cols[here]                  # still grouped by row (CSR order)
+        local_counts = torch.bincount(rows, minlength=num_rows)
+        starts = local_counts.cumsum(0) - local_counts
+        slot = torch.arange(rows.numel(), device=device) - starts[rows]
+        slots = max(1, int(local_counts.max())) if num_rows else 1
+        index = torch.zeros(num_rows, slots, dtype=torch.int64, device=device)
+        present = torch.zeros(num_rows, slots, dtype=torch.bool, device=device)
+        index[rows, slot] = cols
+        present[rows, slot] = True
+        values = logits_shard.gather(1, index).to(dtype) / temperature
+        values = values.masked_fill(~present, float("-inf"))
+    return _Shard(values, chosen, owns, nonfinite, vocab_start, logits_shard)
+
+
+def _nonfinite_message(shard: _Shard, row: int, where: str) -> str:
+    bad = ~torch.isfinite(shard.logits[row])
+    col = int(bad.nonzero()[0, 0])
+    value = float(shard.logits[row, col])
+    return (f"logits row {row} holds {value} at vocabulary id {shard.vocab_start + col} "
+            f"({where}logits_shard[{row}, {col}])")
+
+
+# ----------------------------------------------------------------------------------------- combining
+
+
+def _finish(shards: list[_Shard], row_max: torch.Tensor, reduce_sum) -> torch.Tensor:
+    """``log p = (logit[token] - max) - log(sum_exp(kept - max))`` from the per-shard terms.
+
+    ``row_max`` is the MAX-reduced row maximum (no gradient); ``reduce_sum`` maps the list of per-shard
+    ``[2, N]`` pieces to their sum over the TP group (an all-reduce, or a plain sum of simulated shards).
+    """
+    pieces = []
+    for s in shards:
+        sum_exp = (s.values - row_max[:, None]).exp().sum(dim=-1)
+        picked = torch.where(s.owns, s.chosen - row_max, torch.zeros((), dtype=row_max.dtype, device=row_max.device))
+        pieces.append(torch.stack([picked, sum_exp]))
+    picked, sum_exp = reduce_sum(pieces).unbind(0)
+    return picked - sum_exp.log()
+
+
+def _kept_logprob_from_shards(shards: list[torch.Tensor], tokens: torch.Tensor, kept, *,
+                              temperature: float = 1.0) -> torch.Tensor:
+    """One-process reference: the same per-shard math, reduced over a list of vocabulary slices.
+
+    ``shards`` are consecutive slices of ``[N, V]`` logits (any widths). Used by the tests to check
+    the sharded arithmetic without spawning processes; gradients flow to every shard.
+    """
+    temperature = _check_temperature(temperature)
+    tokens, kept = _check_shared_inputs(tokens, kept)
+    if not shards:
+        raise RouteError("no logits shards given")
+    starts, start = [], 0
+    for i, shard in enumerate(shards):
+        _check_shard(shard, tokens.numel(), start, None)
+        starts.append(start)
+        start += shard.shape[1]
+    _check_kept_ids(tokens, kept, start)
+    terms = [_shard_terms(s, tokens, kept, v0, temperature) for s, v0 in zip(shards, starts)]
+    row_max = torch.stack([torch.where(t.nonfinite, float("inf"), t.values.detach().amax(dim=-1))
+                           for t in terms]).amax(dim=0)
+    bad = torch.isinf(row_max) & (row_max > 0)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        owner = next(i for i, t in enumerate(terms) if bool(t.nonfinite[row]))
+        raise RouteError(_nonfinite_message(terms[owner], row, f"shard {owner}: "))
+    return _finish(terms, row_max, lambda pieces: sum(pieces[1:], pieces[0]))
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+
+def vocab_parallel_kept_logprob(
+    logits_shard: torch.Tensor,
+    tokens: torch.Tensor,
+    kept: tuple[torch.Tensor, torch.Tensor] | None,
+    vocab_start: int,
+    *,
+    group=None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob ``[N]`` of each selected token under ``logits / T`` restricted to its kept set, TP-sharded.
+
+    ``logits_shard``: this rank's ``[N, V/TP]`` slice, vocabulary ids ``[vocab_start, vocab_start +
+    V/TP)``; ``vocab_start`` must be ``tp_rank * V/TP`` (0 for ``group=None``). ``tokens``: ``[N]``
+    global ids in ``[0, V)`` with ``V = TP * V/TP``. ``kept``: the recorded CSR kept sets
+    ``(offsets int64 [N + 1], ids int32 [nnz])`` over the global vocabulary, or None for the full
+    support. ``group``: the tensor-parallel process group (None: no TP, nothing is communicated).
+
+    Returns float32 (float64 for float64 logits), the same values on every rank, differentiable
+    w.r.t. ``logits_shard``. Equal to :func:`~moealign.routing_replay.sampling_mask.kept_logprob` on
+    the gathered logits up to floating-point rounding (the reduction is split over ranks).
+    Two collectives: a MAX all-reduce of ``[N + 1]`` and a SUM all-reduce of ``[2, N]``.
+    """
+    temperature = _check_temperature(temperature)
+    reduce = _GroupReduce(group)
+    tokens, kept = _check_shared_inputs(tokens, kept)
+    num_rows = tokens.numel()
+    expected_start = reduce.rank * logits_shard.shape[1] if (
+        isinstance(logits_shard, torch.Tensor) and logits_shard.dim() == 2) else None
+
+    # Every check that could fail on one rank only is caught here and raised after the MAX
+    # all-reduce, which carries an error flag: no rank is left waiting in a collective.
+    error, shard = None, None
+    try:
+        _check_shard(logits_shard, num_rows, vocab_start, expected_start)
+        _check_kept_ids(tokens, kept, logits_shard.shape[1] * reduce.size)
+        shard = _shard_terms(logits_shard, tokens, kept, vocab_start, temperature)
+    except RouteError as exc:
+        if reduce.size == 1:
+            raise
+        error = exc
+    if shard is not None:
+        local_max = torch.where(shard.nonfinite, float("inf"), shard.values.detach().amax(dim=-1))
+        dtype, device = local_max.dtype, local_max.device
+    else:
+        dtype = _compute_dtype(logits_shard) if isinstance(logits_shard, torch.Tensor) else torch.float32
+        device = logits_shard.device if isinstance(logits_shard, torch.Tensor) else torch.device("cpu")
+        local_max = torch.full((num_rows,), float("-inf"), dtype=dtype, device=device)
+    flag = torch.tensor([0.0 if error is None else reduce.rank + 1.0], dtype=dtype, device=device)
+    reduced = reduce.max(torch.cat([local_max, flag]))
+    row_max, failed = reduced[:-1], int(reduced[-1])
+    if failed:
+        if error is not None:
+            raise RouteError(f"tensor-parallel rank {reduce.rank}: {error}") from error
+        raise RouteError(f"tensor-parallel rank {failed - 1} rejected its input (see its error); "
+                         f"this rank (rank {reduce.rank}) stops too")
+    bad = torch.isinf(row_max) & (row_max > 0)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        if bool(shard.nonfinite[row]):
+            where = f"tensor-parallel rank {reduce.rank}: " if reduce.size > 1 else ""
+            raise RouteError(_nonfinite_message(shard, row, where))
+        raise RouteError(f"logits row {row} holds NaN or Inf on another tensor-parallel rank's vocabulary slice")
+    return _finish([shard], row_max, lambda pieces: reduce.sum(pieces[0]))
+
+
+def vocab_parallel_full_logprob(
+    logits_shard: torch.Tensor,
+    tokens: torch.Tensor,
+    vocab_start: int,
+    *,
+    group=None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob ``[N]`` of each token under ``log_softmax(logits / T)`` over the whole (sharded) vocabulary."""
+    return vocab_parallel_kept_logprob(logits_shard, tokens, None, vocab_start, group=group,
+                                       temperature=temperature)

@@ -1,0 +1,361 @@
+"""Kept-set log-prob on vocab-parallel logits: simulated shards in one process, and a real Megatron
+GPTModel with tensor_model_parallel_size=2 on CPU (gloo, eval mode) against the same model at TP=1."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moealign.routing_replay.routes import RouteError
+from moealign.routing_replay.sampling_mask import (
+    full_logprob,
+    kept_logprob,
+    kept_mask,
+    kept_sets_from_logits,
+    truncation_mask,
+)
+from moealign.routing_replay.vocab_parallel import (
+    _kept_logprob_from_shards,
+    vocab_parallel_full_logprob,
+    vocab_parallel_kept_logprob,
+)
+
+N, V, TEMP = 24, 96, 0.8
+
+
+def _sample(logits: torch.Tensor, temperature: float, seed: int, **truncation):
+    """Realistic kept sets (HF-order truncation on logits / T) and a token drawn from each."""
+    mask = truncation_mask(logits, temperature=temperature, **truncation)
+    offsets, ids = kept_sets_from_logits(torch.where(mask, logits, float("-inf")))
+    probs = torch.where(mask, logits.double() / temperature, float("-inf")).softmax(-1)
+    tokens = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
+    return tokens, offsets, ids
+
+
+def _case(seed: int = 0, boost_first: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, V, generator=g) * 2.5
+    logits[:, :boost_first] += 15.0         # pulls every kept set into the first slice
+    tokens, offsets, ids = _sample(logits, TEMP, seed, top_p=0.9, top_k=40)
+    return logits, tokens, offsets, ids
+
+
+# --------------------------------------------------------------------------------------------------
+# one process: simulated shards
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("widths", [[V], [V // 2, V // 2], [10, 40, 1, 45]])
+@pytest.mark.parametrize("masked", [True, False])
+def test_simulated_shards_match_unsharded(widths, masked):
+    logits, tokens, offsets, ids = _case()
+    kept = (offsets, ids) if masked else None
+    leaf = logits.clone().requires_grad_()
+    ref = kept_logprob(leaf, tokens, offsets, ids, temperature=TEMP) if masked else \
+        full_logprob(leaf, tokens, temperature=TEMP)
+    ref.sum().backward()
+    shards = [s.clone().requires_grad_() for s in logits.split(widths, dim=1)]
+    out = _kept_logprob_from_shards(shards, tokens, kept, temperature=TEMP)
+    out.sum().backward()
+    assert out.dtype == torch.float32 and out.shape == (N,)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(torch.cat([s.grad for s in shards], 1), leaf.grad, rtol=0, atol=2e-6)
+
+
+def test_gradient_is_local_part_of_onehot_minus_masked_softmax():
+    logits, tokens, offsets, ids = _case(seed=3)
+    shards = [s.clone().requires_grad_() for s in logits.split([30, 66], dim=1)]
+    _kept_logprob_from_shards(shards, tokens, (offsets, ids), temperature=TEMP).sum().backward()
+    mask = kept_mask(offsets, ids, V)
+    softmax = torch.where(mask, logits / TEMP, float("-inf")).softmax(-1)
+    want = (F.one_hot(tokens.long(), V).float() - softmax) / TEMP
+    torch.testing.assert_close(torch.cat([s.grad for s in shards], 1), want, rtol=0, atol=2e-6)
+    assert torch.equal(shards[0].grad[~mask[:, :30]], torch.zeros_like(shards[0].grad[~mask[:, :30]]))
+
+
+def test_a_slice_without_kept_ids_contributes_nothing():
+    logits, tokens, offsets, ids = _case(seed=5, boost_first=8)
+    assert int(ids.max()) < 48                                    # the second half keeps nothing
+    shards = [s.clone().requires_grad_() for s in logits.split([48, 48], dim=1)]
+    out = _kept_logprob_from_shards(shards, tokens, (offsets, ids), temperature=TEMP)
+    out.sum().backward()
+    torch.testing.assert_close(out, kept_logprob(logits, tokens, offsets, ids, temperature=TEMP), rtol=0, atol=2e-6)
+    assert torch.equal(shards[1].grad, torch.zeros_like(shards[1].grad))
+    assert bool(torch.isfinite(out).all())
+
+
+def test_public_function_without_group_matches_and_mask_matters():
+    logits, tokens, offsets, ids = _case(seed=1)
+    kept = vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, temperature=TEMP)
+    full = vocab_parallel_full_logprob(logits, tokens, 0, temperature=TEMP)
+    torch.testing.assert_close(kept, kept_logprob(logits, tokens, offsets, ids, temperature=TEMP), rtol=0, atol=2e-6)
+    torch.testing.assert_close(full, full_logprob(logits, tokens, temperature=TEMP), rtol=0, atol=2e-6)
+    # negative control: the kept set drops probability mass, so the full-vocabulary log-prob is lower
+    assert bool((kept - full > 1e-3).all())
+    # temperature is applied: T = 1 gives another answer
+    assert not torch.allclose(vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0), kept)
+
+
+def test_half_precision_logits_give_float32():
+    logits, tokens, offsets, ids = _case(seed=2)
+    out = vocab_parallel_kept_logprob(logits.bfloat16(), tokens, (offsets, ids), 0, temperature=TEMP)
+    assert out.dtype == torch.float32
+    ref = kept_logprob(logits.bfloat16(), tokens, offsets, ids, temperature=TEMP)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+
+
+def _bad_token_outside_kept():
+    logits, tokens, offsets, ids = _case(seed=4)
+    row = 7
+    kept_row = set(ids[offsets[row]:offsets[row + 1]].tolist())
+    tokens = tokens.clone()
+    tokens[row] = next(t for t in range(V) if t not in kept_row)
+    return logits, tokens, (offsets, ids), 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (_bad_token_outside_kept, r"row 7: token \d+ is not in its kept set .*-inf"),
+    (lambda l, t, k: (l, torch.where(torch.arange(N) == 2, V, t), k, 0),
+     rf"tokens\[2\] = {V} is not a token id in \[0, {V}\)"),
+    (lambda l, t, k: (l, t.float(), k, 0), "tokens must be an integer tensor"),
+    (lambda l, t, k: (l, t[:, None], k, 0), r"tokens must be a 1-D tensor"),
+    (lambda l, t, k: (l[:-1], t, k, 0), f"logits_shard has {N - 1} rows but tokens has {N}"),
+    (lambda l, t, k: (l[0], t, k, 0), r"logits_shard must have shape \[N, V/TP\]"),
+    (lambda l, t, k: (l.long(), t, k, 0), "logits_shard must be a floating tensor"),
+    (lambda l, t, k: (l, t, (k[0][:-1], k[1]), 0), f"kept sets have {N - 1} rows .* {N} tokens"),
+    (lambda l, t, k: (l, t, k[0], 0), r"kept must be None \(full support\) or a pair"),
+    (lambda l, t, k: (l, t, (k[0], k[1].float()), 0), "ids must be an integer tensor"),
+    (lambda l, t, k: (l, t, (k[0], torch.where(k[1] == k[1].max(), V, k[1])), 0), "is not a token id"),
+    (lambda l, t, k: (l, t, k, 4), r"vocab_start = 4 but this rank's slice starts at 0"),
+    (lambda l, t, k: (l, t, k, 0.0), "vocab_start must be an int"),
+])
+def test_errors_name_the_problem(make, message):
+    logits, tokens, offsets, ids = _case(seed=4)
+    args = make() if make is _bad_token_outside_kept else make(logits, tokens, (offsets, ids))
+    with pytest.raises(RouteError, match=message):
+        vocab_parallel_kept_logprob(*args, temperature=TEMP)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_logits_name_row_and_vocab_id(value):
+    logits, tokens, offsets, ids = _case(seed=6)
+    bad = logits.clone()
+    bad[5, 70] = value                 # outside most kept sets: still an error (a broken model)
+    with pytest.raises(RouteError, match=rf"logits row 5 holds {value} at vocabulary id 70"):
+        vocab_parallel_kept_logprob(bad, tokens, (offsets, ids), 0)
+    with pytest.raises(RouteError, match=r"logits row 5 .* vocabulary id 70 \(shard 1: logits_shard\[5, 22\]\)"):
+        _kept_logprob_from_shards(list(bad.split([48, 48], 1)), tokens, (offsets, ids))
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, float("nan"), True, "1"])
+def test_bad_temperature(temperature):
+    logits, tokens, offsets, ids = _case()
+    with pytest.raises(RouteError, match="temperature"):
+        vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, temperature=temperature)
+
+
+def test_group_needs_initialised_distributed(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    logits, tokens, offsets, ids = _case()
+    with pytest.raises(RouteError, match="not initialised"):
+        vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, group=object())
+
+
+# --------------------------------------------------------------------------------------------------
+# two gloo processes: a real Megatron GPTModel at TP=1 and TP=2
+# --------------------------------------------------------------------------------------------------
+
+MB, MT, MV = 2, 12, 512      # batch, sequence, vocabulary of the Megatron model
+
+
+def _megatron_model():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, init_method_std=0.3,
+        use_cpu_initialization=True, params_dtype=torch.float32, add_bias_linear=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+    torch.manual_seed(0)                 # the master weights are drawn from the CPU RNG, then split
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=MV,
+                         max_sequence_length=64, position_embedding_type="rope")
+    return model.eval()
+
+
+def _megatron_inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MV, (MB, MT), generator=g)
+    pos = torch.arange(MT).expand(MB, MT)
+    mask = ~torch.tril(torch.ones(MT, MT, dtype=torch.bool))[None, None]
+    return ids, pos, mask
+
+
+def _megatron_worker(rank: int, world: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")          # Megatron's CPU-mode notices (Apex, CUDA env vars)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    import torch.distributed as dist
+
+    from moealign.patches.megatron import enable_megatron_cpu
+
+    mode = None
+    try:
+        mode = enable_megatron_cpu()
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        ids, pos, attn = _megatron_inputs()
+        out = {}
+
+        # TP = 1 reference (both processes compute it; data parallel 2)
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(123)
+        model1 = _megatron_model()
+        logits1 = model1(ids, pos, attention_mask=attn)
+        assert logits1.shape == (MB, MT, MV), logits1.shape
+        x1 = logits1.reshape(-1, MV)
+        tokens, offsets, kept_ids = _sample(x1.detach(), TEMP, seed=9, top_p=0.9)
+        ref_kept = kept_logprob(x1, tokens, offsets, kept_ids, temperature=TEMP)
+        ref_full = full_logprob(x1.detach(), tokens, temperature=TEMP)
+        ref_kept.sum().backward()
+        head1, emb1 = model1.output_layer.weight, model1.embedding.word_embeddings.weight
+        head_grad1, emb_grad1 = head1.grad.clone(), emb1.grad.clone()
+        leaf1 = x1.detach().clone().requires_grad_()
+        kept_logprob(leaf1, tokens, offsets, kept_ids, temperature=TEMP).sum().backward()
+        ps.destroy_model_parallel()
+
+        # TP = 2: each rank holds logits for its vocabulary slice
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        model_parallel_cuda_manual_seed(123)
+        tp_rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+        model2 = _megatron_model()
+        logits2 = model2(ids, pos, attention_mask=attn)
+        width = logits2.shape[-1]
+        out["shard_shape"] = tuple(logits2.shape)
+        start = tp_rank * width
+        x2 = logits2.reshape(-1, width)
+
+        head2, emb2 = model2.output_layer.weight, model2.embedding.word_embeddings.weight
+        same = True
+        for w2, w1 in ((head2, head1), (emb2, emb1)):        # vocab-parallel [V/TP, h] slices
+            gathered = [torch.empty_like(w2) for _ in range(2)]
+            dist.all_gather(gathered, w2.detach().contiguous(), group=group)
+            same = same and torch.equal(torch.cat(gathered), w1.detach())
+        out["same_master_weights"] = same
+        gathered = [torch.empty_like(x2) for _ in range(2)]
+        dist.all_gather(gathered, x2.detach().contiguous(), group=group)
+        out["logits_diff"] = float((torch.cat(gathered, 1) - x1.detach()).abs().max())
+
+        kept = vocab_parallel_kept_logprob(x2, tokens, (offsets, kept_ids), start, group=group, temperature=TEMP)
+        full = vocab_parallel_full_logprob(x2.detach(), tokens, start, group=group, temperature=TEMP)
+        out["kept_diff"] = float((kept - ref_kept).abs().max())
+        out["full_diff"] = float((full - ref_full).abs().max())
+        out["kept_minus_full_min"] = float((kept - full).min())
+        out["kept_size_mean"] = float(offsets.diff().double().mean())
+        kept.sum().backward()
+        # gradients through the real model: the output layer's slice, and the embedding slice (its
+        # gradient comes through the column-parallel output layer's all-reduced input gradient)
+        out["head_grad_diff"] = float((head2.grad - head_grad1[start:start + width]).abs().max())
+        out["head_grad_scale"] = float(head_grad1.abs().max())
+        out["emb_grad_diff"] = float((emb2.grad - emb_grad1[start:start + width]).abs().max())
+        out["emb_grad_scale"] = float(emb_grad1.abs().max())
+        leaf2 = x2.detach().clone().requires_grad_()
+        vocab_parallel_kept_logprob(leaf2, tokens, (offsets, kept_ids), start, group=group,
+                                    temperature=TEMP).sum().backward()
+        out["logit_grad_diff"] = float((leaf2.grad - leaf1.grad[:, start:start + width]).abs().max())
+
+        # rank-local bad input: every rank raises (none is left waiting in a collective)
+        bad = x2.detach().clone()
+        if tp_rank == 1:
+            bad[3, 5] = float("nan")
+        try:
+            vocab_parallel_kept_logprob(bad, tokens, (offsets, kept_ids), start, group=group)
+        except RouteError as exc:
+            out["nan_error"] = str(exc)
+        try:
+            vocab_parallel_kept_logprob(x2.detach(), tokens, (offsets, kept_ids), 0, group=group)
+        except RouteError as exc:
+            out["start_error"] = str(exc)
+        out["tp_rank"] = tp_rank
+        results.put((rank, out))
+        ps.destroy_model_parallel()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if mode is not None:
+            mode.undo()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_megatron_tp2_kept_logprob_equals_tp1():
+    pytest.importorskip("megatron.core")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_megatron_worker, args=(r, 2, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + 180
+    try:
+        while len(got) < len(procs):
+            try:
+                rank, value = results.get(timeout=1)
+            except queue.Empty:
+                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if died or time.monotonic() > deadline:
+                    pytest.fail(f"Megatron TP=2 workers died ({died}) or timed out; results so far: {got}")
+                continue
+            got[rank] = value
+            if isinstance(value, str):       # a traceback: the other rank may be stuck, stop here
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, value in sorted(got.items()):
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    print({r: {k: v for k, v in o.items() if not k.endswith("error")} for r, o in got.items()})
+    for rank, o in got.items():
+        assert o["shard_shape"] == (MB, MT, MV // 2)        # vocab-parallel logits, not gathered
+        assert o["same_master_weights"], "TP=1 and TP=2 models do not share their master weights"
+        assert o["logits_diff"] < 1e-4
+        assert o["kept_diff"] < 2e-5, o["kept_diff"]
+        assert o["full_diff"] < 2e-5, o["full_diff"]
+        assert o["logit_grad_diff"] < 2e-6, o["logit_grad_diff"]
+        assert o["head_grad_scale"] > 0 and o["emb_grad_scale"] > 0
+        assert o["head_grad_diff"] < 1e-5 * max(1.0, o["head_grad_scale"]), o["head_grad_diff"]
+        assert o["emb_grad_diff"] < 1e-5 * max(1.0, o["emb_grad_scale"]), o["emb_grad_diff"]
+        assert o["kept_minus_full_min"] > 1e-3          # negative control: the mask changes the value
+    # the NaN sits in rank 1's slice (vocabulary id 256 + 5); rank 0 stops too instead of hanging
+    by_tp = {o["tp_rank"]: o for o in got.values()}
+    assert "logits row 3 holds nan at vocabulary id 261" in by_tp[1]["nan_error"]
+    assert "row 3 holds NaN or Inf on another tensor-parallel rank" in by_tp[0]["nan_error"]
+    assert "vocab_start = 0 but this rank's slice starts at 256" in by_tp[1]["start_error"]
+    assert "tensor-parallel rank 1 rejected its input" in by_tp[0]["start_error"]
