@@ -91,7 +91,7 @@ def _tiny(model_type: str, **overrides):
     else:
         raise AssertionError(model_type)
     for key, value in overrides.items():
-        setattr(cfg, key, value)
+        setattr(cfg, key, value)      # before the model is built (tie_word_embeddings acts at build)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -182,16 +182,18 @@ def test_negative_control_perturbed_router_changes_experts(embedded):
     assert diff > 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
-def test_family_logits_and_routes_match(megatron_cpu, model_type):
-    hf_model = _tiny(model_type)
+@pytest.mark.parametrize("model_type, tied", [("qwen2_moe", False), ("mixtral", False), ("mixtral", True)])
+def test_family_logits_and_routes_match(megatron_cpu, model_type, tied):
+    hf_model = _tiny(model_type, tie_word_embeddings=tied)
+    assert (hf_model.lm_head.weight is hf_model.model.embed_tokens.weight) == tied
     gpt = _build(hf_model)
+    assert (gpt.output_layer.weight is None) == tied      # Megatron reuses the embedding
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (3, 11))
     valid = torch.ones_like(ids, dtype=torch.bool)
     valid[1, 8:] = False
     diff, pairs = _compare(hf_model, gpt, ids, valid)
-    print(f"\n{model_type}: max |logit diff| = {diff:.3g}")
+    print(f"\n{model_type} (tied={tied}): max |logit diff| = {diff:.3g}")
     assert diff < LOGIT_TOL
     moe_layers = [i for i, s in enumerate(mc._moe_layer_pattern(hf_model.config)) if s]
     assert len(pairs) == len(moe_layers) and [layer for layer, _ in mg.moe_routers(gpt)] == moe_layers
@@ -246,9 +248,12 @@ def test_unknown_family_raises(megatron_cpu):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["embedded", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("which", ["embedded", "qwen2_moe", "mixtral", "mixtral_tied"])
 def test_round_trip_is_exact(embedded, which):
-    hf_model = embedded[0] if which == "embedded" else _tiny(which)
+    if which == "embedded":
+        hf_model = embedded[0]
+    else:
+        hf_model = _tiny(which.removesuffix("_tied"), tie_word_embeddings=which.endswith("_tied"))
     gpt = embedded[1] if which == "embedded" else _build(hf_model)
     original = hf_model.state_dict()
     back = mc.hf_state_dict_from_megatron(gpt, hf_model.config)
@@ -287,3 +292,78 @@ def test_unfilled_megatron_parameters_and_shapes_raise(embedded):
         _build(hf_model, add_qkv_bias=True)
     with pytest.raises(mc.CheckpointMismatchError, match=r"local_experts.0.linear_fc1.weight: converted tensor has shape \(128, 128\), the Megatron parameter \(64, 128\)"):
         _build(hf_model, moe_ffn_hidden_size=32)
+
+
+# --------------------------------------------------------------------------------------------------
+# tensor parallelism (two gloo processes)
+# --------------------------------------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One TP rank: build each model from the full transformers weights (this rank's slices), compare the
+    gathered logits and the routes with transformers, save the figures."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    mode = mg.enable_megatron_cpu()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        model_parallel_cuda_manual_seed(123)
+        result = {}
+        embedded_hf = transformers.AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
+        for name, hf_model in (("embedded", embedded_hf.eval()), ("qwen2_moe", _tiny("qwen2_moe"))):
+            gpt = _build(hf_model, parallel_output=False)
+            g = torch.Generator().manual_seed(5)
+            ids = torch.randint(2, hf_model.config.vocab_size, (2, 13), generator=g)
+            diff, pairs = _compare(hf_model, gpt, ids, torch.ones_like(ids, dtype=torch.bool))
+            qkv = gpt.decoder.layers[0].self_attention.linear_qkv.weight
+            result[name] = dict(diff=diff, routes_equal=all(torch.equal(w, m) for w, m in pairs),
+                                qkv_rows=qkv.shape[0])
+        # negative control: slicing GLU fc1 as one block (rank 0 all gate, rank 1 all up) is wrong
+        real = mc._is_glu_fc1
+        mc._is_glu_fc1 = lambda name, config: False
+        try:
+            mc.load_hf_into_megatron(gpt, hf_model.state_dict(), hf_model.config)
+        finally:
+            mc._is_glu_fc1 = real
+        result["naive_glu_diff"] = _compare(hf_model, gpt, ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        try:
+            mc.hf_state_dict_from_megatron(gpt, hf_model.config)
+            result["reverse_refused"] = False
+        except mc.UnsupportedConversionError:
+            result["reverse_refused"] = True
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        mode.undo()
+
+
+def test_tensor_parallel_slices_match(tmp_path):
+    """TP=2: each rank loads its slices (qkv by query group, GLU fc1 gate/up halves, row-parallel dim 1,
+    vocab-parallel embedding/output); gathered logits and routes equal transformers' in fp32."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a TP worker failed or hung (see its stderr)"
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name in ("embedded", "qwen2_moe"):
+        print(f"\nTP=2 {name}: max |logit diff| = {max(r[name]['diff'] for r in results):.3g}")
+        for r in results:
+            assert r[name]["diff"] < LOGIT_TOL and r[name]["routes_equal"]
+    # each rank holds one query group of the embedded model's two: (2 q heads + k + v) * head_dim rows
+    assert results[0]["embedded"]["qkv_rows"] == (2 + 2) * 32
+    assert all(r["reverse_refused"] for r in results)
+    assert all(r["naive_glu_diff"] > 1e-3 for r in results)

@@ -29,7 +29,7 @@ raises :class:`CheckpointMismatchError` naming the missing / unused keys. With t
 full tensors are sliced by each parameter's own ``partition_dim`` (GLU ``fc1`` slices gate and up
 separately; ``linear_qkv`` slices whole query groups); expert and pipeline parallelism are refused.
 
-mbridge / Megatron-Bridge (evaluated 2025-11, mbridge 0.15.1 and megatron-bridge 0.3.1 wheels):
+mbridge / Megatron-Bridge (evaluated from the mbridge 0.15.1 and megatron-bridge 0.3.1 wheels):
 mbridge builds the transformer-engine layer spec (``use_transformer_engine=True``, TE fused names such as
 ``linear_qkv.layer_norm_weight``), so its mapping does not fit the local spec and its import needs einops;
 Megatron-Bridge requires transformer-engine and ``transformers<5``. Neither runs here, hence this module.
@@ -217,7 +217,8 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
                   moe_shared_expert_gate=True)
     jitter = float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0)
     if jitter:
-        kw["moe_input_jitter_eps"] = jitter   # both multiply the router input by U(1-eps, 1+eps) in training
+        # training-only noise U(1-eps, 1+eps) on the router input (transformers also feeds it to the experts)
+        kw["moe_input_jitter_eps"] = jitter
     if cpu:
         kw.update(_CPU_SETTINGS)
     kw.update(overrides)
