@@ -385,3 +385,21 @@ def test_aux_patch_is_undone(megatron_cpu):
     with mg.RouterReplayDriver(megatron_cpu, aux_loss="replayed"):
         assert router_mod.compute_routing_scores_for_aux_loss is not before
     assert router_mod.compute_routing_scores_for_aux_loss is before
+
+
+def test_kept_logprob_on_the_model_logits(megatron_cpu):
+    """The Megatron wrapper (TP group from parallel_state, here TP = 1) equals the core kept-set log-prob;
+    TP = 2 is tested in test_vocab_parallel_mask.py."""
+    from moealign.routing_replay.sampling_mask import full_logprob, kept_logprob, kept_sets_from_logits, truncation_mask
+
+    ids, pos, mask = _inputs()
+    with torch.no_grad():
+        logits = megatron_cpu(ids, pos, attention_mask=mask).reshape(-1, 512).float()
+    tokens = logits.argmax(-1)
+    processed = logits.masked_fill(~truncation_mask(logits, top_p=0.8), float("-inf"))
+    offsets, kept_ids = kept_sets_from_logits(processed)
+    got = mg.kept_logprob(logits, tokens, (offsets, kept_ids))
+    torch.testing.assert_close(got, kept_logprob(logits, tokens, offsets, kept_ids), rtol=1e-6, atol=1e-6)
+    full = mg.kept_logprob(logits, tokens, None)
+    torch.testing.assert_close(full, full_logprob(logits, tokens), rtol=1e-6, atol=1e-6)
+    assert (got > full).all()             # negative control: the kept set renormalises
