@@ -87,6 +87,44 @@ def _add_mismatch(sub) -> None:
     p.set_defaults(func=_cmd_mismatch)
 
 
+def _cmd_tp_check(args: argparse.Namespace) -> int:
+    from .tp_check import format_results, parse_world_sizes, run_tp_check, tree_failures
+
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        report = run_tp_check(parse_world_sizes(args.world_sizes), seed=args.seed, repeats=args.repeats, log=log)
+    except ValueError as exc:  # bad sizes or repeats (TreeReductionError is a ValueError)
+        print(f"moealign tp-check: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_results(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+    failures = tree_failures(report)
+    for line in failures:
+        print(f"moealign tp-check: FAIL {line}", file=sys.stderr)
+    return 3 if failures else 0
+
+
+def _add_tp_check(sub) -> None:
+    p = sub.add_parser(
+        "tp-check",
+        help="tree vs stock TP reductions: bitwise equal to TP=1? (real gloo processes)",
+        description="Spawns torch.distributed gloo processes per world size and runs the row-parallel linear "
+        "(fp32, bf16), the vocab-parallel selected-token log-prob and a sharded sum, each through the "
+        "TP-invariant tree path and the stock path (per-shard op + all_reduce SUM, the negative control). "
+        "Reports per op and world size whether every rank's result equals TP=1 bitwise, and the time. "
+        "Exit code 3 when a tree result differs.")
+    p.add_argument("--world-sizes", default="1,2,4", metavar="LIST",
+                   help="comma-separated powers of two (default 1,2,4)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per op (default 3; the fastest counts)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd_tp_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moealign",
@@ -99,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
     p_info.set_defaults(func=_cmd_info)
     _add_mismatch(sub)
+    _add_tp_check(sub)
     return parser
 
 
