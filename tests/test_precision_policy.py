@@ -1,0 +1,334 @@
+"""Precision policies (moealign.precision.policy), their engine translations, device capability checks,
+and audits of the embedded model (moealign.precision.audit + moealign.patches.hf_precision)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moealign.precision import capability
+from moealign.precision.audit import PrecisionAuditError, audit
+from moealign.precision.capability import GpuCapability, required_capability, supports
+from moealign.precision.policy import (
+    LM_HEAD,
+    POLICIES,
+    ROUTER,
+    Fp8Spec,
+    PrecisionPolicy,
+    UnknownPolicyError,
+    get_policy,
+    to_megatron_config_fields,
+    to_megatron_optimizer_fields,
+    to_transformers,
+    to_vllm_engine_args,
+    vllm_gaps,
+)
+
+NAMES = ["fp32", "bf16", "fp16", "fp16-fp32-router-head", "fp8-e4m3-tensor", "fp8-e4m3-block"]
+
+
+# ----------------------------------------------------------------------------------------------
+# registry and translators
+# ----------------------------------------------------------------------------------------------
+
+
+def test_registry():
+    assert set(NAMES) <= set(POLICIES)
+    assert get_policy("fp16") is POLICIES["fp16"]
+    assert get_policy(POLICIES["bf16"]) is POLICIES["bf16"]
+    with pytest.raises(UnknownPolicyError, match=r"unknown precision policy 'fp9'.*fp16-fp32-router-head"):
+        get_policy("fp9")
+    with pytest.raises(TypeError):
+        get_policy(16)
+    with pytest.raises(ValueError, match="already registered"):
+        from moealign.precision.policy import register_policy
+        register_policy(POLICIES["fp32"])
+    with pytest.raises(ValueError, match="router_dtype"):
+        PrecisionPolicy("x", torch.float16, router_dtype=torch.int8)
+    with pytest.raises(ValueError, match="scaling"):
+        Fp8Spec("e4m3", "channel")
+    p = get_policy("fp16-fp32-router-head")
+    assert p.module_dtype(ROUTER) == torch.float32 and p.module_dtype(LM_HEAD) == torch.float32
+    assert p.module_dtype(None) == torch.float16 and p.overrides == {ROUTER: torch.float32, LM_HEAD: torch.float32}
+    assert get_policy("fp16").overrides == {}
+    assert get_policy("fp8-e4m3-block").replace(dtype=torch.float32).dtype == torch.float32
+
+
+def test_to_transformers():
+    t = to_transformers("fp16-fp32-router-head")
+    assert t["dtype"] == torch.float16 and t["module_dtypes"] == {ROUTER: torch.float32, LM_HEAD: torch.float32}
+    assert t["fp8"] is None and to_transformers("fp8-e4m3-block")["fp8"].scaling == "block"
+
+
+def test_to_vllm_engine_args():
+    assert to_vllm_engine_args("fp32") == {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto"}
+    assert to_vllm_engine_args("bf16")["dtype"] == "bfloat16"
+    assert to_vllm_engine_args("fp16")["dtype"] == "float16"
+    head = to_vllm_engine_args("fp16-fp32-router-head")
+    assert head["dtype"] == "float16" and head["hf_overrides"] == {"head_dtype": "float32"}
+    assert to_vllm_engine_args("fp8-e4m3-tensor")["quantization"] == "fp8_per_tensor"
+    assert to_vllm_engine_args("fp8-e4m3-block")["quantization"] == "fp8_per_block"
+    assert vllm_gaps("fp16") == [] and "router" in vllm_gaps("fp16-fp32-router-head")[0]
+    with pytest.raises(ValueError, match="e4m3"):
+        to_vllm_engine_args(PrecisionPolicy("x", torch.bfloat16, fp8=Fp8Spec("e5m2")))
+
+
+def test_to_megatron_fields():
+    assert to_megatron_config_fields("bf16") == {"fp16": False, "bf16": True, "params_dtype": torch.bfloat16,
+                                                 "moe_router_dtype": None}
+    f = to_megatron_config_fields("fp16-fp32-router-head")
+    assert f["fp16"] and not f["bf16"] and f["params_dtype"] == torch.float16 and f["moe_router_dtype"] == "fp32"
+    assert to_megatron_config_fields("fp8-e4m3-tensor", te_available=True)["fp8_recipe"] == "tensorwise"
+    block = to_megatron_config_fields("fp8-e4m3-block", te_available=True)
+    assert block["fp8"] == "e4m3" and block["fp8_recipe"] == "blockwise" and block["bf16"]
+    with pytest.raises(RuntimeError, match="transformer-engine"):
+        to_megatron_config_fields("fp8-e4m3-block", te_available=False)
+    sim = to_megatron_config_fields("fp8-e4m3-block", te_available=False, simulate_fp8=True)
+    assert "fp8" not in sim and sim["bf16"]
+    # no transformer-engine on this machine: probing finds none
+    from moealign._optional import probe
+    if not probe("transformer_engine").available:
+        with pytest.raises(RuntimeError, match="simulate_fp8"):
+            to_megatron_config_fields("fp8-e4m3-tensor")
+    opt = to_megatron_optimizer_fields("fp16")
+    assert opt["loss_scale"] is None and opt["initial_loss_scale"] == 2.0 ** 16 and opt["loss_scale_window"] == 400
+    assert "initial_loss_scale" not in to_megatron_optimizer_fields("bf16")
+
+
+def test_megatron_field_names_exist():
+    """The translated names are real TransformerConfig / OptimizerConfig fields of the installed megatron-core."""
+    pytest.importorskip("megatron.core")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+    tc = {f.name for f in dataclasses.fields(TransformerConfig)}
+    oc = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    for name in NAMES:
+        assert set(to_megatron_config_fields(name, te_available=True)) <= tc, name
+        assert set(to_megatron_optimizer_fields(name)) <= oc, name
+    assert "not_a_field" not in tc                                # control
+
+
+# ----------------------------------------------------------------------------------------------
+# capability
+# ----------------------------------------------------------------------------------------------
+
+A100 = [GpuCapability(0, "A100", 8, 0, "given")]
+H100 = [GpuCapability(0, "H100", 9, 0, "given")]
+V100 = [GpuCapability(0, "V100", 7, 0, "given")]
+
+
+def test_required_capability():
+    assert required_capability("fp32") is None
+    assert required_capability("fp16") == (7, 0)
+    assert required_capability("bf16") == (8, 0)
+    assert required_capability("fp8-e4m3-block") == (8, 9)
+
+
+@pytest.mark.parametrize("policy,gpus,ok", [
+    ("bf16", A100, True), ("fp8-e4m3-tensor", A100, False), ("fp8-e4m3-block", H100, True),
+    ("bf16", V100, False), ("fp16", V100, True), ("fp32", V100, True),
+    ("bf16", A100 + [GpuCapability(1, "V100", 7, 0, "given")], False),
+])
+def test_supports_given_gpus(policy, gpus, ok):
+    answer, reason = supports(policy, "cuda", gpus=gpus)
+    assert answer is ok and policy in reason
+    if not ok:
+        assert "compute capability" in reason
+
+
+def test_supports_device_index_and_cpu():
+    two = A100 + [GpuCapability(1, "V100", 7, 0, "given")]
+    assert supports("bf16", "cuda:0", gpus=two)[0] and not supports("bf16", "cuda:1", gpus=two)[0]
+    assert not supports("bf16", "cuda:5", gpus=two)[0]
+    ok, reason = supports("fp8-e4m3-block", "cpu")
+    assert ok and "simulated" in reason
+
+
+def test_supports_degrades_without_gpu_or_pynvml(monkeypatch):
+    from moealign import info
+    from moealign._optional import Backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(info, "probe", lambda *a, **k: Backend("pynvml", None, None, "ModuleNotFoundError: pynvml"))
+    gpus, note = capability.gpu_capabilities()
+    assert gpus == [] and "nvidia-ml-py not importable" in note
+    ok, reason = supports("bf16")
+    assert not ok and "needs a CUDA GPU" in reason and "nvidia-ml-py" in reason
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer of this machine")
+def test_supports_on_this_machine_without_gpu():
+    ok, reason = supports("fp8-e4m3-block")
+    assert ok is False and "needs a CUDA GPU" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_supports_on_this_gpu():
+    major, minor = torch.cuda.get_device_capability(0)
+    assert supports("bf16", "cuda:0")[0] is ((major, minor) >= (8, 0))
+    assert supports("fp8-e4m3-tensor", "cuda:0")[0] is ((major, minor) >= (8, 9))
+
+
+# ----------------------------------------------------------------------------------------------
+# audits of the embedded model
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    transformers = pytest.importorskip("transformers")
+    from moealign.embedded import embedded_model_path
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(embedded_model_path())
+    m.eval()
+    return m
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(2, 2048, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def applied(model):
+    from moealign.patches.hf_precision import apply_precision
+
+    handles = []
+
+    def apply(policy):
+        handles.append(apply_precision(model, policy, keep_original=True))
+        return handles[-1]
+
+    yield apply
+    for h in reversed(handles):
+        h.undo()
+
+
+def test_roles_of_embedded_model(model):
+    from moealign.patches.hf_precision import module_roles
+
+    roles = module_roles(model)
+    assert roles == {**{f"model.layers.{i}.mlp.gate": ROUTER for i in range(4)}, "lm_head": LM_HEAD}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_audit_passes_after_apply(model, ids, applied, name):
+    with torch.no_grad():
+        ref = model(ids).logits
+    handle = applied(name)
+    report = audit(model, name, {"input_ids": ids}, roles=handle.roles)
+    policy = get_policy(name)
+    assert report.forward_checked and report.computed["lm_head"] == (str(policy.module_dtype(LM_HEAD))[6:],) * 2
+    assert report.computed["model.layers.0.mlp.gate"][0] == str(policy.module_dtype(ROUTER))[6:]
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert bool(report.fp8_modules) == (policy.fp8 is not None)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert out.dtype == policy.module_dtype(LM_HEAD)
+    assert torch.equal(out, ref) == (name == "fp32")
+    # the same audit without hooks' roles (guessed from names) agrees
+    audit(model, name, {"input_ids": ids})
+
+
+def test_undo_restores_exactly(model, ids):
+    from moealign.patches.hf_precision import apply_precision
+
+    with torch.no_grad():
+        ref = model(ids).logits
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        h = apply_precision(model, "fp16-fp32-router-head", keep_original=True)
+        h.undo()
+        assert torch.equal(model(ids).logits, ref)
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        assert all(not m._forward_pre_hooks for _, m in model.named_modules())
+        # control: without keep_original the values keep fp16's rounding
+        h = apply_precision(model, "fp16")
+        h.undo()
+        assert next(model.parameters()).dtype == torch.float32
+        assert not torch.equal(model(ids).logits, ref)
+        model.load_state_dict(state)
+
+
+def deviations(model, policy, ids, **kw):
+    with pytest.raises(PrecisionAuditError) as info:
+        audit(model, policy, {"input_ids": ids}, **kw)
+    return info.value.deviations
+
+
+def test_audit_lists_every_wrongly_cast_module(model, ids, applied):
+    applied("fp16-fp32-router-head")
+    model.model.layers[1].mlp.gate.half()
+    model.model.layers[2].self_attn.q_proj.float()
+    found = deviations(model, "fp16-fp32-router-head", ids)
+    assert any("model.layers.1.mlp.gate.weight: float16, policy says float32 (role router)" in d for d in found)
+    assert any("model.layers.2.self_attn.q_proj.weight: float32, policy says float16" in d for d in found)
+    assert any("forward raised" in d for d in found)          # fp16 input meets the fp32 q_proj
+    assert not any("layers.0" in d or "layers.3" in d for d in found)
+
+
+def test_audit_catches_missing_input_cast(model, ids, applied):
+    handle = applied("fp16-fp32-router-head")
+    for h in handle._hooks:            # drop the input casts, keep the fp32 routers and head
+        h.remove()
+    found = deviations(model, "fp16-fp32-router-head", ids)
+    assert any("forward raised" in d for d in found) and not any("parameter" in d for d in found)
+
+
+def test_audit_catches_wrong_compute_dtype_with_right_parameters(model, ids, applied):
+    applied("fp16")
+    norm = model.model.layers[3].post_attention_layernorm
+    hook = norm.register_forward_pre_hook(lambda m, args: (args[0].float(),))
+    try:
+        found = deviations(model, "fp16", ids)
+    finally:
+        hook.remove()
+    assert any("model.layers.3.post_attention_layernorm computes on float32 input, policy says float16" in d
+               for d in found)
+    assert not any("parameter" in d or "buffer" in d for d in found)
+    audit(model, "fp16", {"input_ids": ids})                   # control: without the hook it is clean
+
+
+def test_audit_wrong_policy_and_buffers(model, ids, applied):
+    applied("bf16")
+    found = deviations(model, "fp16", ids)
+    n_params = sum(1 for _ in model.parameters())
+    assert sum("parameter" in d for d in found) == n_params
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.bfloat16()
+    found = deviations(model, "bf16", ids)
+    assert found == ["buffer model.rotary_emb.inv_freq: bfloat16, policy says float32"]
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()
+
+
+def test_audit_fp8_needs_fake_quant_and_only_where_due(model, ids, applied):
+    from moealign.precision.fp8 import Fp8FakeQuantConfig, fake_quant_fp8_
+
+    applied("bf16")
+    found = deviations(model, "fp8-e4m3-block", ids)
+    assert any("model.layers.0.mlp.experts: not FP8 fake-quantised" in d for d in found)
+    assert any("weights were not FP8-rounded" in d for d in found)
+    # quantising the routers too (skip nothing) is a deviation of its own
+    with fake_quant_fp8_(model, Fp8FakeQuantConfig(scaling="block", skip=())):
+        found = deviations(model, "fp8-e4m3-block", ids)
+    assert any("model.layers.0.mlp.gate: FP8 fake-quantised" in d for d in found)
+    assert any("lm_head: FP8 fake-quantised" in d for d in found)
+    assert not any("experts" in d for d in found)
+
+
+def test_tied_head_with_fp32_override_raises():
+    transformers = pytest.importorskip("transformers")
+    from moealign.patches.hf_precision import apply_precision
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      vocab_size=64, intermediate_size=32, moe_intermediate_size=16, num_experts=4,
+                                      num_experts_per_tok=2, num_hidden_layers=1, tie_word_embeddings=True)
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="tied"):
+        apply_precision(m, "fp16-fp32-router-head")
+    apply_precision(m, "fp16")       # no override: fine
