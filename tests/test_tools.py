@@ -37,3 +37,19 @@ def test_bench_replay_smoke(tmp_path):
     # uint8 routes: exactly top_k bytes per (token, MoE layer) for <= 256 experts
     assert result["route_dtype"] == "uint8"
     assert result["route_bytes_per_token_layer"] == result["top_k"]
+
+
+def test_bench_megatron_replay_smoke(tmp_path):
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_megatron_replay.py"), "--batch", "2", "--seq", "16",
+         "--repeats", "1", "--recompute", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "target <= 1.03x" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["recompute"] is True and result["plain_ms"] > 0 and result["ratio"] > 0

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -31,26 +29,8 @@ from moealign.embedded import default_prompts, embedded_model_path  # noqa: E402
 from moealign.patches import hf  # noqa: E402
 from moealign.record import RolloutRecord, SamplingParams  # noqa: E402
 
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _interleaved(fns: dict, repeats: int, device: str) -> dict[str, float]:
-    """Minimum over ``repeats`` interleaved rounds: on a shared 2-core machine the minimum is the
-    run least disturbed by other processes; the median is reported alongside."""
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-    out = {name: min(ts) for name, ts in times.items()}
-    out.update({f"{name}_median": statistics.median(ts) for name, ts in times.items()})
-    return out
+sys.path.insert(0, os.path.dirname(__file__))
+from _timing import interleaved as _interleaved  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,116 @@
+"""Benchmark: what Megatron routing replay (RouterReplayDriver) adds to a Megatron-core training step.
+
+The embedded model converted to a Megatron ``GPTModel`` (local spec; CPU: gloo, one process). Each round
+times a forward + backward without replay, and the same step with replay: converting the record's padded
+routes into each router's sequence-first targets (``set_routes``), REPLAY_FORWARD around the forward,
+REPLAY_BACKWARD around the backward (activation recompute re-runs the routers there with
+``--recompute``), and the counter check. The replayed routes are the model's own choices, so both steps
+compute the same network. Printed: minimum and median of interleaved rounds, and replay / plain
+(target: at most 1.03).
+
+    python tools/bench_megatron_replay.py                  # embedded model, CPU
+    python tools/bench_megatron_replay.py --batch 8 --seq 512 --recompute --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _timing import interleaved  # noqa: E402
+
+from moealign.embedded import embedded_model_path  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="transformers MoE checkpoint (default: the embedded model)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--recompute", action="store_true", help="full activation recompute (REPLAY_BACKWARD)")
+    ap.add_argument("--json", help="write the figures as JSON")
+    args = ap.parse_args(argv)
+
+    import transformers
+
+    from moealign.patches import megatron as mg
+    from moealign.patches import megatron_checkpoint as mc
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = args.model or str(embedded_model_path())
+    with mg.init_single_process(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if args.recompute else {}
+        model = mc.build_megatron_from_hf(hf_model, **extra).to(device)
+        layers = tuple(range(hf_model.config.num_hidden_layers))
+        del hf_model
+        model.train()
+        B, T = args.batch, args.seq
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.vocab_size, (B, T), generator=g).to(device)
+        pos = torch.arange(T, device=device).expand(B, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)[None, None]
+
+        # the model's own routes, in the record's padded layout [B*T, layers, k]
+        routers = mg.moe_routers(model)
+        maps = []
+        handles = [r.register_forward_hook(lambda m, a, out: maps.append(out[1].detach())) for _, r in routers]
+        with torch.no_grad():
+            model(ids, pos, mask)
+        for h in handles:
+            h.remove()
+        k = int(routers[0][1].topk)
+        routes = torch.stack([m.reshape(T, B, -1).transpose(0, 1).reshape(B * T, -1).nonzero()[:, 1].reshape(-1, k)
+                              for m in maps], dim=1).to(torch.uint8).cpu()
+        moe_layers = tuple(layer for layer, _ in routers)
+        routes = routes[:, [layers.index(x) for x in moe_layers]]
+
+        def plain():
+            model(ids, pos, mask).float().logsumexp(-1).mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        driver = mg.RouterReplayDriver(model, aux_loss="own")
+
+        def replayed():
+            driver.reset_counters()
+            driver.set_routes(routes, moe_layers, batch_shape=(B, T))
+            with driver.forward():
+                out = model(ids, pos, mask)
+            with driver.backward():
+                out.float().logsumexp(-1).mean().backward()
+            driver.check(calls=2 if args.recompute else 1)
+            model.zero_grad(set_to_none=True)
+
+        plain()
+        replayed()
+        t = interleaved({"plain": plain, "replay": replayed}, args.repeats, device)
+        driver.undo()
+
+    result = {
+        "model": "embedded:tiny_moe" if not args.model else args.model, "device": device,
+        "threads": torch.get_num_threads(), "batch": B, "seq": T, "recompute": args.recompute,
+        "plain_ms": t["plain"] * 1e3, "replay_ms": t["replay"] * 1e3, "ratio": t["replay"] / t["plain"],
+        "ratio_median": t["replay_median"] / t["plain_median"],
+    }
+    print(f"megatron fwd+bwd{' (full recompute)' if args.recompute else ''}, {B}x{T} tokens on {device}: "
+          f"plain {result['plain_ms']:.1f} ms, replay {result['replay_ms']:.1f} ms -> {result['ratio']:.3f}x "
+          f"(median {result['ratio_median']:.3f}x; target <= 1.03x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
