@@ -1,0 +1,203 @@
+"""Triton GPU kernels for the batch-invariant ops (imported lazily, only when CUDA and triton exist).
+
+Every kernel fixes the reduction order of an output element independently of the batch size:
+
+* :func:`matmul` - a persistent kernel (grid = number of SMs, output tiles strided over the programs).
+  The tile configuration is fixed per dtype, never chosen from ``M``; each output tile loops over all of
+  ``K`` in one program with an fp32 accumulator (no split-K, no stream-K), so a row's K order is the same
+  whatever ``M`` is. A bias is added to the fp32 accumulator before the single cast.
+* :func:`log_softmax`, :func:`mean`, :func:`rms_norm` - one program per row; the row is read in
+  ``BLOCK``-wide chunks into a ``BLOCK``-lane fp32 accumulator (lane ``j`` sums elements ``j, j + BLOCK,
+  ...`` in order), and the lanes are combined by one ``tl.sum`` whose tree depends only on ``BLOCK``.
+
+These kernels are batch-invariant among themselves; they do not reproduce the torch path's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["matmul", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS"]
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per dtype: fixed, whatever the shape.
+MATMUL_CONFIGS = {
+    torch.bfloat16: (128, 128, 64, 3, 8),
+    torch.float16: (128, 128, 64, 3, 8),
+    torch.float32: (128, 128, 32, 3, 8),
+}
+_GROUP_M = 8
+_ROW_BLOCK = 1024
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _persistent_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                              stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                              HAS_BIAS: tl.constexpr, FP32_IEEE: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tiles_m * tiles_n
+    tiles_per_group = GROUP_M * tiles_n
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS):
+        # Grouped tile order (for L2 reuse): a schedule only, it does not change any element's K order.
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (tile % tiles_per_group) % group_rows
+        tile_n = (tile % tiles_per_group) // group_rows
+        offs_m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+            if FP32_IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                 acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's CPU interpreter (TRITON_INTERPRET=1): any fixed number works
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias [N])`` with the fixed-configuration persistent kernel."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in MATMUL_CONFIGS or b.dtype != a.dtype:
+        raise ValueError(f"matmul supports {list(MATMUL_CONFIGS)} (same dtype), got {a.dtype} and {b.dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    block_m, block_n, block_k, stages, warps = MATMUL_CONFIGS[a.dtype]
+    programs = min(_num_programs(a.device), triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
+    _persistent_matmul_kernel[(programs,)](
+        a, b, c, bias if bias is not None else c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, FP32_IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, NUM_PROGRAMS=programs,
+        num_stages=stages, num_warps=warps)
+    return c
+
+
+@triton.jit
+def _row_log_softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    lane_max = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, x)
+    row_max = tl.max(lane_max, 0)
+    lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+        lane_sum += tl.exp(x - row_max)
+    log_norm = tl.log(tl.sum(lane_sum, 0))
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+        y = (x - row_max) - log_norm
+        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=offs < n_cols)
+
+
+def _rows_last(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` moved last, as a contiguous ``[rows, n]`` matrix."""
+    return x.movedim(dim, -1).contiguous().reshape(-1, x.shape[dim])
+
+
+def log_softmax(x: torch.Tensor, dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row-wise log_softmax over ``dim`` (three passes per row: max, sum of exp, write)."""
+    rows = _rows_last(x, dim)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.numel():
+        _row_log_softmax_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), out.stride(0),
+                                                  BLOCK=_ROW_BLOCK)
+    moved = x.movedim(dim, -1).shape
+    return out.reshape(moved).movedim(-1, dim)
+
+
+@triton.jit
+def _row_mean_kernel(x_ptr, out_ptr, n_cols, row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lane_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        lane_sum += tl.load(x_ptr + row * row_stride + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+    total = tl.sum(lane_sum, 0)
+    tl.store(out_ptr + row, (total / n_cols).to(out_ptr.dtype.element_ty))
+
+
+def mean(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """Mean over ``dims`` (sorted, distinct): the reduced dims are moved last and flattened per output."""
+    kept = [d for d in range(x.dim()) if d not in dims]
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    rows = x.permute(*kept, *dims).contiguous().reshape(-1, count)
+    out = torch.empty((rows.shape[0],), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        if count == 0:
+            out.fill_(float("nan"))
+        else:
+            _row_mean_kernel[(rows.shape[0],)](rows, out, count, rows.stride(0), BLOCK=_ROW_BLOCK)
+    if keepdim:
+        return out.reshape([1 if d in dims else x.shape[d] for d in range(x.dim())])
+    return out.reshape([x.shape[d] for d in kept])
+
+
+@triton.jit
+def _row_rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, eps,
+                         HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    lane_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+        lane_sq += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(lane_sq, 0) / n_cols + eps)
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < n_cols, other=0.0).to(tl.float32)
+        # transformers' convention: normalise in fp32, cast to the input dtype, then scale by the weight.
+        y = (x * rstd).to(x_ptr.dtype.element_ty)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + offs, mask=offs < n_cols, other=0.0)
+            y = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_row + offs, y, mask=offs < n_cols)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, one program per row."""
+    rows = x.contiguous().reshape(-1, x.shape[-1])
+    out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.numel():
+        w = weight.contiguous() if weight is not None else rows
+        _row_rms_norm_kernel[(rows.shape[0],)](rows, w, out, rows.shape[1], rows.stride(0), out.stride(0),
+                                               float(eps), HAS_WEIGHT=weight is not None, BLOCK=_ROW_BLOCK)
+    return out.reshape(x.shape)
