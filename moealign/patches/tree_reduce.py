@@ -1,0 +1,231 @@
+"""Swap the TP-invariant tree reductions (:mod:`moealign.precision.tree`) into Megatron-core and vLLM.
+
+Every patch is explicit, version-checked, fails loudly when its target attribute is missing, and returns
+a :class:`TreeReducePatch` (``undo()`` or use it as a context manager).
+
+* :func:`patch_megatron_row_parallel` - per instance: every ``RowParallelLinear`` in a module computes its
+  local K shard with :func:`~moealign.precision.tree.tree_matmul` (fp32 nodes) and reduces across the TP
+  group with the tree all-reduce (or the tree reduce-scatter under sequence parallelism). The layer's
+  output is then bitwise the same for TP = 1, 2, 4, 8 (when ``K/TP`` is a multiple of the leaf width).
+* :func:`patch_megatron_vocab_parallel_cross_entropy` - module-level: Megatron's
+  ``tensor_parallel.vocab_parallel_cross_entropy`` becomes ``-vocab_parallel_logprob_tree`` (callers that
+  look it up through ``megatron.core.tensor_parallel`` at call time, as ``LanguageModule`` does, see the
+  patch; a name imported earlier with ``from ... import`` does not). Needs ``cross_entropy_loss_fusion=False``
+  and no label smoothing.
+* :func:`patch_vllm_all_reduce` - vLLM's ``GroupCoordinator._all_reduce_out_place`` (the body behind both
+  ``tensor_model_parallel_all_reduce`` and ``torch.ops.vllm.all_reduce``) becomes the tree all-reduce over
+  the group's device group: same bits on every rank, a TP-independent order across ranks. On its own this
+  fixes only the cross-rank part; the per-rank partial must also be a tree subtree root (a tree matmul) for
+  full TP invariance. Run vLLM eagerly (``enforce_eager=True``): the all-gather is not graph-captured here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..precision.tree import (
+    DEFAULT_LEAF_WIDTH,
+    TreeReductionError,
+    tree_all_reduce,
+    tree_matmul,
+    tree_reduce_scatter,
+    vocab_parallel_logprob_tree,
+)
+from ._version import UnsupportedEngineError, check_engine_version, engine_version
+
+__all__ = [
+    "SUPPORTED_MEGATRON",
+    "SUPPORTED_VLLM",
+    "TreeReducePatch",
+    "patch_megatron_row_parallel",
+    "patch_megatron_vocab_parallel_cross_entropy",
+    "patch_vllm_all_reduce",
+]
+
+SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
+SUPPORTED_VLLM = ">=0.8,<0.34"
+
+
+@dataclass
+class TreeReducePatch:
+    """Undo handle of the patches in this module (also a context manager)."""
+
+    _saved: list[tuple[object, str, object, bool]] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)
+
+    def _set(self, owner, name: str, value, label: str) -> None:
+        # an attribute of the object itself is restored; one it only inherits (a class's method seen from an
+        # instance, a base class's method) is deleted again on undo
+        had = name in vars(owner) if hasattr(owner, "__dict__") else hasattr(owner, name)
+        self._saved.append((owner, name, getattr(owner, name, None), had))
+        setattr(owner, name, value)
+        self.patched.append(label)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._saved)
+
+    def undo(self) -> None:
+        """Restore every patched attribute (instance attributes that did not exist are removed)."""
+        for owner, name, value, had in reversed(self._saved):
+            if had:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+        self._saved.clear()
+        self.patched.clear()
+
+    def __enter__(self) -> "TreeReducePatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def _require_attr(owner, name: str, where: str):
+    if not hasattr(owner, name):
+        raise UnsupportedEngineError(f"{where} has no attribute {name!r}; this engine version's layout differs "
+                                     f"from what moealign.patches.tree_reduce targets, nothing was patched")
+    return getattr(owner, name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-core
+# --------------------------------------------------------------------------------------------------
+
+
+def _megatron():
+    _, version = engine_version("megatron.core", "moealign.patches.tree_reduce needs megatron-core")
+    check_engine_version("megatron-core", version, SUPPORTED_MEGATRON)
+    return version
+
+
+def _row_parallel_tree_forward(layer, leaf_width: int, algorithm: str):
+    """A replacement for ``RowParallelLinear.forward`` bound to one layer (same inputs and outputs)."""
+    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+
+    def forward(input_):
+        if layer.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+        local = tree_matmul(input_parallel, layer.weight, leaf_width=leaf_width)  # fp32 subtree root
+        if layer.sequence_parallel:
+            reduced = tree_reduce_scatter(local, layer.tp_group, dim=0)
+        else:
+            reduced = tree_all_reduce(local, layer.tp_group, algorithm=algorithm)
+        output_ = reduced.to(input_parallel.dtype)
+        if not layer.skip_bias_add:
+            return (output_ + layer.bias if layer.bias is not None else output_), None
+        return output_, layer.bias
+
+    return forward
+
+
+def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DEFAULT_LEAF_WIDTH,
+                                algorithm: str = "all_gather") -> TreeReducePatch:
+    """Make every ``RowParallelLinear`` inside ``module`` (or ``module`` itself) TP-invariant, per instance.
+
+    Raises ValueError when there is none; :class:`~moealign.precision.tree.TreeReductionError` naming the layer
+    when its K shard is not a whole number of leaves or its TP size is not a power of two; ValueError for
+    layers whose reduction happens elsewhere (MoE experts with explicit expert communication) or that rely on
+    fused weight-gradient accumulation (``gradient_accumulation_fusion``).
+    """
+    _megatron()
+    from megatron.core.tensor_parallel import layers as mlayers
+
+    row_cls = _require_attr(mlayers, "RowParallelLinear", "megatron.core.tensor_parallel.layers")
+    targets = [(name, mod) for name, mod in module.named_modules() if isinstance(mod, row_cls)]
+    if not targets:
+        raise ValueError(f"no megatron RowParallelLinear found in {type(module).__name__}")
+    for name, layer in targets:
+        label = name or type(layer).__name__
+        for attr in ("tp_group", "input_size_per_partition", "input_is_parallel", "sequence_parallel",
+                     "skip_bias_add", "weight"):
+            _require_attr(layer, attr, f"RowParallelLinear {label!r}")
+        if getattr(layer, "explicit_expert_comm", False):
+            raise ValueError(f"RowParallelLinear {label!r} is an expert layer with explicit expert communication; "
+                             "its reduction is not done by the layer, so the tree patch does not apply")
+        if getattr(layer, "gradient_accumulation_fusion", False):
+            raise ValueError(f"RowParallelLinear {label!r} uses gradient_accumulation_fusion (fused main_grad "
+                             "accumulation), which the tree forward does not provide; disable it")
+        world = layer.tp_group.size()
+        if layer.input_size_per_partition % leaf_width:
+            raise TreeReductionError(f"RowParallelLinear {label!r}: K shard {layer.input_size_per_partition} is not a "
+                                     f"multiple of leaf_width={leaf_width}")
+        if world & (world - 1):
+            raise TreeReductionError(f"RowParallelLinear {label!r}: TP size {world} is not a power of two")
+    handle = TreeReducePatch()
+    for name, layer in targets:
+        handle._set(layer, "forward", _row_parallel_tree_forward(layer, leaf_width, algorithm),
+                    f"RowParallelLinear {name or '<root>'}")
+    return handle
+
+
+def patch_megatron_vocab_parallel_cross_entropy(*, leaf_width: int = DEFAULT_LEAF_WIDTH) -> TreeReducePatch:
+    """Replace Megatron's ``vocab_parallel_cross_entropy`` with the tree version (loss = -log-prob of the
+    target, fp32, bitwise the same for every TP size whose vocab shard is a whole number of leaves)."""
+    _megatron()
+    import megatron.core.tensor_parallel as tp_pkg
+    import megatron.core.tensor_parallel.cross_entropy as ce_mod
+    from megatron.core import parallel_state
+
+    _require_attr(ce_mod, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel.cross_entropy")
+    _require_attr(tp_pkg, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel")
+    get_group = _require_attr(parallel_state, "get_tensor_model_parallel_group", "megatron.core.parallel_state")
+
+    def tree_vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
+        """moealign tree version of Megatron's vocab_parallel_cross_entropy (no label smoothing)."""
+        if label_smoothing:
+            raise ValueError(f"the tree vocab-parallel cross-entropy has no label smoothing (got {label_smoothing})")
+        return -vocab_parallel_logprob_tree(vocab_parallel_logits, target, get_group(), leaf_width=leaf_width)
+
+    handle = TreeReducePatch()
+    handle._set(ce_mod, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
+                "tensor_parallel.cross_entropy.vocab_parallel_cross_entropy")
+    handle._set(tp_pkg, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
+                "tensor_parallel.vocab_parallel_cross_entropy")
+    return handle
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------------
+
+
+def _tree_all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
+    """Replacement body of ``GroupCoordinator._all_reduce_out_place``: the tree all-reduce (a new tensor)."""
+    return tree_all_reduce(input_, self.device_group).clone()
+
+
+def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
+    """Route vLLM's all-reduce through the tree all-reduce.
+
+    With ``group_coordinator=None`` the ``GroupCoordinator`` class is patched (every group, including TP);
+    otherwise only that instance (e.g. ``vllm.distributed.get_tp_group()``). Raises
+    :class:`UnsupportedEngineError` for vLLM versions outside :data:`SUPPORTED_VLLM` or when
+    ``_all_reduce_out_place(self, input_)`` is missing or has another signature.
+    """
+    _, version = engine_version("vllm", "moealign.patches.tree_reduce.patch_vllm_all_reduce needs vLLM")
+    check_engine_version("vllm", version, SUPPORTED_VLLM)
+    from vllm.distributed import parallel_state
+
+    cls = _require_attr(parallel_state, "GroupCoordinator", "vllm.distributed.parallel_state")
+    original = _require_attr(cls, "_all_reduce_out_place", "vllm GroupCoordinator")
+    params = list(inspect.signature(original).parameters)
+    if params != ["self", "input_"]:
+        raise UnsupportedEngineError(f"vllm GroupCoordinator._all_reduce_out_place{tuple(params)} has a signature "
+                                     "this patch was not written for, nothing was patched")
+    handle = TreeReducePatch()
+    if group_coordinator is None:
+        handle._set(cls, "_all_reduce_out_place", _tree_all_reduce_out_place, "GroupCoordinator (class)")
+    else:
+        if not isinstance(group_coordinator, cls):
+            raise TypeError(f"expected a vllm GroupCoordinator, got {type(group_coordinator).__name__}")
+        _require_attr(group_coordinator, "device_group", "vllm GroupCoordinator instance")
+        handle._set(group_coordinator, "_all_reduce_out_place",
+                    _tree_all_reduce_out_place.__get__(group_coordinator), "GroupCoordinator (instance)")
+    return handle
