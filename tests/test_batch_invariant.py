@@ -457,3 +457,27 @@ def test_gpu_mode_makes_a_model_batch_invariant():
     with torch.no_grad(), batch_invariant_mode():
         bad, checked = row_mismatches(block, xb)
     assert bad == 0, f"{bad}/{checked} rows differ on CUDA with the mode on"
+
+
+# ---------------------------------------------------------------------------------------------- tool
+
+
+def test_bench_batch_invariant_smoke(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench_batch_invariant.py"), "--m", "1,40", "--k", "64", "--n", "48",
+         "--reductions", "--vocab", "300", "--hidden", "32", "--repeats", "2", "--threads", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ratio" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["matmul", "matmul", "log_softmax", "rms_norm", "log_softmax", "rms_norm"]
+    assert all(r["stock_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 for r in rows)
