@@ -126,7 +126,7 @@ def _row_parallel_tree_forward(layer, leaf_width: int, algorithm: str):
 
 
 def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DEFAULT_LEAF_WIDTH,
-                                algorithm: str = "all_gather") -> TreeReducePatch:
+                                algorithm: str = "auto") -> TreeReducePatch:
     """Make every ``RowParallelLinear`` inside ``module`` (or ``module`` itself) TP-invariant, per instance.
 
     Raises ValueError when there is none; :class:`~moealign.precision.tree.TreeReductionError` naming the layer

@@ -41,6 +41,7 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_LEAF_WIDTH",
     "ALGORITHMS",
+    "AUTO_REDUCE_SCATTER_NUMEL",
     "TreeReductionError",
     "node_dtype_for",
     "tree_shape",
@@ -55,7 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_LEAF_WIDTH = 64
-ALGORITHMS = ("all_gather", "reduce_scatter")
+ALGORITHMS = ("auto", "all_gather", "reduce_scatter")
+AUTO_REDUCE_SCATTER_NUMEL = 1 << 16  # "auto": below this, one all-gather (latency); above, RS + AG (bandwidth)
 
 
 class TreeReductionError(ValueError):
@@ -227,6 +229,12 @@ def _all_gather_tree(xn: torch.Tensor, world: int, group) -> torch.Tensor:
     return tree_reduce(torch.stack(parts), 0)
 
 
+def _all_gather_flat(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    """All-gather equal 1-D pieces straight into ``out`` (torch >= 2.13 names it ``all_gather_single``)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
+
+
 def _reduce_scatter_chunks(xn: torch.Tensor, world: int, group) -> torch.Tensor:
     """``xn`` is ``[world, chunk...]``; returns the tree sum over ranks of this rank's chunk."""
     recv = torch.empty_like(xn)
@@ -243,6 +251,8 @@ def _tree_all_reduce_impl(x: torch.Tensor, group, node_dtype, algorithm: str) ->
     xn = x.detach().to(nd).contiguous()
     if world == 1:
         return xn.to(x.dtype)
+    if algorithm == "auto":
+        algorithm = "reduce_scatter" if xn.numel() >= AUTO_REDUCE_SCATTER_NUMEL else "all_gather"
     if algorithm == "all_gather":
         out = _all_gather_tree(xn, world, group)
     else:
@@ -252,9 +262,9 @@ def _tree_all_reduce_impl(x: torch.Tensor, group, node_dtype, algorithm: str) ->
         if chunk * world != n:
             flat = torch.cat([flat, flat.new_zeros(chunk * world - n)])
         mine = _reduce_scatter_chunks(flat.view(world, chunk), world, group)
-        pieces = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(pieces, mine, group=group)
-        out = torch.cat(pieces)[:n].view(x.shape)
+        gathered = mine.new_empty(world * chunk)
+        _all_gather_flat(gathered, mine, group)
+        out = gathered[:n].view(x.shape)
     return out.to(x.dtype)
 
 
@@ -271,13 +281,14 @@ class _TreeAllReduce(torch.autograd.Function):
 
 
 def tree_all_reduce(x: torch.Tensor, group=None, *, node_dtype: torch.dtype | None = None,
-                    algorithm: str = "all_gather") -> torch.Tensor:
+                    algorithm: str = "auto") -> torch.Tensor:
     """Sum every rank's ``x`` (its subtree root) in the canonical tree over ranks, returning the same bits
     on every rank, in ``x``'s dtype (nodes in the node dtype, so pass fp32 roots to avoid a round trip).
 
     ``algorithm="all_gather"``: every rank gathers all partials and builds the top of the tree (simple,
     receives (tp-1)|x|). ``"reduce_scatter"``: rank i tree-reduces the i-th slice of all partials
-    (all-to-all), then the slices are all-gathered (ring-like bandwidth). Both give identical bits.
+    (all-to-all), then the slices are all-gathered (ring-like bandwidth). ``"auto"`` (default) picks
+    all-gather below :data:`AUTO_REDUCE_SCATTER_NUMEL` elements, else reduce-scatter. All give identical bits.
     Without an initialized process group (and ``group=None``) this is the identity. The group size must be
     a power of two. Differentiable (identity backward).
     """
@@ -327,7 +338,7 @@ def tree_reduce_scatter(x: torch.Tensor, group=None, *, dim: int = 0,
 
 def row_parallel_linear_tree(x_shard: torch.Tensor, weight_shard: torch.Tensor, group=None, *,
                              leaf_width: int = DEFAULT_LEAF_WIDTH, node_dtype: torch.dtype | None = None,
-                             algorithm: str = "all_gather") -> torch.Tensor:
+                             algorithm: str = "auto") -> torch.Tensor:
     """Row-parallel ``y = x @ W.T`` whose bits do not depend on the TP size.
 
     ``x_shard [..., K/tp]`` and ``weight_shard [N, K/tp]`` are this rank's contiguous slice of the global K
