@@ -262,32 +262,45 @@ class _FakeCPGroup:
         return self._rank
 
 
-@pytest.mark.parametrize("cp_size", [2, 4])
-def test_local_rows_cp_match_megatrons_own_cp_slicing(megatron_cpu, cp_size):
-    """BSHD: our row map equals megatron.core.utils.get_batch_on_this_cp_rank applied to the row ids."""
+def _megatron_cp_slice(tokens, cp_size, rank, monkeypatch):
+    """megatron.core.utils.get_batch_on_this_cp_rank on ``tokens`` [b, s] for one CP rank, without a real CP group:
+    0.16 asks the group for its size/rank, 0.19 asks torch.distributed (and takes ``is_hybrid_cp``)."""
+    import inspect
+
+    import torch.distributed as dist
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    group = _FakeCPGroup(cp_size, rank)
+    size, rank_of = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: g.size() if isinstance(g, _FakeCPGroup) else size(g))
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: g.rank() if isinstance(g, _FakeCPGroup) else rank_of(g))
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:        # 0.19
+        return get_batch_on_this_cp_rank({"tokens": tokens.clone(), "cu_seqlens": None}, False,
+                                         cp_group=group)["tokens"]
+    return get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"]
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_local_rows_cp_match_megatrons_own_cp_slicing(megatron_cpu, cp_size, monkeypatch):
+    """BSHD: our row map equals megatron.core.utils.get_batch_on_this_cp_rank applied to the row ids."""
     b, t = 3, 8 * cp_size
     for rank in range(cp_size):
         rows = torch.arange(b * t).reshape(b, t)
-        theirs = get_batch_on_this_cp_rank({"tokens": rows.clone()}, cp_group=_FakeCPGroup(cp_size, rank))["tokens"]
+        theirs = _megatron_cp_slice(rows, cp_size, rank, monkeypatch)
         ours = mg.local_route_rows(batch_shape=(b, t), cp_size=cp_size, cp_rank=rank)
         assert torch.equal(ours, theirs.t().reshape(-1))          # sequence-first after the CP slice
         assert not torch.equal(ours, rows[:, rank * t // cp_size:(rank + 1) * t // cp_size].t().reshape(-1))
 
 
-def test_local_rows_thd_cp_is_per_sequence_zigzag(megatron_cpu):
+def test_local_rows_thd_cp_is_per_sequence_zigzag(megatron_cpu, monkeypatch):
     """THD: each packed sequence is CP-sliced on its own (what TE's thd_get_partitioned_indices does)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
     cp = 2
     cu, _ = mg.pad_packed_rows(torch.tensor([0, 5, 6, 19]), 2 * cp)      # lengths 5, 1, 13 -> 8, 4, 16
     assert cu.tolist() == [0, 8, 12, 28]
     seen = []
     for rank in range(cp):
         ours = mg.local_route_rows(cu_seqlens_padded=cu, cp_size=cp, cp_rank=rank)
-        want = torch.cat([get_batch_on_this_cp_rank({"tokens": torch.arange(int(s), int(e))[None]},
-                                                    cp_group=_FakeCPGroup(cp, rank))["tokens"][0]
+        want = torch.cat([_megatron_cp_slice(torch.arange(int(s), int(e))[None], cp, rank, monkeypatch)[0]
                           for s, e in zip(cu[:-1], cu[1:])])
         assert torch.equal(ours, want)
         seen.append(ours)

@@ -232,10 +232,13 @@ def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
                         "from random logits (a benchmark switch)")
     impl = str(get("cuda_graph_impl", "none") or "none")
     if impl != "none" or get("enable_cuda_graph", False) or get("external_cuda_graph", False):
-        scope = get("cuda_graph_scope", "full")
+        # 0.16: cuda_graph_scope; 0.19: cuda_graph_modules (cuda_graph_scope deprecated, migrated, then None)
+        field_name = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+        scope = get(field_name)
+        scope = "full" if scope is None else scope
         scopes = [getattr(x, "name", str(x)).lower() for x in (scope if isinstance(scope, (list, tuple)) else [scope])]
         if not scopes or any(x in ("", "full", "full_iteration", "moe", "moe_router") for x in scopes):
-            problems.append(f"cuda_graph_impl={impl!r} with cuda_graph_scope={scope!r}: a captured router graph keeps "
+            problems.append(f"cuda_graph_impl={impl!r} with {field_name}={scope!r}: a captured router graph keeps "
                             f"the target tensor it saw at capture, so later targets would not be replayed; exclude the "
                             f"router from the graph (e.g. scope 'attn') or disable CUDA graphs")
     if not get("num_moe_experts"):
