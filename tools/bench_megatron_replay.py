@@ -95,6 +95,9 @@ def main(argv=None) -> int:
         plain()
         replayed()
         t = interleaved({"plain": plain, "replay": replayed}, args.repeats, device)
+        # the host-side part of replay on its own: record layout -> validated sequence-first targets
+        conv = interleaved({"set_routes": lambda: driver.set_routes(routes, moe_layers, batch_shape=(B, T))},
+                           max(20, args.repeats), device)
         driver.undo()
 
     result = {
@@ -102,10 +105,12 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(), "batch": B, "seq": T, "recompute": args.recompute,
         "plain_ms": t["plain"] * 1e3, "replay_ms": t["replay"] * 1e3, "ratio": t["replay"] / t["plain"],
         "ratio_median": t["replay_median"] / t["plain_median"],
+        "set_routes_ms": conv["set_routes"] * 1e3, "set_routes_share": conv["set_routes"] / t["plain"],
     }
     print(f"megatron fwd+bwd{' (full recompute)' if args.recompute else ''}, {B}x{T} tokens on {device}: "
           f"plain {result['plain_ms']:.1f} ms, replay {result['replay_ms']:.1f} ms -> {result['ratio']:.3f}x "
-          f"(median {result['ratio_median']:.3f}x; target <= 1.03x)")
+          f"(median {result['ratio_median']:.3f}x; target <= 1.03x); set_routes alone {result['set_routes_ms']:.2f} ms "
+          f"= {100 * result['set_routes_share']:.2f}% of the plain step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
