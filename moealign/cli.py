@@ -19,31 +19,40 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_mismatch(args: argparse.Namespace) -> int:
     from .mismatch import MismatchConfig, check_fail_above, format_table, parse_fail_above, run_mismatch
+    from .mismatch.run import format_sweep, run_sweep
     from .patches import UnsupportedEngineError
 
     try:
         bounds = parse_fail_above(args.fail_above)
         cfg = MismatchConfig(
-            model=args.model, rollout_engine=args.rollout, rollout_dtype=args.rollout_dtype,
-            train_engine=args.train, train_dtype=args.train_dtype, num_prompts=args.num_prompts,
+            model=args.model, rollout_engine=args.rollout, rollout_precision=args.rollout_precision,
+            train_engine=args.train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
+            train_dtype=args.train_dtype, batch_invariant=args.batch_invariant, attention=args.attention,
+            num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
             device=args.device, save_record=args.save_record, load_record=args.load_record)
+        if args.sweep and (args.load_record or args.save_record):
+            raise ValueError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
     except ValueError as exc:
         print(f"moealign mismatch: error: {exc}", file=sys.stderr)
         return 2
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
-        report = run_mismatch(cfg, progress=progress, log=log)
+        if args.sweep:
+            sweep = run_sweep(cfg, progress=progress, log=log)
+            report = sweep["configs"][-1]["report"]          # --fail-above judges the fully aligned config
+        else:
+            report = run_mismatch(cfg, progress=progress, log=log)
     except (ValueError, FileNotFoundError, UnsupportedEngineError) as exc:
         # bad input (records, prompts, models, engine versions): a clear message, no traceback
         print(f"moealign mismatch: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(format_table(report))
+    print(format_sweep(sweep) if args.sweep else format_table(report))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(sweep if args.sweep else report, fh, indent=2)
             fh.write("\n")
     failures = check_fail_above(report, bounds)
     for line in failures:
@@ -54,6 +63,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
 def _add_mismatch(sub) -> None:
     from .mismatch.engines import DTYPES, ROLLOUT_ENGINES, TRAIN_ENGINES
     from .mismatch.run import METRIC_NAMES
+    from .precision.policy import POLICIES
 
     p = sub.add_parser(
         "mismatch",
@@ -62,11 +72,26 @@ def _add_mismatch(sub) -> None:
         "routes and kept sets); the training engine recomputes the same tokens' log-probs without alignment, "
         "with routing replay, with the sampling mask, and with both. With no arguments it runs the embedded "
         "tiny MoE model on CPU.")
+    policies = ", ".join(sorted(POLICIES))
     p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
     p.add_argument("--rollout", default="hf", choices=sorted(ROLLOUT_ENGINES), help="rollout engine (default hf)")
-    p.add_argument("--rollout-dtype", default="bf16", choices=sorted(DTYPES), help="rollout dtype (default bf16)")
+    p.add_argument("--rollout-precision", default="bf16", metavar="NAME",
+                   help=f"rollout precision policy (default bf16): {policies}")
+    p.add_argument("--rollout-dtype", choices=sorted(DTYPES), help="alias of --rollout-precision for plain dtypes")
     p.add_argument("--train", default="hf", choices=sorted(TRAIN_ENGINES), help="training engine (default hf)")
-    p.add_argument("--train-dtype", default="fp32", choices=sorted(DTYPES), help="training dtype (default fp32)")
+    p.add_argument("--train-precision", default="fp32", metavar="NAME",
+                   help=f"training precision policy (default fp32): {policies}")
+    p.add_argument("--train-dtype", choices=sorted(DTYPES), help="alias of --train-precision for plain dtypes")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run rollout and training under batch-invariant ops (fixed-tile matmuls, fixed-tree "
+                   "reductions; eager attention in the transformers engines)")
+    p.add_argument("--attention", choices=["sdpa", "eager"],
+                   help="attention of the transformers engines (default: eager with --batch-invariant, else "
+                   "transformers' default, sdpa); --batch-invariant --attention sdpa leaves the decode-vs-full gap")
+    p.add_argument("--sweep", action="store_true",
+                   help="run the standard precision configurations on the same prompts (bf16 vs fp32, fp16 vs "
+                   "fp16, fp8 aligned, fp8 vs bf16, fp32 vs fp32, fully aligned) and print one compact table; "
+                   "the precision options are ignored")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts from the prompt set (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
     p.add_argument("--seed", type=int, default=0)
@@ -79,10 +104,10 @@ def _add_mismatch(sub) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--save-record", metavar="PATH", help="also write the rollout record (safetensors)")
     p.add_argument("--load-record", metavar="PATH", help="skip the rollout; score a saved record")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON (with --sweep: every configuration's)")
     p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
-                   help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable); metrics: "
-                   + ", ".join(METRIC_NAMES))
+                   help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable; with --sweep: the "
+                   "fully aligned configuration's); metrics: " + ", ".join(METRIC_NAMES))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
     p.set_defaults(func=_cmd_mismatch)
 

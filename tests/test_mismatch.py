@@ -28,8 +28,9 @@ def small_report(tmp_path_factory):
 def test_report_schema(small_report):
     report, _ = small_report
     assert set(report) >= {"model", "rollout", "train", "num_tokens", "elapsed_s", "runs"}
-    assert report["rollout"] == {"engine": "transformers", "dtype": "bf16"}
-    assert report["train"] == {"engine": "transformers", "dtype": "fp32"}
+    assert report["rollout"] == {"engine": "transformers", "precision": "bf16", "dtype": "bf16"}
+    assert report["train"] == {"engine": "transformers", "precision": "fp32", "dtype": "fp32"}
+    assert report["batch_invariant"] is False
     assert [r["name"] for r in report["runs"]] == list(RUN_NAMES)
     n_layers = len(report["moe_layers"])
     for run in report["runs"]:

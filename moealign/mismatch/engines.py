@@ -5,21 +5,37 @@ kept sets). A training engine recomputes, for a slice of a record, the logits th
 token and the routes it actually used, with or without routing replay. ``ROLLOUT_ENGINES`` /
 ``TRAIN_ENGINES`` map the names the CLI accepts to factories; later adapters (Megatron, vLLM) register
 themselves here.
+
+Every factory is called as ``factory(model_path, precision, device, batch_invariant=..., attention=...)``.
+``precision`` is a :mod:`moealign.precision.policy` name (``fp32``, ``bf16``, ``fp16``,
+``fp16-fp32-router-head``, ``fp8-e4m3-tensor``, ``fp8-e4m3-block``, or any registered policy); the plain
+dtype names ``fp32`` / ``bf16`` / ``fp16`` are themselves policies. ``batch_invariant=True`` runs the
+engine's forwards under :func:`moealign.precision.batch_invariant.batch_invariant_mode`; the
+transformers engines then also use the *eager* attention (matmul + softmax + matmul, which the mode
+covers) instead of SDPA, whose fused kernels bypass the overridden aten ops and reduce differently for a
+one-token decode query than for a full-sequence forward. ``attention="sdpa"`` / ``"eager"`` forces one
+(the transformers engines; ``None``: eager under batch-invariant ops, else transformers' default).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..precision.batch_invariant import batch_invariant_mode
+from ..precision.policy import POLICIES, PrecisionPolicy, UnknownPolicyError, dtype_name, get_policy
 from ..record import RecordMeta, RolloutRecord, SamplingParams
 from ..routing_replay.routes import expand_routes
 
 __all__ = [
+    "ATTENTION",
     "DTYPES",
     "parse_dtype",
+    "resolve_precision",
+    "short_dtype",
     "TrainForward",
     "RolloutEngine",
     "TrainEngine",
@@ -41,6 +57,22 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_precision(name: str | PrecisionPolicy) -> PrecisionPolicy:
+    """The precision policy called ``name``; an unknown name is a ``ValueError`` listing the known ones."""
+    try:
+        return get_policy(name)
+    except UnknownPolicyError as exc:
+        raise ValueError(f"unknown precision policy {name!r}; choose one of {sorted(POLICIES)}") from exc
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bf16"`` (the names of :data:`DTYPES`)."""
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    return dtype_name(dtype)
+
+
 @dataclass
 class TrainForward:
     """One training-engine forward over a slice of a record, in record order.
@@ -58,7 +90,8 @@ class TrainForward:
 
 class RolloutEngine(Protocol):
     name: str
-    dtype: str
+    dtype: str           # the policy's compute dtype, short name ("bf16")
+    precision: str       # the precision policy's name
 
     def generate(self, prompts: Sequence[str], *, sampling: SamplingParams, max_new_tokens: int, seed: int,
                  batch_size: int, progress: Callable[[int], None] | None = None) -> RolloutRecord: ...
@@ -67,6 +100,7 @@ class RolloutEngine(Protocol):
 class TrainEngine(Protocol):
     name: str
     dtype: str
+    precision: str
 
     def meta(self) -> RecordMeta: ...
 
@@ -85,20 +119,41 @@ def register_train_engine(name: str, factory: Callable[..., TrainEngine]) -> Non
     TRAIN_ENGINES[name] = factory
 
 
-def _load_hf(model_path: str, dtype: torch.dtype, device: str):
+def _load_hf(model_path: str, policy: PrecisionPolicy, device: str, attention: str | None = None):
+    """Load the checkpoint in float32, then apply ``policy`` (dtype, per-module dtypes, FP8 fake
+    quantisation) with :func:`moealign.patches.hf_precision.apply_precision`; ``attention`` picks the
+    transformers attention implementation (``None``: its default)."""
     from .._optional import require
+    from ..patches.hf_precision import apply_precision
 
     transformers = require("transformers", "the 'hf' engine needs transformers (pip install 'moealign[hf]')")
     logging = transformers.utils.logging
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()   # the harness draws its own progress; restore the user's setting after
+    extra = {} if attention is None else {"attn_implementation": attention}
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, **extra)
     finally:
         if was_enabled:
             logging.enable_progress_bar()
+    handle = apply_precision(model, policy)
     model.to(device).eval()
-    return transformers, model
+    return transformers, model, handle
+
+
+ATTENTION = ("sdpa", "eager")
+
+
+def _attention(attention: str | None, batch_invariant: bool) -> str | None:
+    """The transformers attention implementation: as asked, else eager under batch-invariant ops (SDPA's
+    fused kernels are not covered by them), else transformers' default (``None``)."""
+    if attention is not None and attention not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; choose one of {list(ATTENTION)}")
+    return attention if attention is not None else ("eager" if batch_invariant else None)
+
+
+def _bi_context(enabled: bool):
+    return batch_invariant_mode() if enabled else contextlib.nullcontext()
 
 
 class HFRolloutEngine:
@@ -106,9 +161,13 @@ class HFRolloutEngine:
 
     name = "transformers"
 
-    def __init__(self, model_path: str, dtype: str = "bf16", device: str = "cpu"):
-        transformers, self.model = _load_hf(model_path, parse_dtype(dtype), device)
-        self.dtype, self.device = dtype, device
+    def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
+                 batch_invariant: bool = False, attention: str | None = None):
+        policy = resolve_precision(precision)
+        self.batch_invariant = bool(batch_invariant)
+        self.attention = _attention(attention, self.batch_invariant)
+        transformers, self.model, self.precision_handle = _load_hf(model_path, policy, device, self.attention)
+        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_path))
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
@@ -121,10 +180,11 @@ class HFRolloutEngine:
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
-            record = hf.generate_with_record(
-                self.model, enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device),
-                sampling=sampling, max_new_tokens=max_new_tokens, seed=seed + start,
-                pad_token_id=self.tokenizer.pad_token_id)
+            with _bi_context(self.batch_invariant):
+                record = hf.generate_with_record(
+                    self.model, enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device),
+                    sampling=sampling, max_new_tokens=max_new_tokens, seed=seed + start,
+                    pad_token_id=self.tokenizer.pad_token_id)
             meta = meta or record.meta
             samples += record.samples
             if progress:
@@ -137,9 +197,13 @@ class HFTrainEngine:
 
     name = "transformers"
 
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu"):
-        _, self.model = _load_hf(model_path, parse_dtype(dtype), device)
-        self.dtype, self.device = dtype, device
+    def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
+                 batch_invariant: bool = False, attention: str | None = None):
+        policy = resolve_precision(precision)
+        self.batch_invariant = bool(batch_invariant)
+        self.attention = _attention(attention, self.batch_invariant)
+        _, self.model, self.precision_handle = _load_hf(model_path, policy, device, self.attention)
+        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
         pad = self.model.generation_config.pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
 
@@ -149,14 +213,13 @@ class HFTrainEngine:
         return hf.record_meta(self.model)
 
     def forward(self, record: RolloutRecord, indices, *, replay: bool) -> TrainForward:
-        import contextlib
-
         from ..patches import hf
 
         sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
         batch = sub.to_padded("right", self.pad_token_id)
         dev = self.device
         with contextlib.ExitStack() as stack, torch.no_grad():
+            stack.enter_context(_bi_context(self.batch_invariant))
             capture = stack.enter_context(hf.capture_routes(self.model))
             rp = None
             if replay:
@@ -179,26 +242,48 @@ class HFTrainEngine:
 class MegatronTrainEngine:
     """Megatron-core ``GPTModel`` (local spec) converted from the transformers checkpoint, in a one-process
     world (CPU: gloo and :func:`~moealign.patches.megatron.enable_megatron_cpu`); routing replay through
-    Megatron's own RouterReplay (:class:`~moealign.patches.megatron.RouterReplayDriver`)."""
+    Megatron's own RouterReplay (:class:`~moealign.patches.megatron.RouterReplayDriver`).
+
+    Precision: the policy's dtype becomes ``params_dtype`` / ``bf16`` / ``fp16`` of the Megatron config.
+    Policies with per-module dtypes (an fp32 router or LM head in an fp16 model) or FP8 are refused:
+    Megatron's ``moe_router_dtype`` computes the router in fp32 from *fp16-rounded* weights, which is
+    not the policy's fp32 router, it has no fp32 output-layer option, and its FP8 needs
+    transformer-engine (no CPU build). Use ``--train hf`` for those policies.
+    """
 
     name = "megatron"
 
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu"):
+    def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
+                 batch_invariant: bool = False, attention: str | None = None):
         from ..patches import hf
         from ..patches import megatron as mg
         from ..patches import megatron_checkpoint as mc
 
+        if attention is not None:
+            raise ValueError(f"the megatron engine has one attention (the local spec's unfused "
+                             f"DotProductAttention); attention={attention!r} applies to transformers engines only")
+        policy = resolve_precision(precision)
+        if policy.overrides:
+            raise ValueError(f"the megatron engine cannot express precision policy {policy.name!r}: it keeps "
+                             f"{sorted(policy.overrides)} in a dtype other than the model's "
+                             f"{dtype_name(policy.dtype)} (Megatron's moe_router_dtype computes from rounded "
+                             f"weights and there is no fp32 output layer); use --train hf")
+        if policy.fp8 is not None:
+            raise ValueError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
+                             f"needs transformer-engine, which is not installed here; use --train hf (simulated "
+                             f"FP8)")
         if device.startswith("cuda") != torch.cuda.is_available():
             raise ValueError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
                              f"not on {device!r}")
-        self.dtype, self.device = dtype, device
+        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
+        self.batch_invariant = bool(batch_invariant)
         self._world = mg.init_single_process()
         try:
-            _, hf_model = _load_hf(model_path, torch.float32, "cpu")
+            _, hf_model, _ = _load_hf(model_path, resolve_precision("fp32"), "cpu")
             self._meta = hf.record_meta(hf_model)
             pad = hf_model.generation_config.pad_token_id
             self.pad_token_id = int(pad) if isinstance(pad, int) else 0
-            self.model = mc.build_megatron_from_hf(hf_model, params_dtype=parse_dtype(dtype))
+            self.model = mc.build_megatron_from_hf(hf_model, params_dtype=policy.dtype)
             del hf_model
             self.model.to(device).eval()
             self.driver = mg.RouterReplayDriver(self.model, aux_loss="own")
@@ -222,7 +307,7 @@ class MegatronTrainEngine:
         handles = [router.register_forward_hook(lambda m, a, out: maps.append(out[1].detach()))
                    for _, router in self.driver.routers]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _bi_context(self.batch_invariant):
                 if replay:
                     routes = expand_routes(batch.routes)
                     self.driver.set_routes(routes.reshape(B * T, *routes.shape[-2:]), record.meta.moe_layers,

@@ -278,7 +278,7 @@ class _KeptSetCapture:
 
     It keeps each step's processed scores (a reference: transformers does not modify them after the
     processors) and, in chunks bounded by ``flush_bytes``, turns them into the kept sets (finite entries)
-    and the sampled tokens' log-probs (``score - logsumexp(scores)``), once the tokens are known. Per
+    and the sampled tokens' log-probs (``log_softmax(scores)[token]``), once the tokens are known. Per
     step the capture costs one list append; the work is a few large vector ops per chunk.
     """
 
@@ -308,8 +308,11 @@ class _KeptSetCapture:
         scores = torch.stack(self._pending, dim=1)                        # [B, S_c, V]
         lo = self.prompt_width + self._flushed
         sampled = tokens[:, lo:lo + scores.shape[1]].to(scores.device)    # [B, S_c]
-        lse = torch.logsumexp(scores, dim=-1)
-        self.logprobs.append(scores.gather(-1, sampled.unsqueeze(-1)).squeeze(-1) - lse)
+        # log_softmax over the whole (processed) vocabulary row: the reduction length is V whatever the
+        # kept set's size, so a trainer computing the same log_softmax on its own logits (kept set
+        # applied as -inf) gets the same bits from the same logits (a fixed tree under batch_invariant_mode)
+        logp = torch.log_softmax(scores, dim=-1)
+        self.logprobs.append(logp.gather(-1, sampled.unsqueeze(-1)).squeeze(-1))
         kept = scores > float("-inf")
         self.chunks.append((kept.sum(dim=-1), kept.nonzero()[:, 2].to(torch.int32)))
         self._flushed += scores.shape[1]
