@@ -124,6 +124,7 @@ def test_errors_name_the_problem():
         T.check_tree_world_size(3)
     with pytest.raises(ValueError, match="unknown tree all-reduce algorithm"):
         T.tree_all_reduce(torch.ones(3), algorithm="ring")
+    assert "pair" in T.ALGORITHMS
     logits = _rand(4, 128)
     with pytest.raises(T.TreeReductionError, match=r"target ids must lie in \[0, 128\)"):
         T.vocab_parallel_logprob_tree(logits, torch.tensor([0, 1, 2, 128]), leaf_width=LEAF)
@@ -151,6 +152,7 @@ def _gloo_worker(rank, world):
     out = {
         "linear": T.row_parallel_linear_tree(xs, ws, leaf_width=LEAF),
         "linear_rs": T.row_parallel_linear_tree(xs, ws, leaf_width=LEAF, algorithm="reduce_scatter"),
+        "linear_ag": T.row_parallel_linear_tree(xs, ws, leaf_width=LEAF, algorithm="all_gather"),
         "linear_bf16": T.row_parallel_linear_tree(xbs, ws.to(torch.bfloat16), leaf_width=LEAF),
         "logprob": T.vocab_parallel_logprob_tree(ls, target, leaf_width=LEAF),
         "stock_linear": F.linear(xs, ws),
@@ -176,6 +178,7 @@ def test_gloo_tree_ops_equal_tp1_on_every_rank(world):
     for rank, out in enumerate(results):
         assert torch.equal(out["linear"], ref_linear), rank
         assert torch.equal(out["linear_rs"], ref_linear), rank
+        assert torch.equal(out["linear_ag"], ref_linear), rank      # "linear" used "auto": "pair" at 2 ranks
         assert torch.equal(out["linear_bf16"], ref_bf16) and out["linear_bf16"].dtype == torch.bfloat16, rank
         assert torch.equal(out["logprob"], ref_logprob), rank
         assert torch.equal(out["rs"], ref_linear[rank * rows:(rank + 1) * rows]), rank

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 DEFAULT_LEAF_WIDTH = 64
-ALGORITHMS = ("auto", "all_gather", "reduce_scatter")
+ALGORITHMS = ("auto", "all_gather", "reduce_scatter", "pair")
 AUTO_REDUCE_SCATTER_NUMEL = 1 << 16  # "auto": below this, one all-gather (latency); above, RS + AG (bandwidth)
 
 
@@ -252,8 +252,18 @@ def _tree_all_reduce_impl(x: torch.Tensor, group, node_dtype, algorithm: str) ->
     if world == 1:
         return xn.to(x.dtype)
     if algorithm == "auto":
-        algorithm = "reduce_scatter" if xn.numel() >= AUTO_REDUCE_SCATTER_NUMEL else "all_gather"
-    if algorithm == "all_gather":
+        if world == 2:
+            algorithm = "pair"
+        else:
+            algorithm = "reduce_scatter" if xn.numel() >= AUTO_REDUCE_SCATTER_NUMEL else "all_gather"
+    if algorithm == "pair":
+        # two ranks: the top of the tree is one addition r0 + r1, and IEEE addition is commutative, so the
+        # stock all-reduce (which adds the two partials once, in either order) computes it exactly
+        if world != 2:
+            raise TreeReductionError(f"the 'pair' tree all-reduce is for a group of 2 ranks, got {world}")
+        out = xn.clone()
+        dist.all_reduce(out, group=group)
+    elif algorithm == "all_gather":
         out = _all_gather_tree(xn, world, group)
     else:
         flat = xn.reshape(-1)
@@ -287,8 +297,11 @@ def tree_all_reduce(x: torch.Tensor, group=None, *, node_dtype: torch.dtype | No
 
     ``algorithm="all_gather"``: every rank gathers all partials and builds the top of the tree (simple,
     receives (tp-1)|x|). ``"reduce_scatter"``: rank i tree-reduces the i-th slice of all partials
-    (all-to-all), then the slices are all-gathered (ring-like bandwidth). ``"auto"`` (default) picks
-    all-gather below :data:`AUTO_REDUCE_SCATTER_NUMEL` elements, else reduce-scatter. All give identical bits.
+    (all-to-all), then the slices are all-gathered (ring-like bandwidth). ``"pair"`` (two ranks only): the
+    top of the tree is the single addition ``r0 + r1``, which is commutative, so the stock SUM all-reduce
+    of the node-dtype partials computes it exactly. ``"auto"`` (default) picks ``"pair"`` for two ranks,
+    otherwise all-gather below :data:`AUTO_REDUCE_SCATTER_NUMEL` elements, else reduce-scatter. All give
+    identical bits.
     Without an initialized process group (and ``group=None``) this is the identity. The group size must be
     a power of two. Differentiable (identity backward).
     """
