@@ -1,5 +1,5 @@
 """Tree-reduction patches: Megatron RowParallelLinear and vocab-parallel cross-entropy in a real 2-process
-gloo TP group (CPU mode), the vLLM all-reduce patch at import level, and the loud failures."""
+gloo TP group (CPU mode), and the loud failures. The vLLM patch at import level: test_patches_vllm_tree.py."""
 
 from __future__ import annotations
 
@@ -116,14 +116,3 @@ def test_megatron_patch_fails_loudly(monkeypatch):
     monkeypatch.delattr(ce_mod, "vocab_parallel_cross_entropy")
     with pytest.raises(UnsupportedEngineError, match="has no attribute 'vocab_parallel_cross_entropy'"):
         tr.patch_megatron_vocab_parallel_cross_entropy()
-
-
-def test_vllm_all_reduce_patch_import_level():
-    pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
-    from vllm.distributed import parallel_state
-
-    original = parallel_state.GroupCoordinator._all_reduce_out_place
-    with tr.patch_vllm_all_reduce() as handle:
-        assert parallel_state.GroupCoordinator._all_reduce_out_place is tr._tree_all_reduce_out_place
-        assert handle.patched == ["GroupCoordinator (class)"]
-    assert parallel_state.GroupCoordinator._all_reduce_out_place is original
