@@ -17,6 +17,8 @@ Conventions:
   ``[N + 1]`` and ``ids`` int32 ``[nnz]``; row ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
   :func:`kept_logprob` is the log-prob over that support; :func:`truncation_mask` the trainer's own
   support with transformers ``generate()`` semantics; :func:`support_mismatch` compares the two.
+  :func:`vocab_parallel_kept_logprob` computes it on tensor-parallel vocabulary shards (each rank
+  masks its own slice; max and sum-exp reduced over the TP group).
 
 Every bad input raises :class:`RouteError` (a ``ValueError``) naming the tensor, row and value.
 """
@@ -41,6 +43,7 @@ from .sampling_mask import (
     truncation_mask,
     validate_kept_sets,
 )
+from .vocab_parallel import vocab_parallel_full_logprob, vocab_parallel_kept_logprob
 
 __all__ = [
     "SCORES",
@@ -63,5 +66,7 @@ __all__ = [
     "support_mismatch_rate",
     "truncation_mask",
     "validate_kept_sets",
+    "vocab_parallel_full_logprob",
+    "vocab_parallel_kept_logprob",
     "validate_routes",
 ]
