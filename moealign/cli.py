@@ -84,10 +84,11 @@ def _add_mismatch(sub) -> None:
     p.add_argument("--train-dtype", choices=sorted(DTYPES), help="alias of --train-precision for plain dtypes")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run rollout and training under batch-invariant ops (fixed-tile matmuls, fixed-tree "
-                   "reductions; eager attention in the transformers engines)")
-    p.add_argument("--attention", choices=["sdpa", "eager"],
-                   help="attention of the transformers engines (default: eager with --batch-invariant, else "
-                   "transformers' default, sdpa); --batch-invariant --attention sdpa leaves the decode-vs-full gap")
+                   "reductions; batch-invariant attention in the transformers engines)")
+    p.add_argument("--attention", choices=["sdpa", "eager", "bi"],
+                   help="attention of the transformers engines (default: bi, the batch-invariant attention, with "
+                   "--batch-invariant, else transformers' default, sdpa); --batch-invariant --attention sdpa or "
+                   "eager leaves a decode-vs-full gap")
     p.add_argument("--sweep", action="store_true",
                    help="run the standard precision configurations on the same prompts (bf16 vs fp32, fp16 vs "
                    "fp16, fp8 aligned, fp8 vs bf16, fp32 vs fp32, fully aligned) and print one compact table; "

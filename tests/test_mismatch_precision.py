@@ -1,5 +1,5 @@
 """`moealign mismatch` precision options: per-side policies, --batch-invariant, --attention, --sweep, and the
-exact-zero fully aligned run (fp32 both sides, routing replay, sampling mask, batch-invariant ops, eager
+exact-zero fully aligned run (fp32 both sides, routing replay, sampling mask, batch-invariant ops and
 attention) with its negative controls."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _runs(report):
 
 @pytest.fixture(scope="module")
 def fp32_reports():
-    """fp32 on both sides: fully aligned (batch-invariant, eager attention) and the two negative controls."""
+    """fp32 on both sides: fully aligned (batch-invariant ops and attention) and the two negative controls."""
     return {
         "aligned": run_mismatch(MismatchConfig(rollout_precision="fp32", batch_invariant=True, **SMALL)),
         "bi_sdpa": run_mismatch(MismatchConfig(rollout_precision="fp32", batch_invariant=True, attention="sdpa",
@@ -40,7 +40,7 @@ def fp32_reports():
 def test_fully_aligned_run_is_exactly_zero(fp32_reports):
     report = fp32_reports["aligned"]
     assert report["batch_invariant"] is True
-    assert report["rollout"]["attention"] == report["train"]["attention"] == "eager"
+    assert report["rollout"]["attention"] == report["train"]["attention"] == "bi"
     aligned = _runs(report)[ALIGNED]
     assert aligned["max_abs_logp_diff"] == 0.0          # every token's log-prob bitwise equal
     assert aligned["kl_k1"] == 0.0 and aligned["kl_k3"] == 0.0

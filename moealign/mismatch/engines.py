@@ -11,10 +11,14 @@ Every factory is called as ``factory(model_path, precision, device, batch_invari
 ``fp16-fp32-router-head``, ``fp8-e4m3-tensor``, ``fp8-e4m3-block``, or any registered policy); the plain
 dtype names ``fp32`` / ``bf16`` / ``fp16`` are themselves policies. ``batch_invariant=True`` runs the
 engine's forwards under :func:`moealign.precision.batch_invariant.batch_invariant_mode`; the
-transformers engines then also use the *eager* attention (matmul + softmax + matmul, which the mode
-covers) instead of SDPA, whose fused kernels bypass the overridden aten ops and reduce differently for a
-one-token decode query than for a full-sequence forward. ``attention="sdpa"`` / ``"eager"`` forces one
-(the transformers engines; ``None``: eager under batch-invariant ops, else transformers' default).
+transformers engines then also use the batch-invariant attention ``"bi"``
+(:mod:`moealign.precision.bi_attention`, registered with transformers by
+:mod:`moealign.patches.hf_attention`): each query row reduces over its own valid keys, compacted to the
+front, in a fixed tree, so a left-padded one-token decode step and a right-padded full forward give the
+same bits. SDPA's fused kernels bypass the overridden aten ops; eager attention is covered by them, but its
+bf16 P @ V matmul still depends on where the zero (masked) probabilities sit and on the key length (a gap
+that shows in bf16, not in fp32). ``attention="sdpa"`` / ``"eager"`` / ``"bi"`` forces one (the
+transformers engines; ``None``: ``"bi"`` under batch-invariant ops, else transformers' default).
 """
 
 from __future__ import annotations
@@ -130,6 +134,10 @@ def _load_hf(model_path: str, policy: PrecisionPolicy, device: str, attention: s
     logging = transformers.utils.logging
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()   # the harness draws its own progress; restore the user's setting after
+    if attention == "bi":
+        from ..patches.hf_attention import register_bi_attention
+
+        attention = register_bi_attention()
     extra = {} if attention is None else {"attn_implementation": attention}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, **extra)
@@ -141,15 +149,16 @@ def _load_hf(model_path: str, policy: PrecisionPolicy, device: str, attention: s
     return transformers, model, handle
 
 
-ATTENTION = ("sdpa", "eager")
+ATTENTION = ("sdpa", "eager", "bi")
 
 
 def _attention(attention: str | None, batch_invariant: bool) -> str | None:
-    """The transformers attention implementation: as asked, else eager under batch-invariant ops (SDPA's
-    fused kernels are not covered by them), else transformers' default (``None``)."""
+    """The transformers attention implementation: as asked, else the batch-invariant one (``"bi"``) under
+    batch-invariant ops (SDPA's fused kernels are not covered by them, eager's key-axis reductions depend on
+    padding and key length), else transformers' default (``None``)."""
     if attention is not None and attention not in ATTENTION:
         raise ValueError(f"unknown attention {attention!r}; choose one of {list(ATTENTION)}")
-    return attention if attention is not None else ("eager" if batch_invariant else None)
+    return attention if attention is not None else ("bi" if batch_invariant else None)
 
 
 def _bi_context(enabled: bool):

@@ -1,0 +1,82 @@
+"""transformers: the batch-invariant attention (:func:`moealign.precision.bi_attention.bi_attention`) as an
+attention implementation, ``attn_implementation="moealign_bi"``.
+
+:func:`register_bi_attention` adds two entries to transformers' process-wide registries: the attention
+function (``AttentionInterface``) and its mask builder (``AttentionMaskInterface``, a boolean
+``[B, 1, Q, K]`` mask, True = attend, never skipped). Models loaded with
+``attn_implementation=BI_ATTENTION`` then call it from their unmodified attention modules, in the full
+forward and in every cached decode step. :func:`unregister_bi_attention` removes both entries (models still
+configured with the name would fail on their next forward). Registering twice is harmless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BI_ATTENTION", "register_bi_attention", "unregister_bi_attention", "is_bi_attention_registered"]
+
+#: The name of the implementation in transformers' registries.
+BI_ATTENTION = "moealign_bi"
+
+
+def _transformers():
+    from .._optional import require
+
+    return require("transformers", "the batch-invariant attention needs transformers (pip install 'moealign[hf]')")
+
+
+def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs):
+    """transformers' attention-function signature around :func:`bi_attention`; returns ``(out, None)``."""
+    from ..precision.bi_attention import bi_attention
+
+    if dropout and module.training:
+        raise ValueError(f"the {BI_ATTENTION} attention has no dropout (got dropout={dropout} in training mode)")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(f"the {BI_ATTENTION} attention needs a bool mask from its own mask builder, got "
+                         f"{attention_mask.dtype} (was the model loaded with attn_implementation={BI_ATTENTION!r}?)")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    return bi_attention(query, key, value, attention_mask, scaling=scaling), None
+
+
+def _mask(*args, **kwargs):
+    """A boolean ``[B, 1, Q, K]`` mask (True = attend): transformers' SDPA mask, with its skips disabled."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    kwargs.pop("dtype", None)
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_bi_attention() -> str:
+    """Register the batch-invariant attention with transformers; returns its name (:data:`BI_ATTENTION`)."""
+    _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(BI_ATTENTION, _attention_forward)
+    AttentionMaskInterface.register(BI_ATTENTION, _mask)
+    return BI_ATTENTION
+
+
+def unregister_bi_attention() -> None:
+    """Remove the entries :func:`register_bi_attention` added (no-op when absent)."""
+    _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface._global_mapping.pop(BI_ATTENTION, None)
+    AttentionMaskInterface._global_mapping.pop(BI_ATTENTION, None)
+
+
+def is_bi_attention_registered() -> bool:
+    """True when both registry entries of :func:`register_bi_attention` are present."""
+    _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    return (BI_ATTENTION in AttentionInterface._global_mapping
+            and BI_ATTENTION in AttentionMaskInterface._global_mapping)
