@@ -20,8 +20,8 @@ the fractions an IcePop band [0.5, 5] and a geometric RS band 0.999_1.001 would 
 
 Precision: each side runs a named :mod:`moealign.precision.policy` (``rollout_precision`` /
 ``train_precision``). ``batch_invariant`` runs both sides (and the log-prob computation) under
-:func:`moealign.precision.batch_invariant.batch_invariant_mode`, with eager attention in the transformers
-engines. The trainer's kept-set log-prob is ``log_softmax`` over the whole vocabulary with the entries
+:func:`moealign.precision.batch_invariant.batch_invariant_mode`, with moealign's batch-invariant attention
+(``"bi"``, :mod:`moealign.precision.bi_attention`) in the transformers engines. The trainer's kept-set log-prob is ``log_softmax`` over the whole vocabulary with the entries
 outside the recorded kept set at ``-inf`` (the same formula, on the same row length, that the rollout
 engine applies to its processed scores), so identical logits give identical log-probs on both sides.
 :func:`run_sweep` runs the standard precision configurations on the same prompts.
@@ -71,8 +71,8 @@ class MismatchConfig:
     train_precision: str = "fp32"
     rollout_dtype: str | None = None    # alias: fp32 / bf16 / fp16 (sets rollout_precision)
     train_dtype: str | None = None      # alias: fp32 / bf16 / fp16 (sets train_precision)
-    batch_invariant: bool = False       # both sides under batch_invariant_mode (eager attention in hf engines)
-    attention: str | None = None        # hf engines: "sdpa" / "eager"; None: eager if batch_invariant else default
+    batch_invariant: bool = False       # both sides under batch_invariant_mode ("bi" attention in hf engines)
+    attention: str | None = None        # hf engines: "sdpa" / "eager" / "bi"; None: bi if batch_invariant else default
     num_prompts: int = 32
     max_new_tokens: int = 48
     seed: int = 0
