@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..routing_replay.routes import RouteError, validate_routes
+from ._undo import AttributePatches
 from ._version import UnsupportedEngineError, check_engine_version, engine_version
 
 __all__ = [
@@ -70,32 +71,8 @@ def megatron_version():
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class MegatronCPUMode:
+class MegatronCPUMode(AttributePatches):
     """Undo handle of :func:`enable_megatron_cpu` (also a context manager)."""
-
-    _saved: list[tuple[object, str, object, bool]] = field(default_factory=list)
-    active: bool = False
-
-    def _set(self, owner, name: str, value) -> None:
-        had = hasattr(owner, name)
-        self._saved.append((owner, name, getattr(owner, name, None), had))
-        setattr(owner, name, value)
-
-    def undo(self) -> None:
-        for owner, name, value, had in reversed(self._saved):
-            if had:
-                setattr(owner, name, value)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
-        self.active = False
-
-    def __enter__(self) -> "MegatronCPUMode":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
 
 
 def enable_megatron_cpu() -> MegatronCPUMode:
@@ -125,7 +102,6 @@ def enable_megatron_cpu() -> MegatronCPUMode:
                  "fused_moe_aux_loss"):
         if not hasattr(moe_utils, name):
             mode._set(moe_utils, name, None)
-    mode.active = True
     return mode
 
 

@@ -37,7 +37,6 @@ Megatron-Bridge requires transformer-engine and ``transformers<5``. Neither runs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 

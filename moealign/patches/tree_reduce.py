@@ -22,7 +22,6 @@ a :class:`TreeReducePatch` (``undo()`` or use it as a context manager).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +33,7 @@ from ..precision.tree import (
     tree_reduce_scatter,
     vocab_parallel_logprob_tree,
 )
+from ._undo import AttributePatches
 from ._version import UnsupportedEngineError, check_engine_version, engine_version
 
 __all__ = [
@@ -49,40 +49,8 @@ SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 SUPPORTED_VLLM = ">=0.8,<0.34"
 
 
-@dataclass
-class TreeReducePatch:
-    """Undo handle of the patches in this module (also a context manager)."""
-
-    _saved: list[tuple[object, str, object, bool]] = field(default_factory=list)
-    patched: list[str] = field(default_factory=list)
-
-    def _set(self, owner, name: str, value, label: str) -> None:
-        # an attribute of the object itself is restored; one it only inherits (a class's method seen from an
-        # instance, a base class's method) is deleted again on undo
-        had = name in vars(owner) if hasattr(owner, "__dict__") else hasattr(owner, name)
-        self._saved.append((owner, name, getattr(owner, name, None), had))
-        setattr(owner, name, value)
-        self.patched.append(label)
-
-    @property
-    def active(self) -> bool:
-        return bool(self._saved)
-
-    def undo(self) -> None:
-        """Restore every patched attribute (instance attributes that did not exist are removed)."""
-        for owner, name, value, had in reversed(self._saved):
-            if had:
-                setattr(owner, name, value)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
-        self.patched.clear()
-
-    def __enter__(self) -> "TreeReducePatch":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
+class TreeReducePatch(AttributePatches):
+    """Undo handle of the patches in this module (also a context manager); ``patched`` names what was swapped."""
 
 
 def _require_attr(owner, name: str, where: str):
