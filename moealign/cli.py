@@ -49,14 +49,19 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         # bad input (records, prompts, models, engine versions): a clear message, no traceback
         print(f"moealign mismatch: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    print(format_sweep(sweep) if args.sweep else format_table(report))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(sweep if args.sweep else report, fh, indent=2)
+    return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
+                   sweep if args.sweep else report, args.json, check_fail_above(report, bounds))
+
+
+def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str]) -> int:
+    """Print the table, write the JSON report if asked, name each failure on stderr; exit 3 on failure."""
+    print(table)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(report, fh, indent=2)
             fh.write("\n")
-    failures = check_fail_above(report, bounds)
     for line in failures:
-        print(f"moealign mismatch: FAIL {line}", file=sys.stderr)
+        print(f"moealign {command}: FAIL {line}", file=sys.stderr)
     return 3 if failures else 0
 
 
@@ -122,15 +127,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad sizes or repeats (TreeReductionError is a ValueError)
         print(f"moealign tp-check: error: {exc}", file=sys.stderr)
         return 2
-    print(format_results(report))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
-    failures = tree_failures(report)
-    for line in failures:
-        print(f"moealign tp-check: FAIL {line}", file=sys.stderr)
-    return 3 if failures else 0
+    return _finish("tp-check", format_results(report), report, args.json, tree_failures(report))
 
 
 def _add_tp_check(sub) -> None:

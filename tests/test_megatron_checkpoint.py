@@ -30,25 +30,14 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def megatron_cpu():
     """gloo world of one, TP=1; restores RouterReplay's global list and the CPU patches afterwards."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    mode = mg.enable_megatron_cpu()
     saved_replays = list(RouterReplay.global_router_replay_instances)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        model_parallel_cuda_manual_seed(123)
-        yield
+        with mg.init_single_process(seed=123):
+            yield
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
         RouterReplay.global_router_replay_instances[:] = saved_replays
-        mode.undo()
 
 
 def _build(hf_model, **kw):

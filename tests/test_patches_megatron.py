@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 
 import pytest
@@ -21,36 +19,15 @@ from megatron_util import config as _config  # noqa: E402
 from megatron_util import inputs as _inputs_seeded  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron_cpu():
-    import torch.distributed as dist
-
-    mode = mg.enable_megatron_cpu()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(123)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with mg.init_single_process(seed=123):      # CPU mode + a gloo world of one, TP=1
+        torch.manual_seed(0)
         model = _build(_config())
-    with torch.no_grad():   # peaked routers, so a rotated assignment is a real change
-        for _, router in mg.moe_routers(model):
-            router.weight.mul_(20)
-    yield model
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    mode.undo()
+        with torch.no_grad():   # peaked routers, so a rotated assignment is a real change
+            for _, router in mg.moe_routers(model):
+                router.weight.mul_(20)
+        yield model
 
 
 def _inputs():

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 
 import torch
 
 from moealign.correction import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleaved as _interleaved  # noqa: E402
 
 PRESETS = ("decoupled_geo_rs_seq_tis", "decoupled_token_icepop")
 
@@ -48,25 +51,13 @@ def make_inputs(batch: int, tokens: int, device: str, seed: int = 0):
     return old.to(device), rollout.to(device), mask.to(device)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def interleaved(fns: dict, device: str, repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds per function over ``repeats`` interleaved rounds, after ``warmup`` rounds."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    sync(device)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    t = _interleaved(fns, repeats, device)
+    return {name: t[f"{name}_median"] * 1e3 for name in fns}
 
 
 def main(argv=None) -> int:
