@@ -11,6 +11,8 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from .errors import MissingDependencyError
+
 __all__ = ["Backend", "probe", "require", "BACKENDS"]
 
 # name shown to users -> (module to import, distribution whose version to report)
@@ -47,7 +49,8 @@ def _dist_version(dist: str | None, module: ModuleType) -> str | None:
             version = None
     if version is None:
         try:
-            from importlib.metadata import packages_distributions, version as _v
+            from importlib.metadata import packages_distributions
+            from importlib.metadata import version as _v
 
             top = module.__name__.split(".")[0]
             dists = packages_distributions().get(top) or []
@@ -74,5 +77,5 @@ def require(module_name: str, why: str) -> ModuleType:
     """Import or raise ImportError that names the purpose and the underlying reason."""
     backend = probe(module_name)
     if backend.module is None:
-        raise ImportError(f"{why}; import {module_name!r} failed: {backend.error}")
+        raise MissingDependencyError(f"{why}; import {module_name!r} failed: {backend.error}")
     return backend.module

@@ -7,6 +7,7 @@ import json
 import sys
 
 from . import __version__
+from .errors import ConfigError, MoealignError
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -18,37 +19,33 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_mismatch(args: argparse.Namespace) -> int:
-    from .mismatch import MismatchConfig, check_fail_above, format_table, parse_fail_above, run_mismatch
+    from .mismatch import (
+        MismatchConfig,
+        check_fail_above,
+        format_table,
+        parse_fail_above,
+        run_mismatch,
+    )
     from .mismatch.run import format_sweep, run_sweep
-    from .patches import UnsupportedEngineError
 
-    try:
-        bounds = parse_fail_above(args.fail_above)
-        cfg = MismatchConfig(
-            model=args.model, rollout_engine=args.rollout, rollout_precision=args.rollout_precision,
-            train_engine=args.train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
-            train_dtype=args.train_dtype, batch_invariant=args.batch_invariant, attention=args.attention,
-            num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
-            device=args.device, save_record=args.save_record, load_record=args.load_record)
-        if args.sweep and (args.load_record or args.save_record):
-            raise ValueError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
-    except ValueError as exc:
-        print(f"moealign mismatch: error: {exc}", file=sys.stderr)
-        return 2
+    bounds = parse_fail_above(args.fail_above)
+    cfg = MismatchConfig(
+        model=args.model, rollout_engine=args.rollout, rollout_precision=args.rollout_precision,
+        train_engine=args.train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
+        train_dtype=args.train_dtype, batch_invariant=args.batch_invariant, attention=args.attention,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
+        device=args.device, save_record=args.save_record, load_record=args.load_record)
+    if args.sweep and (args.load_record or args.save_record):
+        raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    try:
-        if args.sweep:
-            sweep = run_sweep(cfg, progress=progress, log=log)
-            report = sweep["configs"][-1]["report"]          # --fail-above judges the fully aligned config
-        else:
-            report = run_mismatch(cfg, progress=progress, log=log)
-    except (ValueError, FileNotFoundError, UnsupportedEngineError) as exc:
-        # bad input (records, prompts, models, engine versions): a clear message, no traceback
-        print(f"moealign mismatch: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    if args.sweep:
+        sweep = run_sweep(cfg, progress=progress, log=log)
+        report = sweep["configs"][-1]["report"]          # --fail-above judges the fully aligned config
+    else:
+        report = run_mismatch(cfg, progress=progress, log=log)
     return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds))
 
@@ -122,11 +119,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
     from .tp_check import format_results, parse_world_sizes, run_tp_check, tree_failures
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    try:
-        report = run_tp_check(parse_world_sizes(args.world_sizes), seed=args.seed, repeats=args.repeats, log=log)
-    except ValueError as exc:  # bad sizes or repeats (TreeReductionError is a ValueError)
-        print(f"moealign tp-check: error: {exc}", file=sys.stderr)
-        return 2
+    report = run_tp_check(parse_world_sizes(args.world_sizes), seed=args.seed, repeats=args.repeats, log=log)
     return _finish("tp-check", format_results(report), report, args.json, tree_failures(report))
 
 
@@ -148,8 +141,19 @@ def _add_tp_check(sub) -> None:
     p.set_defaults(func=_cmd_tp_check)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``moealign mismatch: error: ...`` and exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
+
+
+class _UsageError(Exception):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moealign",
         description="Make MoE RL runs on-policy: routing replay, sampling-mask replay, precision alignment, "
         "invariant reductions and rollout correction.",
@@ -165,12 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad arguments and every :class:`~moealign.errors.MoealignError` end in one line on
+    stderr and exit code 2 (never a traceback); ``--fail-above`` violations exit 3."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MoealignError as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"moealign {args.command}: error: {type(exc).__name__}: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moealign {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

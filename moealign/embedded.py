@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import ConfigError, MissingFileError
+
 __all__ = ["EMBEDDED_MODEL_DIR", "embedded_model_path", "default_prompts"]
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny_moe"
@@ -18,7 +20,7 @@ def embedded_model_path() -> Path:
     needed = ("config.json", "model.safetensors")
     missing = [name for name in needed if not (EMBEDDED_MODEL_DIR / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"the embedded model is missing {missing} under {EMBEDDED_MODEL_DIR}; rebuild it "
+        raise MissingFileError(f"the embedded model is missing {missing} under {EMBEDDED_MODEL_DIR}; rebuild it "
                                 f"with `python tools/build_tiny_moe.py`")
     return EMBEDDED_MODEL_DIR
 
@@ -29,7 +31,7 @@ def default_prompts(path: str | Path | None = None) -> list[str]:
     try:
         prompts = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read prompts from {path}: {exc}") from None
+        raise ConfigError(f"cannot read prompts from {path}: {exc}") from None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError(f"{path} must hold a non-empty JSON list of non-empty strings")
+        raise ConfigError(f"{path} must hold a non-empty JSON list of non-empty strings")
     return prompts

@@ -33,7 +33,18 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .routing_replay.routes import RouteError, expand_routes, route_dtype, validate_routes
+from .errors import (
+    MissingFileError,
+    RecordError,
+    RecordFormatError,
+    RecordMismatchError,
+)
+from .routing_replay.routes import (
+    RouteError,
+    expand_routes,
+    route_dtype,
+    validate_routes,
+)
 from .routing_replay.sampling_mask import validate_kept_sets
 
 __all__ = [
@@ -59,18 +70,6 @@ _META_KEY = "moealign.meta"
 _VERSION_KEY = "moealign.format_version"
 _CHECKSUM_KEY = "moealign.checksum"
 _ROUTER_SIGNATURE_RTOL = 2e-2
-
-
-class RecordError(ValueError):
-    """A rollout record is inconsistent (shapes, lengths, values)."""
-
-
-class RecordFormatError(RecordError):
-    """A record file is truncated, corrupt, of another format version, or not a record."""
-
-
-class RecordMismatchError(RecordError):
-    """A record belongs to another model (fingerprint, layer count, experts, top-k)."""
 
 
 @dataclass(frozen=True)
@@ -624,7 +623,7 @@ class RolloutRecord:
         """Read a record; verify format version, checksum and (with ``expect``) that it fits the model."""
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no record file at {path}")
+            raise MissingFileError(f"no record file at {path}")
         tensors, metadata = _read_safetensors(path)
         version = metadata.get(_VERSION_KEY)
         if version is None or _META_KEY not in metadata or _CHECKSUM_KEY not in metadata:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .errors import ConfigError, EngineError, EngineTimeoutError
 from .precision.tree import (
     DEFAULT_LEAF_WIDTH,
     check_tree_world_size,
@@ -65,15 +66,15 @@ def parse_world_sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--world-sizes must be comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"--world-sizes must be comma-separated integers, got {text!r}") from None
     if not sizes:
-        raise ValueError("--world-sizes is empty")
+        raise ConfigError("--world-sizes is empty")
     for size in sizes:
         if not 1 <= size <= 16:
-            raise ValueError(f"world size {size} is outside 1..16 (each one is a set of local processes)")
+            raise ConfigError(f"world size {size} is outside 1..16 (each one is a set of local processes)")
         check_tree_world_size(size)
     if len(set(sizes)) != len(sizes):
-        raise ValueError(f"--world-sizes repeats a size: {text!r}")
+        raise ConfigError(f"--world-sizes repeats a size: {text!r}")
     return sizes
 
 
@@ -136,12 +137,12 @@ def run_gloo(world_size: int, fn: Callable, args: tuple = (), *, timeout: float 
                 with open(path) as fh:
                     errors.append(f"rank {rank} of {world_size}:\n{fh.read()}")
         if errors:
-            raise RuntimeError("gloo worker failed:\n" + "\n".join(errors))
+            raise EngineError("gloo worker failed:\n" + "\n".join(errors))
         if hung:
-            raise TimeoutError(f"gloo ranks {hung} of {world_size} did not finish within {timeout:.0f} s")
+            raise EngineTimeoutError(f"gloo ranks {hung} of {world_size} did not finish within {timeout:.0f} s")
         bad = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
         if bad:
-            raise RuntimeError(f"gloo ranks {bad} of {world_size} exited with codes "
+            raise EngineError(f"gloo ranks {bad} of {world_size} exited with codes "
                                f"{[procs[r].exitcode for r in bad]} and no traceback")
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]
@@ -164,7 +165,7 @@ def _global_inputs(spec: OpSpec, seed: int) -> dict[str, torch.Tensor]:
         return {"logits": logits.to(spec.dtype), "target": target}
     if spec.kind == "sum":
         return {"x": torch.randn(spec.rows, spec.reduce, generator=gen).to(spec.dtype)}
-    raise ValueError(f"unknown op kind {spec.kind!r}")
+    raise ConfigError(f"unknown op kind {spec.kind!r}")
 
 
 def _shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -241,11 +242,11 @@ def run_tp_check(world_sizes: list[int], *, ops: tuple[OpSpec, ...] = OPS, seed:
     slowest rank.
     """
     if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
+        raise ConfigError(f"repeats must be at least 1, got {repeats}")
     for spec in ops:
         for size in world_sizes:
             if spec.reduce % (size * leaf_width):
-                raise ValueError(f"op {spec.name}: reduction axis {spec.reduce} does not split into {size} shards "
+                raise ConfigError(f"op {spec.name}: reduction axis {spec.reduce} does not split into {size} shards "
                                  f"of whole {leaf_width}-wide leaves")
     per_world = {}
     for size in sorted(set(world_sizes) | {1}):

@@ -1,5 +1,5 @@
 """The batch-invariant attention (moealign.precision.bi_attention) and its transformers registration
-(moealign.patches.hf_attention): a query row's output is bitwise independent of the batch, the padding side
+(moealign.patches.hf.attention): a query row's output is bitwise independent of the batch, the padding side
 and the key length (stock eager / SDPA attention is not), it is close to SDPA, and the fully aligned bf16
 mismatch run is exactly zero with it (and not with eager attention)."""
 
@@ -165,7 +165,7 @@ def test_bad_inputs_raise():
 def test_registration_is_reversible_and_close_to_sdpa():
     transformers = pytest.importorskip("transformers")
     from moealign.embedded import embedded_model_path
-    from moealign.patches import hf_attention as ha
+    from moealign.patches.hf import attention as ha
 
     path = str(embedded_model_path())
     name = ha.register_bi_attention()

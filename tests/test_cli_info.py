@@ -5,8 +5,7 @@ import sys
 import pytest
 import torch
 
-from moealign import __version__
-from moealign import _optional
+from moealign import __version__, _optional
 from moealign.cli import main
 from moealign.info import collect_info, format_info, nvml_gpus
 

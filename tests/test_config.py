@@ -15,7 +15,11 @@ import warnings
 import pytest
 import torch
 
-from moealign.correction import PRESETS, RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+from moealign.correction import (
+    PRESETS,
+    RolloutCorrectionConfig,
+    compute_rollout_correction_and_rejection_mask,
+)
 from moealign.correction.config import LEGACY_PRESETS
 
 C = RolloutCorrectionConfig

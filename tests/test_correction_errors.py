@@ -15,6 +15,8 @@ import torch
 
 from moealign.correction.pipeline import (
     compute_rollout_correction_and_rejection_mask as correct,
+)
+from moealign.correction.pipeline import (
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
 )

@@ -28,9 +28,11 @@ from moealign.correction.metrics import CorrectionMetrics
 from moealign.correction.pipeline import (
     compute_agreement_metrics,
     compute_offpolicy_metrics,
-    compute_rollout_correction_and_rejection_mask as correct,
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
+)
+from moealign.correction.pipeline import (
+    compute_rollout_correction_and_rejection_mask as correct,
 )
 
 PREFIX = "rollout_corr/"

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 import moealign.correction.pipeline as pipeline
-from moealign.correction import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+from moealign.correction import (
+    RolloutCorrectionConfig,
+    compute_rollout_correction_and_rejection_mask,
+)
 
 
 def _inputs(B=37, T=129, seed=0):

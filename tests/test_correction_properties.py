@@ -18,7 +18,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from moealign.correction import pipeline as _pipeline
-from moealign.correction.pipeline import compute_rollout_correction_and_rejection_mask as correct
+from moealign.correction.pipeline import (
+    compute_rollout_correction_and_rejection_mask as correct,
+)
 from moealign.correction.thresholds import RS_MODES
 
 SETTINGS = settings(max_examples=60, deadline=None)

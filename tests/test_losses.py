@@ -699,7 +699,8 @@ def test_bypass_reinforce_ignores_ppo_settings():
     import torch as _t
 
     from moealign.correction import RolloutCorrectionConfig as _C
-    from moealign.correction.losses import bypass_policy_loss as _bp, reinforce_loss as _rl
+    from moealign.correction.losses import bypass_policy_loss as _bp
+    from moealign.correction.losses import reinforce_loss as _rl
 
     g = _t.Generator().manual_seed(0)
     lp = (-_t.rand(3, 5, generator=g)).requires_grad_()

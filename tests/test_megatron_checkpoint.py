@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from moealign.embedded import default_prompts, embedded_model_path  # noqa: E402
 from moealign.patches import hf as hfp  # noqa: E402
 from moealign.patches import megatron as mg  # noqa: E402
-from moealign.patches import megatron_checkpoint as mc  # noqa: E402
+from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 
 LOGIT_TOL = 1e-4      # fp32; measured ~1e-5 (printed by the tests)
 

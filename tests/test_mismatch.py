@@ -10,7 +10,13 @@ import torch
 pytest.importorskip("transformers")
 
 from moealign.cli import main  # noqa: E402
-from moealign.mismatch import METRIC_NAMES, RUN_NAMES, MismatchConfig, parse_fail_above, run_mismatch  # noqa: E402
+from moealign.mismatch import (  # noqa: E402
+    METRIC_NAMES,
+    RUN_NAMES,
+    MismatchConfig,
+    parse_fail_above,
+    run_mismatch,
+)
 from moealign.record import RecordMismatchError, RolloutRecord  # noqa: E402
 
 SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]

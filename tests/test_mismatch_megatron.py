@@ -14,7 +14,11 @@ pytest.importorskip("megatron.core")
 
 from moealign.cli import main  # noqa: E402
 from moealign.embedded import default_prompts, embedded_model_path  # noqa: E402
-from moealign.mismatch.engines import HFRolloutEngine, HFTrainEngine, MegatronTrainEngine  # noqa: E402
+from moealign.mismatch.engines import (  # noqa: E402
+    HFRolloutEngine,
+    HFTrainEngine,
+    MegatronTrainEngine,
+)
 from moealign.record import SamplingParams  # noqa: E402
 from moealign.routing_replay.routes import expand_routes  # noqa: E402
 
@@ -72,7 +76,7 @@ def test_training_step_with_replay_and_recompute(record):
     import transformers
 
     from moealign.patches import megatron as mgp
-    from moealign.patches import megatron_checkpoint as mc
+    from moealign.patches.megatron import checkpoint as mc
 
     with mgp.init_single_process():
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(embedded_model_path()), dtype=torch.float32)

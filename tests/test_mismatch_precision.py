@@ -16,7 +16,7 @@ from moealign.embedded import embedded_model_path  # noqa: E402
 from moealign.mismatch import MismatchConfig, run_mismatch  # noqa: E402
 from moealign.mismatch.engines import HFRolloutEngine  # noqa: E402
 from moealign.mismatch.run import format_sweep, run_sweep  # noqa: E402
-from moealign.patches.hf_precision import module_roles  # noqa: E402
+from moealign.patches.hf.precision import module_roles  # noqa: E402
 
 SMALL = dict(num_prompts=6, max_new_tokens=16, batch_size=6)
 ALIGNED = "routing_replay+sampling_mask"

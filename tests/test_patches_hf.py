@@ -25,8 +25,10 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from moealign.patches import UnsupportedEngineError  # noqa: E402
-from moealign.patches import hf  # noqa: E402
+from moealign.patches import (
+    UnsupportedEngineError,  # noqa: E402
+    hf,  # noqa: E402
+)
 from moealign.record import RecordMismatchError, SamplingParams  # noqa: E402
 from moealign.routing_replay.gates import RouterScoring, load_balancing_loss  # noqa: E402
 from moealign.routing_replay.routes import RouteError  # noqa: E402
@@ -295,7 +297,7 @@ def test_kept_set_chunked_flush_equals_single_chunk(models, monkeypatch):
     ids, am = left_padded_prompts()
     sampling = SamplingParams(top_p=0.9, top_k=40)
     one = hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=6, seed=3)
-    monkeypatch.setattr(hf, "KEPT_SET_FLUSH_BYTES", 1)
+    monkeypatch.setattr(hf.rollout, "KEPT_SET_FLUSH_BYTES", 1)
     many = hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=6, seed=3, validate=True)
     many.validate()
     one.validate()

@@ -9,14 +9,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from moealign.patches import megatron as mg  # noqa: E402
-from moealign.routing_replay.routes import RouteError  # noqa: E402
-
 from megatron_util import B, E, K, T  # noqa: E402
 from megatron_util import batch_routes as _batch_routes  # noqa: E402
 from megatron_util import build as _build  # noqa: E402
 from megatron_util import config as _config  # noqa: E402
 from megatron_util import inputs as _inputs_seeded  # noqa: E402
+
+from moealign.patches import megatron as mg  # noqa: E402
+from moealign.routing_replay.routes import RouteError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +107,10 @@ def test_counters_catch_missing_rows_and_extra_forwards(megatron_cpu):
     ids, pos, mask = _inputs()
     with mg.RouterReplayDriver(model) as driver:
         driver.set_routes(_batch_routes(1)[: B * T - 3], (0, 1))   # packed-style, 3 rows short
-        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayCounterError, match=r"layer 0: the router saw 30 tokens, the replay targets have 27 rows"):
+        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match=r"layer 0: the router saw 30 tokens, the replay targets have 27 rows"):
             model(ids, pos, attention_mask=mask)
     with mg.RouterReplayDriver(model) as driver:
-        with pytest.raises(mg.ReplayCounterError, match="expected 1 calls"):
+        with pytest.raises(mg.ReplayError, match="expected 1 calls"):
             driver.check(calls=1)   # no forward yet
 
 
@@ -315,7 +315,10 @@ def test_packed_thd_with_padding_replays_recorded_rows(megatron_cpu):
 def _tracked_aux(model, routes, aux_loss):
     """One training forward with replay: the per-layer load-balancing loss Megatron tracked, the driver's
     measured disagreement, and each router's input (to recompute the loss by hand)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
 
     ids, pos, mask = _inputs()
     clear_aux_losses_tracker()
@@ -380,7 +383,12 @@ def test_aux_patch_is_undone(megatron_cpu):
 def test_kept_logprob_on_the_model_logits(megatron_cpu):
     """The Megatron wrapper (TP group from parallel_state, here TP = 1) equals the core kept-set log-prob;
     TP = 2 is tested in test_vocab_parallel_mask.py."""
-    from moealign.routing_replay.sampling_mask import full_logprob, kept_logprob, kept_sets_from_logits, truncation_mask
+    from moealign.routing_replay.sampling_mask import (
+        full_logprob,
+        kept_logprob,
+        kept_sets_from_logits,
+        truncation_mask,
+    )
 
     ids, pos, mask = _inputs()
     with torch.no_grad():

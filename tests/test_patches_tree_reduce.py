@@ -10,8 +10,12 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core")
 
 from moealign.patches import UnsupportedEngineError  # noqa: E402
-from moealign.patches import tree_reduce as tr  # noqa: E402
-from moealign.precision.tree import TreeReductionError, row_parallel_linear_tree, vocab_parallel_logprob_tree  # noqa: E402
+from moealign.patches.megatron import tree_reduce as tr  # noqa: E402
+from moealign.precision.tree import (  # noqa: E402
+    TreeReductionError,
+    row_parallel_linear_tree,
+    vocab_parallel_logprob_tree,
+)
 from moealign.tp_check import run_gloo  # noqa: E402
 
 K, N, V = 512, 32, 8192
@@ -73,7 +77,9 @@ def _megatron_worker(rank, world):
         class _Coordinator:  # the attribute vLLM's replacement body reads
             device_group = dist.group.WORLD
 
-        out["vllm_body"] = tr._tree_all_reduce_out_place(_Coordinator(), torch.full((3,), float(rank + 1)))
+        from moealign.patches.vllm.tree_reduce import _tree_all_reduce_out_place
+
+        out["vllm_body"] = _tree_all_reduce_out_place(_Coordinator(), torch.full((3,), float(rank + 1)))
         return out
     finally:
         parallel_state.destroy_model_parallel()

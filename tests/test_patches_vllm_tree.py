@@ -9,7 +9,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment (tools/test_vllm_import.sh)")
 
-from moealign.patches import tree_reduce as tr  # noqa: E402
+from moealign.patches.vllm import tree_reduce as tr  # noqa: E402
 
 
 def test_vllm_all_reduce_patch_import_level():

@@ -214,7 +214,7 @@ def test_embedded_model_fp8_rollout_vs_bf16_training_and_aligned():
     """FP8 on both sides gives bitwise-equal logits; FP8 rollout against a bf16 trainer does not."""
     transformers = pytest.importorskip("transformers")
     from moealign.embedded import embedded_model_path
-    from moealign.patches.hf_precision import apply_precision
+    from moealign.patches.hf.precision import apply_precision
 
     path = embedded_model_path()
     rollout = transformers.AutoModelForCausalLM.from_pretrained(path)

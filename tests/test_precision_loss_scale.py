@@ -128,7 +128,7 @@ def test_scaling_rescues_fp16_gradients_that_underflow():
 def test_fp16_training_embedded_model(policy):
     transformers = pytest.importorskip("transformers")
     from moealign.embedded import embedded_model_path
-    from moealign.patches.hf_precision import apply_precision
+    from moealign.patches.hf.precision import apply_precision
     from moealign.precision.audit import audit
 
     model = transformers.AutoModelForCausalLM.from_pretrained(embedded_model_path())

@@ -1,5 +1,5 @@
 """Precision policies (moealign.precision.policy), their engine translations, device capability checks,
-and audits of the embedded model (moealign.precision.audit + moealign.patches.hf_precision)."""
+and audits of the embedded model (moealign.precision.audit + moealign.patches.hf.precision)."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def ids():
 
 @pytest.fixture
 def applied(model):
-    from moealign.patches.hf_precision import apply_precision
+    from moealign.patches.hf.precision import apply_precision
 
     handles = []
 
@@ -212,7 +212,7 @@ def applied(model):
 
 
 def test_roles_of_embedded_model(model):
-    from moealign.patches.hf_precision import module_roles
+    from moealign.patches.hf.precision import module_roles
 
     roles = module_roles(model)
     assert roles == {**{f"model.layers.{i}.mlp.gate": ROUTER for i in range(4)}, "lm_head": LM_HEAD}
@@ -238,7 +238,7 @@ def test_audit_passes_after_apply(model, ids, applied, name):
 
 
 def test_undo_restores_exactly(model, ids):
-    from moealign.patches.hf_precision import apply_precision
+    from moealign.patches.hf.precision import apply_precision
 
     with torch.no_grad():
         ref = model(ids).logits
@@ -323,7 +323,7 @@ def test_audit_fp8_needs_fake_quant_and_only_where_due(model, ids, applied):
 
 def test_tied_head_with_fp32_override_raises():
     transformers = pytest.importorskip("transformers")
-    from moealign.patches.hf_precision import apply_precision
+    from moealign.patches.hf.precision import apply_precision
 
     cfg = transformers.Qwen3MoeConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                       vocab_size=64, intermediate_size=32, moe_intermediate_size=16, num_experts=4,

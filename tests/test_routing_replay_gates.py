@@ -170,7 +170,9 @@ def test_select_topk_is_qwen3_moe_router(norm, dtype):
 
 
 def test_select_topk_is_deepseek_v3_router():
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3TopkRouter,
+    )
 
     config = SimpleNamespace(num_experts_per_tok=4, num_local_experts=32, hidden_size=24, routed_scaling_factor=2.5,
                              n_group=8, topk_group=3, norm_topk_prob=True)
@@ -287,7 +289,9 @@ def _layers(num_layers=3, tokens=24, experts=8, seed=0):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_load_balancing_loss_matches_transformers(masked):
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
 
     layers = _layers()
     mask = None

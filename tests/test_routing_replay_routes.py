@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moealign.routing_replay as rr
-from moealign.routing_replay import RouteError, compact_routes, expand_routes, route_dtype, validate_routes
+from moealign.routing_replay import (
+    RouteError,
+    compact_routes,
+    expand_routes,
+    route_dtype,
+    validate_routes,
+)
 
 
 def test_route_error_is_a_value_error():

@@ -19,7 +19,10 @@ import time
 
 import torch
 
-from moealign.correction import RolloutCorrectionConfig, compute_rollout_correction_and_rejection_mask
+from moealign.correction import (
+    RolloutCorrectionConfig,
+    compute_rollout_correction_and_rejection_mask,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved as _interleaved  # noqa: E402

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     import transformers
 
     from moealign.patches import megatron as mg
-    from moealign.patches import megatron_checkpoint as mc
+    from moealign.patches.megatron import checkpoint as mc
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.model or str(embedded_model_path())

@@ -129,7 +129,14 @@ def corpus_fingerprint(files: list[Path], texts: list[str]) -> str:
 
 def train_tokenizer(texts: list[str]):
     """Byte-level BPE (GPT-2 style pre-tokenisation, no prefix space, no added bos)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -11,7 +11,12 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from .pipeline import build_plan, compute_rollout_correction_and_rejection_mask, legacy_rs_spelling
+from ..errors import ConfigError, InputTypeError
+from .pipeline import (
+    build_plan,
+    compute_rollout_correction_and_rejection_mask,
+    legacy_rs_spelling,
+)
 
 __all__ = ["RolloutCorrectionConfig", "PRESETS", "LEGACY_PRESETS", "LOSS_TYPES", "slime_argument_parser"]
 
@@ -39,9 +44,9 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self):
         if not isinstance(self.bypass_mode, bool):
-            raise TypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
+            raise InputTypeError(f"bypass_mode must be a bool, got {self.bypass_mode!r}")
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
+            raise ConfigError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
         self.plan()  # raises on any malformed field; warns once for earlier spellings
 
     # ------------------------------------------------------------------ use
@@ -93,7 +98,7 @@ class RolloutCorrectionConfig:
         ``algorithm.rollout_correction``, and the earlier keys ``use_policy_gradient``,
         ``rollout_rs_threshold_lower`` (with ``rollout_rs`` = token/sequence/geometric) with a warning."""
         if not isinstance(data, Mapping):
-            raise TypeError(f"rollout-correction config must be a mapping, got {type(data).__name__}")
+            raise InputTypeError(f"rollout-correction config must be a mapping, got {type(data).__name__}")
         data = dict(data)
         if "algorithm" in data and isinstance(data["algorithm"], Mapping):
             data = dict(data["algorithm"].get("rollout_correction") or {})
@@ -105,7 +110,7 @@ class RolloutCorrectionConfig:
         if "use_policy_gradient" in data:
             upg = data.pop("use_policy_gradient")
             if not isinstance(upg, bool):
-                raise TypeError(f"use_policy_gradient must be a bool, got {upg!r}")
+                raise InputTypeError(f"use_policy_gradient must be a bool, got {upg!r}")
             warnings.warn("use_policy_gradient is the earlier spelling: use loss_type='reinforce' / 'ppo_clip'",
                           DeprecationWarning, stacklevel=2)
             data.setdefault("loss_type", "reinforce" if upg else "ppo_clip")
@@ -117,7 +122,7 @@ class RolloutCorrectionConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown rollout-correction field(s) {unknown}; known fields: {sorted(known)}")
+            raise ConfigError(f"unknown rollout-correction field(s) {unknown}; known fields: {sorted(known)}")
         base.update(data)
         return cls(**base)
 
@@ -155,7 +160,7 @@ class RolloutCorrectionConfig:
             # a full slime command line carries many other flags: parse only ours
             values = vars(slime_argument_parser().parse_known_args(list(args))[0])
         else:
-            raise TypeError(f"slime args must be a Namespace, a mapping or an argv list, got {type(args).__name__}")
+            raise InputTypeError(f"slime args must be a Namespace, a mapping or an argv list, got {type(args).__name__}")
         values = {k.replace("-", "_"): v for k, v in values.items()}
         kw: dict[str, Any] = {"bypass_mode": bool(values.get("use_rollout_logprobs", False))}
         upper = values.get("tis_upper_bound")
@@ -177,7 +182,7 @@ class RolloutCorrectionConfig:
             from .thresholds import LEGACY_RS_LEVELS
 
             if level not in LEGACY_RS_LEVELS:
-                raise ValueError(f"unknown --rs-level {level!r}; expected one of {tuple(LEGACY_RS_LEVELS)}")
+                raise ConfigError(f"unknown --rs-level {level!r}; expected one of {tuple(LEGACY_RS_LEVELS)}")
             rs_upper = values.get("rs_upper_bound")
             rs_upper = upper if rs_upper is None else float(rs_upper)
             rs_lower = values.get("rs_lower_bound")
@@ -196,7 +201,7 @@ class RolloutCorrectionConfig:
             return PRESETS[name](**overrides)
         if name in LEGACY_PRESETS:
             return LEGACY_PRESETS[name](**overrides)
-        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)} (earlier names: {sorted(LEGACY_PRESETS)})")
+        raise ConfigError(f"unknown preset {name!r}; available: {sorted(PRESETS)} (earlier names: {sorted(LEGACY_PRESETS)})")
 
     # ------------------------------------------------------------------ verl's 19 presets
     @classmethod

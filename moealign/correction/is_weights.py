@@ -31,11 +31,11 @@ import torch
 
 from ._masked import (
     SAFETY_BOUND,
+    RowAgg,
     ge,
     gt,
     le,
     lt,
-    RowAgg,
     population_std,
     safe_div,
 )

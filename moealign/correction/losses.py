@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ._masked import SAFETY_BOUND, safe_div
 
 __all__ = [
@@ -28,10 +29,10 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
     items = list(tensors.items())
     name0, ref = items[0]
     if ref.dim() != 2:
-        raise ValueError(f"{name0} must be 2-D (batch, tokens), got shape {tuple(ref.shape)}")
+        raise InputError(f"{name0} must be 2-D (batch, tokens), got shape {tuple(ref.shape)}")
     for name, t in items[1:]:
         if t is not None and t.shape != ref.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} does not match {name0} shape {tuple(ref.shape)}")
+            raise InputError(f"{name} shape {tuple(t.shape)} does not match {name0} shape {tuple(ref.shape)}")
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ def agg_loss(
     ``num_seqs`` replaces the local count of non-empty sequences. An empty mask gives 0, never NaN.
     """
     if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {AGG_MODES}")
+        raise InputError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {AGG_MODES}")
     _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
     valid = _valid(loss_mask)
     masked = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
@@ -77,7 +78,7 @@ def agg_loss(
     if loss_agg_mode == "seq-mean-token-sum-norm":
         factor = float(loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
         if factor <= 0:
-            raise ValueError(f"loss_scale_factor must be > 0, got {loss_scale_factor!r}")
+            raise InputError(f"loss_scale_factor must be > 0, got {loss_scale_factor!r}")
         out = out / factor
     return out
 
@@ -110,11 +111,11 @@ def ppo_clip_loss(
     _check_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
                       response_mask=response_mask, rollout_is_weights=rollout_is_weights)
     if isinstance(clip_ratio_c, bool) or not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip constant) must be > 1, got {clip_ratio_c!r}")
+        raise InputError(f"clip_ratio_c (dual-clip constant) must be > 1, got {clip_ratio_c!r}")
     eps_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     eps_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     if eps_low < 0 or eps_high < 0 or eps_low >= 1:
-        raise ValueError(f"clip ratios must satisfy 0 <= low < 1 and high >= 0, got low={eps_low}, high={eps_high}")
+        raise InputError(f"clip ratios must satisfy 0 <= low < 1 and high >= 0, got low={eps_low}, high={eps_high}")
     valid = _valid(response_mask)
     delta = torch.clamp(log_prob - old_log_prob, -SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(delta)
@@ -192,7 +193,7 @@ def bypass_policy_loss(
     ``(loss, metrics)`` including the ``rollout_corr/*`` metrics (still tensors).
     """
     if not getattr(config, "bypass_mode", False):
-        raise ValueError("bypass_policy_loss needs a config with bypass_mode=True; in decoupled mode compute "
+        raise InputError("bypass_policy_loss needs a config with bypass_mode=True; in decoupled mode compute "
                          "the correction once per batch and pass its weights to ppo_clip_loss")
     _check_same_shape(log_prob=log_prob, rollout_log_prob=rollout_log_prob, advantages=advantages,
                       response_mask=response_mask)
@@ -228,7 +229,7 @@ def deepseek_offpolicy_sequence_mask(
     the dtype of ``response_mask``.
     """
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not (delta >= 0) or delta == float("inf"):
-        raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
+        raise InputError(f"delta must be a finite number >= 0, got {delta!r}")
     _check_same_shape(log_prob=log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
     valid = _valid(response_mask)
     with torch.no_grad():
@@ -236,12 +237,12 @@ def deepseek_offpolicy_sequence_mask(
         div = safe_div(torch.where(valid, rollout_log_prob - log_prob, 0.0).sum(dim=-1), n)
         if advantages.dim() == 2:
             if advantages.shape != log_prob.shape:
-                raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match {tuple(log_prob.shape)}")
+                raise InputError(f"advantages shape {tuple(advantages.shape)} does not match {tuple(log_prob.shape)}")
             adv = safe_div(torch.where(valid, advantages, 0.0).sum(dim=-1), n)
         elif advantages.dim() == 1 and advantages.shape[0] == log_prob.shape[0]:
             adv = advantages
         else:
-            raise ValueError(f"advantages must be (B, T) or (B,), got shape {tuple(advantages.shape)}")
+            raise InputError(f"advantages must be (B, T) or (B,), got shape {tuple(advantages.shape)}")
         drop = (adv < 0) & (div > delta)
     keep = ~drop[:, None]
     if response_mask.dtype == torch.bool:

@@ -33,6 +33,7 @@ from typing import Mapping
 
 import torch
 
+from ..errors import InputError
 from ._masked import SAFETY_BOUND, RowAgg, safe_div
 from .tokens import TokenView
 
@@ -179,9 +180,9 @@ def masked_quantile(values: torch.Tensor, valid: torch.Tensor, q: float, n_valid
     tensor is used. No sort of the full input.
     """
     if n_valid <= 0:
-        raise ValueError("masked_quantile needs at least one valid entry")
+        raise InputError("masked_quantile needs at least one valid entry")
     if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile {q} outside [0, 1]")
+        raise InputError(f"quantile {q} outside [0, 1]")
     validf = valid.to(values.dtype)
     flat = (values * validf + (validf - 1.0)).reshape(-1)  # invalid -> -1
     total = flat.numel()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import EngineError, InputError, InputTypeError
 from ._masked import RowAgg, safe_div
 from .is_weights import batch_norm_terms, is_metrics, is_weights_pass
 from .metrics import (
@@ -34,7 +35,14 @@ from .metrics import (
     offpolicy_pass,
 )
 from .rejection import rs_metrics, rs_pass, veto_metrics, veto_pass
-from .thresholds import LEGACY_RS_LEVELS, ISSpec, RSOption, _as_positive_float, parse_is_spec, parse_rs_spec
+from .thresholds import (
+    LEGACY_RS_LEVELS,
+    ISSpec,
+    RSOption,
+    _as_positive_float,
+    parse_is_spec,
+    parse_rs_spec,
+)
 from .tokens import TokenView
 
 __all__ = [
@@ -73,22 +81,22 @@ _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, names=_NAMES) -> None:
     for name, t in ((names[0], old), (names[1], rollout), ("response_mask", mask)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if old.dim() != 2:
-        raise ValueError(f"{names[0]} must be 2-D (batch, tokens), got shape {tuple(old.shape)}")
+        raise InputError(f"{names[0]} must be 2-D (batch, tokens), got shape {tuple(old.shape)}")
     if rollout.shape != old.shape:
-        raise ValueError(
+        raise InputError(
             f"{names[1]} shape {tuple(rollout.shape)} does not match {names[0]} shape {tuple(old.shape)}"
         )
     if mask.shape != old.shape:
-        raise ValueError(f"response_mask shape {tuple(mask.shape)} does not match log-prob shape {tuple(old.shape)}")
+        raise InputError(f"response_mask shape {tuple(mask.shape)} does not match log-prob shape {tuple(old.shape)}")
     for name, t in ((names[0], old), (names[1], rollout)):
         if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            raise InputTypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if mask.dtype != torch.bool and not mask.is_floating_point() and mask.dtype not in _INT_DTYPES:
-        raise TypeError(f"response_mask must be bool, integer or floating point, got {mask.dtype}")
+        raise InputTypeError(f"response_mask must be bool, integer or floating point, got {mask.dtype}")
     if old.device != rollout.device or old.device != mask.device:
-        raise ValueError(
+        raise InputError(
             f"inputs on different devices: old {old.device}, rollout {rollout.device}, mask {mask.device}"
         )
 
@@ -102,16 +110,16 @@ def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> i
     padding (the caller then zeroes the padding and runs the pass again)."""
     n_valid, bad_input, bad_mask = checks
     if bad_mask != 0:  # also NaN
-        raise ValueError("response_mask must hold only 0 and 1 (found other values, NaN included)")
+        raise InputError("response_mask must hold only 0 and 1 (found other values, NaN included)")
     if n_valid == 0:
-        raise ValueError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(old.shape)}")
+        raise InputError(f"response_mask has no valid token (all padding) in a batch of shape {tuple(old.shape)}")
     if bad_input == 0:
         return int(n_valid)
     valid = mask if mask.dtype == torch.bool else mask != 0
     for name, t in ((names[0], old), (names[1], rollout)):
         bad = int((valid & ~torch.isfinite(t)).any(dim=-1).sum())
         if bad:
-            raise ValueError(
+            raise InputError(
                 f"{name} has non-finite values (NaN or Inf) at valid positions (response_mask == 1) in {bad} row(s); "
                 "a -inf log-prob usually means the token lies outside the other engine's sampling support: "
                 "apply the rollout's sampling mask to the trainer's logits, or mask such tokens out"
@@ -263,7 +271,7 @@ def run_plan(
         fused = _fused_default()
     with torch.no_grad():
         if old_log_prob.numel() == 0:
-            raise ValueError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
+            raise InputError(f"response_mask has no valid token (empty batch of shape {tuple(old_log_prob.shape)})")
         args = (old_log_prob.detach(), rollout_log_prob.detach(), response_mask.detach())
         run = _unpacked(_compiled(plan, dtype)) if fused else functools.partial(_blocked_pass, plan=plan, dtype=dtype)
         try:
@@ -271,7 +279,7 @@ def run_plan(
         except Exception as exc:
             if not fused:
                 raise
-            raise RuntimeError(
+            raise EngineError(
                 f"fused=True compiles the correction pass with torch.compile, which failed here "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 "on CPU it needs a C++ compiler, on GPU triton. Use fused=False (same results, unfused)."
@@ -341,11 +349,11 @@ def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lo
         level = rollout_rs.strip()
         mode = LEGACY_RS_LEVELS[level]
         if rollout_rs_threshold is None:
-            raise ValueError(f"rollout_rs_threshold is required when rollout_rs={level!r}")
+            raise InputError(f"rollout_rs_threshold is required when rollout_rs={level!r}")
         if isinstance(rollout_rs_threshold, str) and "_" in rollout_rs_threshold:
             band = rollout_rs_threshold.strip()
             if rollout_rs_threshold_lower is not None:
-                raise ValueError("give the lower bound either in 'lower_upper' or as rollout_rs_threshold_lower, not both")
+                raise InputError("give the lower bound either in 'lower_upper' or as rollout_rs_threshold_lower, not both")
         else:
             upper = _as_positive_float(rollout_rs_threshold, "rollout_rs_threshold")
             lower = (
@@ -354,7 +362,7 @@ def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lo
                 else _as_positive_float(rollout_rs_threshold_lower, "rollout_rs_threshold_lower")
             )
             if lower > upper:
-                raise ValueError(f"rollout_rs_threshold_lower {lower} > rollout_rs_threshold {upper}")
+                raise InputError(f"rollout_rs_threshold_lower {lower} > rollout_rs_threshold {upper}")
             band = f"{lower!r}_{upper!r}"
         warnings.warn(
             f"rollout_rs={level!r} is the earlier spelling: use rollout_rs={mode!r} with "
@@ -364,7 +372,7 @@ def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lo
         )
         return mode, band
     if rollout_rs_threshold_lower is not None:
-        raise ValueError(
+        raise InputError(
             "rollout_rs_threshold_lower belongs to the earlier token/sequence/geometric spelling; "
             "with the current modes write the k1 band as rollout_rs_threshold='lower_upper'"
         )
@@ -400,18 +408,18 @@ def build_plan(
 ) -> CorrectionPlan:
     """Validate a configuration (no tensors touched) and turn it into a :class:`CorrectionPlan`."""
     if not isinstance(rollout_is_batch_normalize, bool):
-        raise TypeError(f"rollout_is_batch_normalize must be a bool, got {rollout_is_batch_normalize!r}")
+        raise InputTypeError(f"rollout_is_batch_normalize must be a bool, got {rollout_is_batch_normalize!r}")
     is_spec = None
     if rollout_is is not None and rollout_is_threshold is not None:
         is_spec = parse_is_spec(rollout_is, rollout_is_threshold, rollout_is_mode, rollout_is_threshold_lower)
     elif rollout_is_mode is not None or rollout_is_threshold_lower is not None:
-        raise ValueError("rollout_is_mode / rollout_is_threshold_lower given but IS is off "
+        raise InputError("rollout_is_mode / rollout_is_threshold_lower given but IS is off "
                          "(rollout_is or rollout_is_threshold is None)")
     options: tuple[RSOption, ...] = ()
     rs, rs_threshold = legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
     if rs is not None:
         if rs_threshold is None:
-            raise ValueError(f"rollout_rs_threshold is required when rollout_rs={rs!r}")
+            raise InputError(f"rollout_rs_threshold is required when rollout_rs={rs!r}")
         options = parse_rs_spec(rs, rs_threshold)
     return CorrectionPlan(
         is_spec=is_spec,
@@ -461,7 +469,7 @@ def compute_rollout_correction_and_rejection_mask(
     """
     unknown = set(extended) - _EXTENDED
     if unknown:
-        raise TypeError(f"unknown keyword argument(s) {sorted(unknown)}; accepted extras: {sorted(_EXTENDED)}")
+        raise InputTypeError(f"unknown keyword argument(s) {sorted(unknown)}; accepted extras: {sorted(_EXTENDED)}")
     plan = build_plan(
         rollout_is,
         rollout_is_threshold,

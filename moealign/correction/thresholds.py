@@ -22,6 +22,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..errors import ConfigError, InputTypeError
+
 __all__ = [
     "IS_LEVELS",
     "IS_MODES",
@@ -49,23 +51,23 @@ LEGACY_RS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": 
 
 def _as_positive_float(value, what: str) -> float:
     if isinstance(value, bool):
-        raise TypeError(f"{what} must be a number, got bool {value!r}")
+        raise InputTypeError(f"{what} must be a number, got bool {value!r}")
     if isinstance(value, str):
         text = value.strip()
         if not text:
-            raise ValueError(f"{what} is an empty string")
+            raise ConfigError(f"{what} is an empty string")
         if "_" in text:  # float("5_0") == 50.0 in Python: a second '_' in a band must not parse
-            raise ValueError(f"{what} {value!r} is not a number (a band takes exactly one '_')")
+            raise ConfigError(f"{what} {value!r} is not a number (a band takes exactly one '_')")
         try:
             out = float(text)
         except ValueError:
-            raise ValueError(f"{what} {value!r} is not a number") from None
+            raise ConfigError(f"{what} {value!r} is not a number") from None
     elif isinstance(value, numbers.Real):
         out = float(value)
     else:
-        raise TypeError(f"{what} must be a number or a string, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{what} must be a number or a string, got {type(value).__name__} {value!r}")
     if not math.isfinite(out) or out <= 0.0:
-        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
+        raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
     return out
 
 
@@ -74,7 +76,7 @@ def _split_band(text: str, what: str) -> tuple[float, float]:
     lower = _as_positive_float(lower_s, f"{what} lower bound")
     upper = _as_positive_float(upper_s, f"{what} upper bound")
     if lower > upper:
-        raise ValueError(f"{what} {text!r}: lower bound {lower} > upper bound {upper}")
+        raise ConfigError(f"{what} {text!r}: lower bound {lower} > upper bound {upper}")
     return lower, upper
 
 
@@ -82,18 +84,18 @@ def parse_is_threshold(spec) -> tuple[float, float | None]:
     """``spec`` -> ``(upper, lower or None)``. A number or ``"u"`` gives no lower bound (TIS);
     ``"l_u"`` gives the band (IcePop)."""
     if isinstance(spec, bool):
-        raise TypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got bool {spec!r}")
+        raise InputTypeError(f"rollout_is_threshold must be a number or a 'lower_upper' string, got bool {spec!r}")
     if isinstance(spec, str):
         text = spec.strip()
         if not text:
-            raise ValueError("rollout_is_threshold is an empty string")
+            raise ConfigError("rollout_is_threshold is an empty string")
         if "_" in text:
             lower, upper = _split_band(text, "rollout_is_threshold")
             return upper, lower
         return _as_positive_float(text, "rollout_is_threshold"), None
     if isinstance(spec, numbers.Real):
         return _as_positive_float(spec, "rollout_is_threshold"), None
-    raise TypeError(
+    raise InputTypeError(
         f"rollout_is_threshold must be a number or a 'lower_upper' string, got {type(spec).__name__} {spec!r}"
     )
 
@@ -116,12 +118,12 @@ class ISSpec:
 def parse_is_spec(level, threshold, mode=None, lower=None) -> ISSpec:
     """Validate an IS level, threshold and optional explicit mode / lower bound."""
     if not isinstance(level, str) or level not in IS_LEVELS:
-        raise ValueError(f"unknown rollout_is level {level!r}; expected one of {IS_LEVELS}")
+        raise ConfigError(f"unknown rollout_is level {level!r}; expected one of {IS_LEVELS}")
     upper, band_lower = parse_is_threshold(threshold)
     if lower is not None:
         lower = _as_positive_float(lower, "rollout_is_threshold_lower")
         if band_lower is not None and band_lower != lower:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout_is_threshold {threshold!r} already names a lower bound; "
                 f"rollout_is_threshold_lower={lower} contradicts it"
             )
@@ -129,17 +131,17 @@ def parse_is_spec(level, threshold, mode=None, lower=None) -> ISSpec:
     if mode is None:
         mode = "mask" if band_lower is not None else "truncate"
     if not isinstance(mode, str) or mode not in IS_MODES:
-        raise ValueError(f"unknown rollout_is mode {mode!r}; expected one of {IS_MODES}")
+        raise ConfigError(f"unknown rollout_is mode {mode!r}; expected one of {IS_MODES}")
     if mode == "truncate":
         if band_lower is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"mode 'truncate' has no lower bound, but one was given ({band_lower}); "
                 "use a single number, or mode 'mask' / 'clip'"
             )
     elif band_lower is None:
         band_lower = 1.0 / upper
     if band_lower is not None and band_lower > upper:
-        raise ValueError(f"IS lower bound {band_lower} > upper bound {upper}")
+        raise ConfigError(f"IS lower bound {band_lower} > upper bound {upper}")
     return ISSpec(level=level, mode=mode, upper=upper, lower=band_lower)
 
 
@@ -165,19 +167,19 @@ class RSOption:
 def parse_rs_modes(rollout_rs) -> list[str]:
     """Split a comma-separated chain, validate each name, drop duplicates (first occurrence wins)."""
     if not isinstance(rollout_rs, str):
-        raise TypeError(f"rollout_rs must be a string such as 'seq_mean_k1', got {type(rollout_rs).__name__}")
+        raise InputTypeError(f"rollout_rs must be a string such as 'seq_mean_k1', got {type(rollout_rs).__name__}")
     names = [part.strip() for part in rollout_rs.split(",") if part.strip()]
     if not names:
-        raise ValueError(f"rollout_rs {rollout_rs!r} names no mode")
+        raise ConfigError(f"rollout_rs {rollout_rs!r} names no mode")
     out: list[str] = []
     for name in names:
         if name in LEGACY_RS_LEVELS:
-            raise ValueError(
+            raise ConfigError(
                 f"rollout_rs {name!r} is the earlier spelling; pass it through the legacy API "
                 f"(it maps to {LEGACY_RS_LEVELS[name]!r})"
             )
         if name not in RS_MODES:
-            raise ValueError(f"unknown rollout_rs mode {name!r}; expected one of {RS_MODES}")
+            raise ConfigError(f"unknown rollout_rs mode {name!r}; expected one of {RS_MODES}")
         if name not in out:
             out.append(name)
     return out
@@ -185,9 +187,9 @@ def parse_rs_modes(rollout_rs) -> list[str]:
 
 def _threshold_entries(spec) -> list[str]:
     if isinstance(spec, bool):
-        raise TypeError(f"rollout_rs_threshold must be a number or a string, got bool {spec!r}")
+        raise InputTypeError(f"rollout_rs_threshold must be a number or a string, got bool {spec!r}")
     if spec is None:
-        raise ValueError("rollout_rs_threshold is required when rollout_rs is set")
+        raise ConfigError("rollout_rs_threshold is required when rollout_rs is set")
     if isinstance(spec, numbers.Real):
         return [repr(float(spec))]
     if isinstance(spec, str):
@@ -196,12 +198,12 @@ def _threshold_entries(spec) -> list[str]:
         entries = []
         for item in spec:
             if isinstance(item, bool):
-                raise TypeError(f"rollout_rs_threshold entry must be a number or a string, got bool {item!r}")
+                raise InputTypeError(f"rollout_rs_threshold entry must be a number or a string, got bool {item!r}")
             entries.append(item.strip() if isinstance(item, str) else repr(float(item)))
     else:
-        raise TypeError(f"rollout_rs_threshold must be a number, a string or a list, got {type(spec).__name__}")
+        raise InputTypeError(f"rollout_rs_threshold must be a number, a string or a list, got {type(spec).__name__}")
     if not entries:
-        raise ValueError(f"rollout_rs_threshold {spec!r} holds no threshold")
+        raise ConfigError(f"rollout_rs_threshold {spec!r} holds no threshold")
     return entries
 
 
@@ -212,7 +214,7 @@ def parse_rs_spec(rollout_rs, rollout_rs_threshold) -> tuple[RSOption, ...]:
     if len(entries) == 1:
         entries = entries * len(names)
     elif len(entries) != len(names):
-        raise ValueError(
+        raise ConfigError(
             f"rollout_rs_threshold has {len(entries)} entries for {len(names)} modes {names}; "
             "give one threshold for all modes or exactly one per mode"
         )
@@ -228,12 +230,12 @@ def parse_rs_spec(rollout_rs, rollout_rs_threshold) -> tuple[RSOption, ...]:
                 upper = _as_positive_float(text, what)
                 lower = 1.0 / upper
                 if lower > upper:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{what}: a single value u means the band [1/u, u] and needs u >= 1, got {text!r}"
                     )
         else:
             if "_" in text:
-                raise ValueError(f"{what}: {name} takes an upper bound only, got the band {text!r}")
+                raise ConfigError(f"{what}: {name} takes an upper bound only, got the band {text!r}")
             upper = _as_positive_float(text, what)
             lower = None
         options.append(RSOption(name=name, agg=agg, k=k, upper=upper, lower=lower))

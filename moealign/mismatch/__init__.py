@@ -4,8 +4,21 @@ See :mod:`moealign.mismatch.run` for the runs and metrics, :mod:`moealign.mismat
 engine interfaces and registry.
 """
 
-from .engines import ROLLOUT_ENGINES, TRAIN_ENGINES, register_rollout_engine, register_train_engine
-from .run import METRIC_NAMES, RUN_NAMES, MismatchConfig, check_fail_above, format_table, parse_fail_above, run_mismatch
+from .engines import (
+    ROLLOUT_ENGINES,
+    TRAIN_ENGINES,
+    register_rollout_engine,
+    register_train_engine,
+)
+from .run import (
+    METRIC_NAMES,
+    RUN_NAMES,
+    MismatchConfig,
+    check_fail_above,
+    format_table,
+    parse_fail_above,
+    run_mismatch,
+)
 
 __all__ = [
     "METRIC_NAMES",

@@ -13,7 +13,7 @@ dtype names ``fp32`` / ``bf16`` / ``fp16`` are themselves policies. ``batch_inva
 engine's forwards under :func:`moealign.precision.batch_invariant.batch_invariant_mode`; the
 transformers engines then also use the batch-invariant attention ``"bi"``
 (:mod:`moealign.precision.bi_attention`, registered with transformers by
-:mod:`moealign.patches.hf_attention`): each query row reduces over its own valid keys, compacted to the
+:mod:`moealign.patches.hf.attention`): each query row reduces over its own valid keys, compacted to the
 front, in a fixed tree, so a left-padded one-token decode step and a right-padded full forward give the
 same bits. SDPA's fused kernels bypass the overridden aten ops; eager attention is covered by them, but its
 bf16 P @ V matmul still depends on where the zero (masked) probabilities sit and on the key length (a gap
@@ -29,8 +29,15 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..precision.batch_invariant import batch_invariant_mode
-from ..precision.policy import POLICIES, PrecisionPolicy, UnknownPolicyError, dtype_name, get_policy
+from ..precision.policy import (
+    POLICIES,
+    PrecisionPolicy,
+    UnknownPolicyError,
+    dtype_name,
+    get_policy,
+)
 from ..record import RecordMeta, RolloutRecord, SamplingParams
 from ..routing_replay.routes import expand_routes
 
@@ -57,7 +64,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -66,7 +73,7 @@ def resolve_precision(name: str | PrecisionPolicy) -> PrecisionPolicy:
     try:
         return get_policy(name)
     except UnknownPolicyError as exc:
-        raise ValueError(f"unknown precision policy {name!r}; choose one of {sorted(POLICIES)}") from exc
+        raise ConfigError(f"unknown precision policy {name!r}; choose one of {sorted(POLICIES)}") from exc
 
 
 def short_dtype(dtype: torch.dtype) -> str:
@@ -125,17 +132,17 @@ def register_train_engine(name: str, factory: Callable[..., TrainEngine]) -> Non
 
 def _load_hf(model_path: str, policy: PrecisionPolicy, device: str, attention: str | None = None):
     """Load the checkpoint in float32, then apply ``policy`` (dtype, per-module dtypes, FP8 fake
-    quantisation) with :func:`moealign.patches.hf_precision.apply_precision`; ``attention`` picks the
+    quantisation) with :func:`moealign.patches.hf.precision.apply_precision`; ``attention`` picks the
     transformers attention implementation (``None``: its default)."""
     from .._optional import require
-    from ..patches.hf_precision import apply_precision
+    from ..patches.hf.precision import apply_precision
 
     transformers = require("transformers", "the 'hf' engine needs transformers (pip install 'moealign[hf]')")
     logging = transformers.utils.logging
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()   # the harness draws its own progress; restore the user's setting after
     if attention == "bi":
-        from ..patches.hf_attention import register_bi_attention
+        from ..patches.hf.attention import register_bi_attention
 
         attention = register_bi_attention()
     extra = {} if attention is None else {"attn_implementation": attention}
@@ -157,7 +164,7 @@ def _attention(attention: str | None, batch_invariant: bool) -> str | None:
     batch-invariant ops (SDPA's fused kernels are not covered by them, eager's key-axis reductions depend on
     padding and key length), else transformers' default (``None``)."""
     if attention is not None and attention not in ATTENTION:
-        raise ValueError(f"unknown attention {attention!r}; choose one of {list(ATTENTION)}")
+        raise ConfigError(f"unknown attention {attention!r}; choose one of {list(ATTENTION)}")
     return attention if attention is not None else ("bi" if batch_invariant else None)
 
 
@@ -266,23 +273,23 @@ class MegatronTrainEngine:
                  batch_invariant: bool = False, attention: str | None = None):
         from ..patches import hf
         from ..patches import megatron as mg
-        from ..patches import megatron_checkpoint as mc
+        from ..patches.megatron import checkpoint as mc
 
         if attention is not None:
-            raise ValueError(f"the megatron engine has one attention (the local spec's unfused "
+            raise ConfigError(f"the megatron engine has one attention (the local spec's unfused "
                              f"DotProductAttention); attention={attention!r} applies to transformers engines only")
         policy = resolve_precision(precision)
         if policy.overrides:
-            raise ValueError(f"the megatron engine cannot express precision policy {policy.name!r}: it keeps "
+            raise ConfigError(f"the megatron engine cannot express precision policy {policy.name!r}: it keeps "
                              f"{sorted(policy.overrides)} in a dtype other than the model's "
                              f"{dtype_name(policy.dtype)} (Megatron's moe_router_dtype computes from rounded "
                              f"weights and there is no fp32 output layer); use --train hf")
         if policy.fp8 is not None:
-            raise ValueError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
+            raise ConfigError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
                              f"needs transformer-engine, which is not installed here; use --train hf (simulated "
                              f"FP8)")
         if device.startswith("cuda") != torch.cuda.is_available():
-            raise ValueError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
+            raise ConfigError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
                              f"not on {device!r}")
         self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
         self.batch_invariant = bool(batch_invariant)

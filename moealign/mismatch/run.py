@@ -42,11 +42,23 @@ from ..correction import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
 )
+from ..errors import ConfigError
+from ..precision.batch_invariant import batch_invariant_mode
 from ..record import RolloutRecord, SamplingParams, concat_kept_sets
 from ..routing_replay.flips import route_flip_metrics
-from ..precision.batch_invariant import batch_invariant_mode
-from ..routing_replay.sampling_mask import full_logprob, kept_mask, support_mismatch, truncation_mask
-from .engines import ATTENTION, ROLLOUT_ENGINES, TRAIN_ENGINES, parse_dtype, resolve_precision
+from ..routing_replay.sampling_mask import (
+    full_logprob,
+    kept_mask,
+    support_mismatch,
+    truncation_mask,
+)
+from .engines import (
+    ATTENTION,
+    ROLLOUT_ENGINES,
+    TRAIN_ENGINES,
+    parse_dtype,
+    resolve_precision,
+)
 
 __all__ = ["MismatchConfig", "RUN_NAMES", "METRIC_NAMES", "SWEEP", "run_mismatch", "run_sweep", "format_sweep",
            "parse_fail_above", "check_fail_above"]
@@ -88,9 +100,9 @@ class MismatchConfig:
 
     def __post_init__(self):
         if self.rollout_engine not in ROLLOUT_ENGINES:
-            raise ValueError(f"unknown rollout engine {self.rollout_engine!r}; choose one of {sorted(ROLLOUT_ENGINES)}")
+            raise ConfigError(f"unknown rollout engine {self.rollout_engine!r}; choose one of {sorted(ROLLOUT_ENGINES)}")
         if self.train_engine not in TRAIN_ENGINES:
-            raise ValueError(f"unknown training engine {self.train_engine!r}; choose one of {sorted(TRAIN_ENGINES)}")
+            raise ConfigError(f"unknown training engine {self.train_engine!r}; choose one of {sorted(TRAIN_ENGINES)}")
         for side in ("rollout", "train"):
             alias = getattr(self, f"{side}_dtype")
             if alias is not None:
@@ -98,16 +110,16 @@ class MismatchConfig:
                 explicit = getattr(self, f"{side}_precision")
                 default = type(self).__dataclass_fields__[f"{side}_precision"].default
                 if explicit not in (default, alias):
-                    raise ValueError(f"{side}_dtype={alias!r} contradicts {side}_precision={explicit!r}; give one")
+                    raise ConfigError(f"{side}_dtype={alias!r} contradicts {side}_precision={explicit!r}; give one")
                 setattr(self, f"{side}_precision", alias)
             setattr(self, f"{side}_precision", resolve_precision(getattr(self, f"{side}_precision")).name)
         if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+            raise ConfigError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.attention is not None and self.attention not in ATTENTION:
-            raise ValueError(f"unknown attention {self.attention!r}; choose one of {list(ATTENTION)}")
+            raise ConfigError(f"unknown attention {self.attention!r}; choose one of {list(ATTENTION)}")
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.sampling  # validates temperature / top-k / top-p / min-p
 
     @property
@@ -132,15 +144,15 @@ def parse_fail_above(items: list[str] | None) -> dict[str, float]:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not name or not value.strip():
-            raise ValueError(f"--fail-above expects METRIC=VALUE, got {item!r}")
+            raise ConfigError(f"--fail-above expects METRIC=VALUE, got {item!r}")
         if name not in METRIC_NAMES:
-            raise ValueError(f"--fail-above: unknown metric {name!r}; choose one of {', '.join(METRIC_NAMES)}")
+            raise ConfigError(f"--fail-above: unknown metric {name!r}; choose one of {', '.join(METRIC_NAMES)}")
         try:
             bound = float(value)
         except ValueError:
-            raise ValueError(f"--fail-above {name}: {value!r} is not a number") from None
+            raise ConfigError(f"--fail-above {name}: {value!r} is not a number") from None
         if not math.isfinite(bound):
-            raise ValueError(f"--fail-above {name}: the bound must be finite, got {value!r}")
+            raise ConfigError(f"--fail-above {name}: the bound must be finite, got {value!r}")
         bounds[name] = bound
     return bounds
 
@@ -183,7 +195,7 @@ def _kept_logprob_dense(logits: torch.Tensor, tokens: torch.Tensor, kept: torch.
     inside = kept.gather(1, tokens[:, None]).squeeze(1)
     if not bool(inside.all()):
         row = int((~inside).nonzero()[0, 0])
-        raise ValueError(f"row {row}: token {int(tokens[row])} is not in its kept set")
+        raise ConfigError(f"row {row}: token {int(tokens[row])} is not in its kept set")
     scores = (logits.float() / temperature).masked_fill(~kept, float("-inf"))
     return torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
@@ -192,7 +204,7 @@ def _score(record: RolloutRecord, indices, fwd, side: _Side) -> None:
     samples = [record.samples[i] for i in indices]
     sampling = samples[0].sampling
     if any(s.sampling != sampling for s in samples):
-        raise ValueError("the mismatch test needs one set of sampling parameters per micro-batch")
+        raise ConfigError("the mismatch test needs one set of sampling parameters per micro-batch")
     logits = fwd.logits
     T = sampling.temperature
     side.full.append(full_logprob(logits, fwd.tokens, temperature=T).cpu())
@@ -299,7 +311,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     else:
         prompts = default_prompts(cfg.prompts_file)
         if cfg.num_prompts > len(prompts):
-            raise ValueError(f"--num-prompts {cfg.num_prompts} exceeds the {len(prompts)} prompts available")
+            raise ConfigError(f"--num-prompts {cfg.num_prompts} exceeds the {len(prompts)} prompts available")
         prompts = prompts[:cfg.num_prompts]
         log(f"rollout: {cfg.rollout_engine} {cfg.rollout_precision} on {device}, {len(prompts)} prompts x "
             f"{cfg.max_new_tokens} new tokens{', batch-invariant' if cfg.batch_invariant else ''}")
@@ -315,7 +327,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     if cfg.save_record:
         record.save(cfg.save_record)
     if not record.has_routes:
-        raise ValueError("the rollout record has no routes: routing replay cannot be measured")
+        raise ConfigError("the rollout record has no routes: routing replay cannot be measured")
 
     log(f"train: {cfg.train_engine} {cfg.train_precision}, {record.num_response_tokens} response tokens")
     trainer = TRAIN_ENGINES[cfg.train_engine](model_path, cfg.train_precision, device,

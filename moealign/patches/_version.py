@@ -6,12 +6,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .._optional import require
+from ..errors import UnsupportedEngineError
 
 __all__ = ["UnsupportedEngineError", "check_engine_version", "engine_version"]
-
-
-class UnsupportedEngineError(RuntimeError):
-    """The installed engine version (or model) is outside what an adapter supports."""
 
 
 def engine_version(module_name: str, why: str) -> tuple[object, Version]:

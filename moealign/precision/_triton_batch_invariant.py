@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import InputError
+
 __all__ = ["matmul", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS"]
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per dtype: fixed, whatever the shape.
@@ -80,9 +82,9 @@ def _num_programs(device: torch.device) -> int:
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias [N])`` with the fixed-configuration persistent kernel."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise InputError(f"matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in MATMUL_CONFIGS or b.dtype != a.dtype:
-        raise ValueError(f"matmul supports {list(MATMUL_CONFIGS)} (same dtype), got {a.dtype} and {b.dtype}")
+        raise InputError(f"matmul supports {list(MATMUL_CONFIGS)} (same dtype), got {a.dtype} and {b.dtype}")
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)

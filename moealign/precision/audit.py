@@ -16,7 +16,7 @@ or returns an :class:`AuditReport`.
 
 Roles: ``roles`` maps qualified module names to a role (sub-modules inherit it). Without it, names are
 matched: ``...gate`` / ``...router`` are routers, ``lm_head`` / ``output_layer`` the LM head. The
-transformers adapter (:func:`moealign.patches.hf_precision.module_roles`) finds them exactly.
+transformers adapter (:func:`moealign.patches.hf.precision.module_roles`) finds them exactly.
 """
 
 from __future__ import annotations
@@ -27,23 +27,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..errors import InputError, PrecisionAuditError
 from .fp8 import _MARK, fp8_fake_quant_config
 from .policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
 __all__ = ["PrecisionAuditError", "AuditReport", "audit", "guess_roles", "resolve_roles"]
 
 _ROLE_PATTERNS = {ROUTER: r"(^|\.)(gate|router)$", LM_HEAD: r"(^|\.)(lm_head|output_layer)$"}
-
-
-class PrecisionAuditError(AssertionError):
-    """The model deviates from the policy; ``.deviations`` lists each deviation as a line."""
-
-    def __init__(self, policy_name: str, deviations: list[str]):
-        self.policy_name = policy_name
-        self.deviations = list(deviations)
-        lines = "\n".join(f"  - {d}" for d in self.deviations)
-        super().__init__(f"model deviates from precision policy {policy_name!r} in {len(self.deviations)} "
-                         f"place(s):\n{lines}")
 
 
 @dataclass
@@ -81,10 +71,10 @@ def resolve_roles(model: torch.nn.Module, roles: Mapping[str, str] | None) -> di
     names = {name for name, _ in model.named_modules()}
     unknown = sorted(set(roles) - names)
     if unknown:
-        raise ValueError(f"roles name modules the model does not have: {unknown}")
+        raise InputError(f"roles name modules the model does not have: {unknown}")
     bad = {n: r for n, r in roles.items() if r not in (ROUTER, LM_HEAD)}
     if bad:
-        raise ValueError(f"unknown module roles {bad} (known: {ROUTER!r}, {LM_HEAD!r})")
+        raise InputError(f"unknown module roles {bad} (known: {ROUTER!r}, {LM_HEAD!r})")
     full = {}
     for name, _ in model.named_modules():
         owner = max((r for r in roles if name == r or name.startswith(r + ".")), key=len, default=None)

@@ -44,6 +44,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..errors import BatchInvariantError, InputTypeError
+
 __all__ = [
     "DEFAULT_ROW_TILE",
     "BatchInvariantError",
@@ -67,17 +69,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "torch", "triton")
 
 
-class BatchInvariantError(ValueError):
-    """Bad input to a batch-invariant op (shape, dtype, device, dim or option)."""
-
-
 # --------------------------------------------------------------------------------------------------------
 # helpers
 
 
 def _check_tensor(x: object, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
@@ -661,7 +659,7 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     ``enabled=False`` makes it a no-op, for code that toggles the mode with a flag.
     """
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        raise InputTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
     if not enabled:
         yield
         return

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputTypeError
 from .batch_invariant import BatchInvariantError, fixed_tree_sum
 
 __all__ = ["DEFAULT_QUERY_CHUNK", "bi_attention"]
@@ -43,7 +44,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int, int]:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise BatchInvariantError(f"{name} must be [batch, heads, length, head_dim], got {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:

@@ -50,7 +50,9 @@ def gpu_capabilities() -> tuple[list[GpuCapability], str]:
         torch_note = f"torch.cuda failed: {type(exc).__name__}: {exc}"
     else:
         torch_note = "torch.cuda sees no device" if torch.version.cuda else "torch is a CPU build"
-    from ..info import nvml_gpus   # stdlib + pynvml (optional); shared with `moealign info`
+    from ..info import (
+        nvml_gpus,  # stdlib + pynvml (optional); shared with `moealign info`
+    )
 
     nvml = nvml_gpus()
     if "error" in nvml:

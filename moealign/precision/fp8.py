@@ -31,6 +31,8 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import EngineError, InputError, InputTypeError
+
 __all__ = [
     "FP8_DTYPES",
     "fp8_max",
@@ -51,7 +53,7 @@ def _dtype(fmt: str) -> torch.dtype:
     try:
         return FP8_DTYPES[fmt]
     except KeyError:
-        raise ValueError(f"unknown FP8 format {fmt!r} (known: {sorted(FP8_DTYPES)})") from None
+        raise InputError(f"unknown FP8 format {fmt!r} (known: {sorted(FP8_DTYPES)})") from None
 
 
 def fp8_max(fmt: str) -> float:
@@ -63,9 +65,9 @@ def _check_block(x: torch.Tensor, block: Sequence[int] | None) -> tuple[int, int
     if block is None:
         return None
     if len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
-        raise ValueError(f"block must be two positive ints (rows, cols), got {block!r}")
+        raise InputError(f"block must be two positive ints (rows, cols), got {block!r}")
     if x.dim() < 2:
-        raise ValueError(f"block scaling needs a tensor of at least 2 dimensions, got shape {tuple(x.shape)}")
+        raise InputError(f"block scaling needs a tensor of at least 2 dimensions, got shape {tuple(x.shape)}")
     return int(block[0]), int(block[1])
 
 
@@ -93,16 +95,16 @@ def quantize_fp8(x: torch.Tensor, fmt: Literal["e4m3", "e5m2"] = "e4m3",
     ``block=None``: one scale (0-d). ``block=(bm, bn)``: scales ``[*lead, ceil(M/bm), ceil(N/bn)]``.
     """
     if not x.is_floating_point():
-        raise TypeError(f"quantize_fp8 needs a floating tensor, got {x.dtype}")
+        raise InputTypeError(f"quantize_fp8 needs a floating tensor, got {x.dtype}")
     if x.dtype in FP8_DTYPES.values():
-        raise TypeError(f"input is already FP8 ({x.dtype})")
+        raise InputTypeError(f"input is already FP8 ({x.dtype})")
     target = _dtype(fmt)
     fmax = fp8_max(fmt)
     blk = _check_block(x, block)
     xf = x.detach().float()
     if not bool(torch.isfinite(xf).all()):
         bad = "NaN" if bool(torch.isnan(xf).any()) else "infinite"
-        raise ValueError(f"cannot quantise to FP8: the input holds {bad} values")
+        raise InputError(f"cannot quantise to FP8: the input holds {bad} values")
     if blk is None:
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
         scale = amax / fmax
@@ -122,16 +124,16 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int] | 
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` in ``dtype`` (``block`` as given to :func:`quantize_fp8`)."""
     if q.dtype not in FP8_DTYPES.values():
-        raise TypeError(f"dequantize_fp8 needs an FP8 tensor, got {q.dtype}")
+        raise InputTypeError(f"dequantize_fp8 needs an FP8 tensor, got {q.dtype}")
     blk = _check_block(q, block)
     qf = q.float()
     if blk is None:
         if scale.dim() != 0:
-            raise ValueError(f"a per-tensor scale is 0-d, got shape {tuple(scale.shape)}")
+            raise InputError(f"a per-tensor scale is 0-d, got shape {tuple(scale.shape)}")
         return (qf * scale).to(dtype)
     want = (*q.shape[:-2], math.ceil(q.shape[-2] / blk[0]), math.ceil(q.shape[-1] / blk[1]))
     if tuple(scale.shape) != want:
-        raise ValueError(f"block scales for shape {tuple(q.shape)} and block {blk} must have shape {want}, "
+        raise InputError(f"block scales for shape {tuple(q.shape)} and block {blk} must have shape {want}, "
                          f"got {tuple(scale.shape)}")
     return (qf * _expand_scale(scale, blk, q.shape)).to(dtype)
 
@@ -179,7 +181,7 @@ class Fp8FakeQuantConfig:
     def __post_init__(self):
         _dtype(self.fmt)
         if self.scaling not in ("tensor", "block"):
-            raise ValueError(f"scaling must be 'tensor' or 'block', got {self.scaling!r}")
+            raise InputError(f"scaling must be 'tensor' or 'block', got {self.scaling!r}")
 
     @classmethod
     def from_spec(cls, spec, **kwargs) -> "Fp8FakeQuantConfig":
@@ -213,7 +215,7 @@ def fp8_fake_quant_config(policy, roles=None, **kwargs) -> Fp8FakeQuantConfig:
 
     policy = get_policy(policy)
     if policy.fp8 is None:
-        raise ValueError(f"policy {policy.name!r} does not use FP8")
+        raise InputError(f"policy {policy.name!r} does not use FP8")
     spared = tuple(roles or ())
 
     def keep_wide(name: str, module: torch.nn.Module) -> bool:
@@ -315,22 +317,22 @@ def fake_quant_fp8_(model: torch.nn.Module, config: Fp8FakeQuantConfig = Fp8Fake
     replacement. Returns a :class:`FakeQuantHandle`; ``handle.undo()`` (or leaving ``with``) restores.
     """
     if not isinstance(config, Fp8FakeQuantConfig):
-        raise TypeError(f"config must be an Fp8FakeQuantConfig, got {type(config).__name__}")
+        raise InputTypeError(f"config must be an Fp8FakeQuantConfig, got {type(config).__name__}")
     handle = FakeQuantHandle(config)
     for name, module in model.named_modules():
         if isinstance(module, Fp8FakeQuantLinear) or not config.selects(name, module):
             continue
         names = _weight_names(module)
         if not names:
-            raise ValueError(f"module {name!r} was selected for FP8 but holds no weight matrix")
+            raise InputError(f"module {name!r} was selected for FP8 but holds no weight matrix")
         if module.__dict__.get(_MARK):
             handle.undo()
-            raise RuntimeError(f"module {name!r} is already fake-quantised (undo the earlier fake_quant_fp8_ first)")
+            raise EngineError(f"module {name!r} is already fake-quantised (undo the earlier fake_quant_fp8_ first)")
         module.__dict__[_MARK] = True
         handle.modules[name] = names
         handle._handles.append(module.register_forward_pre_hook(_pre_hook(config, names)))
         handle._handles.append(module.register_forward_hook(_post_hook(names), always_call=True))
         handle._shadowed.append((module, names))
     if not handle.modules:
-        raise ValueError("fake_quant_fp8_ found no module to quantise (check config.skip / config.filter)")
+        raise InputError("fake_quant_fp8_ found no module to quantise (check config.skip / config.filter)")
     return handle

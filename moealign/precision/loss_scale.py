@@ -28,6 +28,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ..errors import EngineError, InputError
+
 __all__ = ["DynamicLossScaler", "has_overflow"]
 
 
@@ -39,17 +41,17 @@ class DynamicLossScaler:
                  min_scale: float = 1.0, max_scale: float = 2.0 ** 32):
         for label, value in (("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{label} must be a finite positive number, got {value!r}")
+                raise InputError(f"{label} must be a finite positive number, got {value!r}")
         if not growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+            raise InputError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0 < backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+            raise InputError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
         if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+            raise InputError(f"growth_interval must be a positive int, got {growth_interval!r}")
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
-            raise ValueError(f"hysteresis must be a positive int, got {hysteresis!r}")
+            raise InputError(f"hysteresis must be a positive int, got {hysteresis!r}")
         if min_scale > max_scale:
-            raise ValueError(f"min_scale {min_scale} exceeds max_scale {max_scale}")
+            raise InputError(f"min_scale {min_scale} exceeds max_scale {max_scale}")
         self.loss_scale = float(min(max(initial_scale, min_scale), max_scale))
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -68,7 +70,7 @@ class DynamicLossScaler:
         """From a :class:`moealign.precision.policy.PrecisionPolicy` (its ``loss_scaling``)."""
         ls = policy.loss_scaling
         if ls is None:
-            raise ValueError(f"policy {policy.name!r} does not use loss scaling")
+            raise InputError(f"policy {policy.name!r} does not use loss scaling")
         return cls(ls.initial_scale, growth_factor=ls.growth_factor, backoff_factor=ls.backoff_factor,
                    growth_interval=ls.growth_interval, hysteresis=ls.hysteresis, min_scale=ls.min_scale)
 
@@ -77,7 +79,7 @@ class DynamicLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` (computed in float32, so the scaled loss itself cannot overflow fp16)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("scale() takes the scalar loss tensor")
+            raise InputError("scale() takes the scalar loss tensor")
         return loss.float() * self.loss_scale
 
     @staticmethod
@@ -89,7 +91,7 @@ class DynamicLossScaler:
         Called by :meth:`step` when not called before it (once per step)."""
         key = id(optimizer)
         if key in self._unscaled:
-            raise RuntimeError("unscale_() was already called for this optimizer since the last step()")
+            raise EngineError("unscale_() was already called for this optimizer since the last step()")
         grads = self._grads(optimizer)
         found = has_overflow(grads)
         if not found and grads:
@@ -149,7 +151,7 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"loss_scale", "good_steps", "overflows_left", "steps", "skipped_steps"} - set(state)
         if missing:
-            raise ValueError(f"loss scaler state misses {sorted(missing)}")
+            raise InputError(f"loss scaler state misses {sorted(missing)}")
         self.loss_scale = float(state["loss_scale"])
         self.good_steps = int(state["good_steps"])
         self.overflows_left = int(state["overflows_left"])

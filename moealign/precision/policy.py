@@ -27,7 +27,7 @@ same policy is *simulated* by :mod:`moealign.precision.fp8`: values are rounded 
 Translators (all pure; none imports an engine):
 
 * :func:`to_transformers` -> ``{"dtype", "module_dtypes", "fp32_buffers", "fp8"}``, applied to a live
-  transformers model by :func:`moealign.patches.hf_precision.apply_precision`.
+  transformers model by :func:`moealign.patches.hf.precision.apply_precision`.
 * :func:`to_megatron_config_fields` -> ``TransformerConfig`` fields; :func:`to_megatron_optimizer_fields`
   -> ``OptimizerConfig`` fields (Megatron keeps loss scaling in the optimizer config).
 * :func:`to_vllm_engine_args` -> ``vllm.LLM`` / ``EngineArgs`` keyword arguments; :func:`vllm_gaps` lists
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from ..errors import ConfigError, EngineError, InputTypeError, UnknownPolicyError
 
 __all__ = [
     "Fp8Spec",
@@ -67,13 +69,6 @@ LM_HEAD = "lm_head"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class UnknownPolicyError(KeyError):
-    """A precision policy name that is not registered."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted
-        return str(self.args[0])
-
-
 @dataclass(frozen=True)
 class Fp8Spec:
     """FP8 for linear layers.
@@ -93,12 +88,12 @@ class Fp8Spec:
 
     def __post_init__(self):
         if self.fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"Fp8Spec.fmt must be 'e4m3' or 'e5m2', got {self.fmt!r}")
+            raise ConfigError(f"Fp8Spec.fmt must be 'e4m3' or 'e5m2', got {self.fmt!r}")
         if self.scaling not in ("tensor", "block"):
-            raise ValueError(f"Fp8Spec.scaling must be 'tensor' or 'block', got {self.scaling!r}")
+            raise ConfigError(f"Fp8Spec.scaling must be 'tensor' or 'block', got {self.scaling!r}")
         for label, block in (("weight_block", self.weight_block), ("act_block", self.act_block)):
             if len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
-                raise ValueError(f"Fp8Spec.{label} must be two positive ints, got {block!r}")
+                raise ConfigError(f"Fp8Spec.{label} must be two positive ints, got {block!r}")
 
 
 @dataclass(frozen=True)
@@ -145,10 +140,10 @@ class PrecisionPolicy:
             if value is None and label != "dtype":
                 continue
             if value not in _FLOAT_DTYPES:
-                raise ValueError(f"PrecisionPolicy.{label} must be one of "
+                raise ConfigError(f"PrecisionPolicy.{label} must be one of "
                                  f"{[dtype_name(d) for d in _FLOAT_DTYPES]}, got {value!r}")
         if self.fp8 is not None and self.dtype == torch.float16:
-            raise ValueError("FP8 policies compute in bfloat16 or float32, not float16")
+            raise ConfigError("FP8 policies compute in bfloat16 or float32, not float16")
 
     def module_dtype(self, role: str | None) -> torch.dtype:
         """The dtype of a module with ``role`` (:data:`ROUTER`, :data:`LM_HEAD` or ``None``)."""
@@ -157,7 +152,7 @@ class PrecisionPolicy:
         if role == LM_HEAD and self.lm_head_dtype is not None:
             return self.lm_head_dtype
         if role not in (None, ROUTER, LM_HEAD):
-            raise ValueError(f"unknown module role {role!r} (known: {ROUTER!r}, {LM_HEAD!r})")
+            raise ConfigError(f"unknown module role {role!r} (known: {ROUTER!r}, {LM_HEAD!r})")
         return self.dtype
 
     @property
@@ -179,7 +174,7 @@ POLICIES: dict[str, PrecisionPolicy] = {}
 
 def register_policy(policy: PrecisionPolicy, *, overwrite: bool = False) -> PrecisionPolicy:
     if policy.name in POLICIES and not overwrite:
-        raise ValueError(f"precision policy {policy.name!r} is already registered (pass overwrite=True)")
+        raise ConfigError(f"precision policy {policy.name!r} is already registered (pass overwrite=True)")
     POLICIES[policy.name] = policy
     return policy
 
@@ -189,7 +184,7 @@ def get_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
     if isinstance(policy, PrecisionPolicy):
         return policy
     if not isinstance(policy, str):
-        raise TypeError(f"a precision policy is a name or a PrecisionPolicy, got {type(policy).__name__}")
+        raise InputTypeError(f"a precision policy is a name or a PrecisionPolicy, got {type(policy).__name__}")
     try:
         return POLICIES[policy]
     except KeyError:
@@ -227,7 +222,9 @@ _MEGATRON_FP8_RECIPE = {"tensor": "tensorwise", "block": "blockwise"}
 
 
 def _te_available() -> bool:
-    from .._optional import probe   # stdlib-only helper; imports transformer_engine only when asked
+    from .._optional import (
+        probe,  # stdlib-only helper; imports transformer_engine only when asked
+    )
 
     return probe("transformer_engine").available
 
@@ -254,7 +251,7 @@ def to_megatron_config_fields(policy: str | PrecisionPolicy, te_available: bool 
     }
     if policy.router_dtype is not None and policy.router_dtype != policy.dtype:
         if policy.router_dtype != torch.float32:
-            raise ValueError(f"Megatron computes routers in fp32 or fp64 only, policy {policy.name!r} asks for "
+            raise ConfigError(f"Megatron computes routers in fp32 or fp64 only, policy {policy.name!r} asks for "
                              f"{dtype_name(policy.router_dtype)}")
         fields["moe_router_dtype"] = "fp32"
     if policy.fp8 is not None:
@@ -262,15 +259,15 @@ def to_megatron_config_fields(policy: str | PrecisionPolicy, te_available: bool 
             te_available = _te_available()
         if te_available:
             if policy.fp8.fmt != "e4m3":
-                raise ValueError(f"Megatron's fp8 formats are 'e4m3' and 'hybrid' (e4m3 forward, e5m2 backward); "
+                raise ConfigError(f"Megatron's fp8 formats are 'e4m3' and 'hybrid' (e4m3 forward, e5m2 backward); "
                                  f"policy {policy.name!r} asks for {policy.fp8.fmt!r} everywhere")
             if policy.fp8.scaling == "block" and (policy.fp8.weight_block, policy.fp8.act_block) != ((128, 128), (1, 128)):
-                raise ValueError(f"transformer-engine's blockwise recipe uses 128x128 weight and 1x128 input tiles, "
+                raise ConfigError(f"transformer-engine's blockwise recipe uses 128x128 weight and 1x128 input tiles, "
                                  f"policy {policy.name!r} asks for {policy.fp8.weight_block} / {policy.fp8.act_block}")
             fields["fp8"] = "e4m3"
             fields["fp8_recipe"] = _MEGATRON_FP8_RECIPE[policy.fp8.scaling]
         elif not simulate_fp8:
-            raise RuntimeError(f"policy {policy.name!r} needs FP8 and Megatron's FP8 needs transformer-engine, which "
+            raise EngineError(f"policy {policy.name!r} needs FP8 and Megatron's FP8 needs transformer-engine, which "
                                f"is not available; pass simulate_fp8=True to simulate FP8 with "
                                f"moealign.precision.fp8.fake_quant_fp8_ instead")
     return fields
@@ -306,9 +303,9 @@ def to_vllm_engine_args(policy: str | PrecisionPolicy) -> dict[str, Any]:
     args: dict[str, Any] = {"dtype": _VLLM_DTYPE[policy.dtype], "quantization": None, "kv_cache_dtype": "auto"}
     if policy.fp8 is not None:
         if policy.fp8.fmt != "e4m3":
-            raise ValueError(f"vLLM's online FP8 is e4m3; policy {policy.name!r} asks for {policy.fp8.fmt!r}")
+            raise ConfigError(f"vLLM's online FP8 is e4m3; policy {policy.name!r} asks for {policy.fp8.fmt!r}")
         if policy.fp8.scaling == "block" and policy.fp8.weight_block != (128, 128):
-            raise ValueError(f"vLLM's fp8_per_block uses 128x128 weight blocks, policy {policy.name!r} asks for "
+            raise ConfigError(f"vLLM's fp8_per_block uses 128x128 weight blocks, policy {policy.name!r} asks for "
                              f"{policy.fp8.weight_block}")
         args["quantization"] = _VLLM_FP8[policy.fp8.scaling]
     if policy.lm_head_dtype is not None and policy.lm_head_dtype != policy.dtype:

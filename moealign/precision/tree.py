@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import EngineError, InputError, InputTypeError, TreeReductionError
+
 __all__ = [
     "DEFAULT_LEAF_WIDTH",
     "ALGORITHMS",
@@ -60,10 +62,6 @@ ALGORITHMS = ("auto", "all_gather", "reduce_scatter", "pair")
 AUTO_REDUCE_SCATTER_NUMEL = 1 << 16  # "auto": below this, one all-gather (latency); above, RS + AG (bandwidth)
 
 
-class TreeReductionError(ValueError):
-    """An input that the canonical tree cannot reduce TP-invariantly (leaf width, TP size, shapes)."""
-
-
 # --------------------------------------------------------------------------------------------------
 # The canonical tree (local)
 # --------------------------------------------------------------------------------------------------
@@ -75,7 +73,7 @@ def node_dtype_for(dtype: torch.dtype) -> torch.dtype:
         return torch.float32
     if dtype == torch.float64:
         return torch.float64
-    raise TypeError(f"tree reductions need a floating-point input (bf16, fp16, fp32, fp64), got {dtype}")
+    raise InputTypeError(f"tree reductions need a floating-point input (bf16, fp16, fp32, fp64), got {dtype}")
 
 
 def _resolve_node_dtype(dtype: torch.dtype, node_dtype: torch.dtype | None) -> torch.dtype:
@@ -83,7 +81,7 @@ def _resolve_node_dtype(dtype: torch.dtype, node_dtype: torch.dtype | None) -> t
     if node_dtype is None:
         return default
     if not node_dtype.is_floating_point:
-        raise TypeError(f"node_dtype must be a floating-point dtype, got {node_dtype}")
+        raise InputTypeError(f"node_dtype must be a floating-point dtype, got {node_dtype}")
     return node_dtype
 
 
@@ -169,7 +167,7 @@ class _StreamingTree:
 
     def root(self) -> torch.Tensor:
         if self._pending is not None or len(self._stack) != 1:
-            raise RuntimeError("tree fed an incomplete set of leaves")
+            raise EngineError("tree fed an incomplete set of leaves")
         return self._stack[0][1]
 
 
@@ -188,7 +186,7 @@ def tree_matmul(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFA
         raise TreeReductionError(f"tree_matmul: x has K={x.shape[-1]} but weight has K={weight.shape[1]}")
     nd = _resolve_node_dtype(x.dtype, node_dtype)
     if weight.dtype != x.dtype:
-        raise TypeError(f"tree_matmul: x is {x.dtype} but weight is {weight.dtype}")
+        raise InputTypeError(f"tree_matmul: x is {x.dtype} but weight is {weight.dtype}")
     leaves = _num_leaves(x.shape[-1], leaf_width, "the K axis")
     xn, wn = x.to(nd), weight.to(nd)
     tree = _StreamingTree(leaves)
@@ -206,7 +204,7 @@ def tree_matmul(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFA
 def _group_size_rank(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialized")
+            raise EngineError("a process group was given but torch.distributed is not initialized")
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -244,7 +242,7 @@ def _reduce_scatter_chunks(xn: torch.Tensor, world: int, group) -> torch.Tensor:
 
 def _tree_all_reduce_impl(x: torch.Tensor, group, node_dtype, algorithm: str) -> torch.Tensor:
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown tree all-reduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        raise InputError(f"unknown tree all-reduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     nd = _resolve_node_dtype(x.dtype, node_dtype)
     world, _ = _group_size_rank(group)
     check_tree_world_size(world)
@@ -398,7 +396,7 @@ def vocab_parallel_logprob_tree(logits_shard: torch.Tensor, target: torch.Tensor
         raise TreeReductionError(f"target shape {tuple(target.shape)} must equal the logits' leading shape "
                                  f"{tuple(logits_shard.shape[:-1])}")
     if target.dtype.is_floating_point or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer token ids, got {target.dtype}")
+        raise InputTypeError(f"target must hold integer token ids, got {target.dtype}")
     nd = _resolve_node_dtype(logits_shard.dtype, node_dtype)
     world, rank = _group_size_rank(group)
     v_local = logits_shard.shape[-1]

@@ -32,7 +32,13 @@ from .gates import (
     replay_recorded_gate_weights,
     select_topk,
 )
-from .routes import RouteError, compact_routes, expand_routes, route_dtype, validate_routes
+from .routes import (
+    RouteError,
+    compact_routes,
+    expand_routes,
+    route_dtype,
+    validate_routes,
+)
 from .sampling_mask import (
     full_logprob,
     kept_logprob,

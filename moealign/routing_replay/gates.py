@@ -39,7 +39,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .routes import RouteError, check_integer_tensor, check_num_experts, describe, expand_routes, validate_routes
+from .routes import (
+    RouteError,
+    check_integer_tensor,
+    check_num_experts,
+    describe,
+    expand_routes,
+    validate_routes,
+)
 
 __all__ = [
     "SCORES",

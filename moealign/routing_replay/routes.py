@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RouteError
+
 __all__ = ["RouteError", "compact_routes", "expand_routes", "route_dtype", "validate_routes"]
 
 UINT8_MAX_EXPERTS = 256
 INT16_MAX_EXPERTS = 32767
-
-
-class RouteError(ValueError):
-    """Bad routing-replay input: a route table, gate weights, kept sets or a router configuration."""
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:

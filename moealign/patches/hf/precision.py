@@ -2,7 +2,7 @@
 
 ::
 
-    from moealign.patches import hf_precision
+    from moealign.patches.hf import precision as hf_precision
     from moealign.precision.audit import audit
 
     handle = hf_precision.apply_precision(model, "fp16-fp32-router-head")
@@ -30,15 +30,16 @@ from typing import Any
 
 import torch
 
-from ..precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
-from ..precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
+from ...errors import ConfigError
+from ...precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
+from ...precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
 __all__ = ["module_roles", "apply_precision", "PrecisionHandle", "load_with_policy"]
 
 
 def module_roles(model: torch.nn.Module) -> dict[str, str]:
     """``{qualified module name: role}`` for the MoE routers and the LM head of a transformers model."""
-    from .hf import describe_model
+    from .model import describe_model
 
     info = describe_model(model)
     router_ids = {id(m) for _, m in info.routers}
@@ -118,14 +119,14 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
     modules = dict(model.named_modules())
     missing = sorted(set(roles) - set(modules))
     if missing:
-        raise ValueError(f"roles name modules the model does not have: {missing}")
+        raise ConfigError(f"roles name modules the model does not have: {missing}")
     head_names = [n for n, r in roles.items() if r == LM_HEAD]
     if policy.module_dtype(LM_HEAD) != policy.dtype and head_names:
         head = modules[head_names[0]]
         tied = [n for n, p in model.named_parameters(remove_duplicate=False)
                 if not n.startswith(head_names[0] + ".") and any(p is q for q in head.parameters())]
         if tied:
-            raise ValueError(f"the LM head {head_names[0]!r} shares its weight with {tied} (tied embeddings): "
+            raise ConfigError(f"the LM head {head_names[0]!r} shares its weight with {tied} (tied embeddings): "
                              f"an {dtype_name(policy.module_dtype(LM_HEAD))} LM head would change those too")
 
     handle = PrecisionHandle(model, policy, roles)
@@ -162,8 +163,8 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
 def load_with_policy(path: Any, policy: str | PrecisionPolicy, **from_pretrained: Any):
     """``AutoModelForCausalLM.from_pretrained(path)`` (in its stored dtype) with ``policy`` applied:
     ``(model, handle)``."""
-    from .._optional import require
+    from ..._optional import require
 
-    transformers = require("transformers", "moealign.patches.hf_precision.load_with_policy needs transformers")
+    transformers = require("transformers", "moealign.patches.hf.precision.load_with_policy needs transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **from_pretrained)
     return model, apply_precision(model, policy)

@@ -1,31 +1,15 @@
-"""Swap the TP-invariant tree reductions (:mod:`moealign.precision.tree`) into Megatron-core and vLLM.
+"""TP-invariant tree reductions swapped into Megatron-core (see :mod:`moealign.precision.tree`).
 
-Every patch is explicit, version-checked, fails loudly when its target attribute is missing, and returns
-a :class:`TreeReducePatch` (``undo()`` or use it as a context manager).
-
-* :func:`patch_megatron_row_parallel` - per instance: every ``RowParallelLinear`` in a module computes its
-  local K shard with :func:`~moealign.precision.tree.tree_matmul` (fp32 nodes) and reduces across the TP
-  group with the tree all-reduce (or the tree reduce-scatter under sequence parallelism). The layer's
-  output is then bitwise the same for TP = 1, 2, 4, 8 (when ``K/TP`` is a multiple of the leaf width).
-* :func:`patch_megatron_vocab_parallel_cross_entropy` - module-level: Megatron's
-  ``tensor_parallel.vocab_parallel_cross_entropy`` becomes ``-vocab_parallel_logprob_tree`` (callers that
-  look it up through ``megatron.core.tensor_parallel`` at call time, as ``LanguageModule`` does, see the
-  patch; a name imported earlier with ``from ... import`` does not). Needs ``cross_entropy_loss_fusion=False``
-  and no label smoothing.
-* :func:`patch_vllm_all_reduce` - vLLM's ``GroupCoordinator._all_reduce_out_place`` (the body behind both
-  ``tensor_model_parallel_all_reduce`` and ``torch.ops.vllm.all_reduce``) becomes the tree all-reduce over
-  the group's device group: same bits on every rank, a TP-independent order across ranks. On its own this
-  fixes only the cross-rank part; the per-rank partial must also be a tree subtree root (a tree matmul) for
-  full TP invariance. Run vLLM eagerly (``enforce_eager=True``): the all-gather is not graph-captured here.
+* :func:`patch_megatron_row_parallel` - per instance, every ``RowParallelLinear`` of a module.
+* :func:`patch_megatron_vocab_parallel_cross_entropy` - module level, ``vocab_parallel_cross_entropy``.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from ..precision.tree import (
+from ...errors import ConfigError
+from ...precision.tree import (
     DEFAULT_LEAF_WIDTH,
     TreeReductionError,
     tree_all_reduce,
@@ -33,17 +17,8 @@ from ..precision.tree import (
     tree_reduce_scatter,
     vocab_parallel_logprob_tree,
 )
-from ._undo import AttributePatches
-from ._version import UnsupportedEngineError, check_engine_version, engine_version
-
-__all__ = [
-    "SUPPORTED_MEGATRON",
-    "SUPPORTED_VLLM",
-    "TreeReducePatch",
-    "patch_megatron_row_parallel",
-    "patch_megatron_vocab_parallel_cross_entropy",
-    "patch_vllm_all_reduce",
-]
+from .._handle import AttributePatches
+from .._version import UnsupportedEngineError, check_engine_version, engine_version
 
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 SUPPORTED_VLLM = ">=0.8,<0.34"
@@ -73,7 +48,9 @@ def _megatron():
 
 def _row_parallel_tree_forward(layer, leaf_width: int, algorithm: str):
     """A replacement for ``RowParallelLinear.forward`` bound to one layer (same inputs and outputs)."""
-    from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        scatter_to_tensor_model_parallel_region,
+    )
 
     def forward(input_):
         if layer.input_is_parallel:
@@ -108,17 +85,17 @@ def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DE
     row_cls = _require_attr(mlayers, "RowParallelLinear", "megatron.core.tensor_parallel.layers")
     targets = [(name, mod) for name, mod in module.named_modules() if isinstance(mod, row_cls)]
     if not targets:
-        raise ValueError(f"no megatron RowParallelLinear found in {type(module).__name__}")
+        raise ConfigError(f"no megatron RowParallelLinear found in {type(module).__name__}")
     for name, layer in targets:
         label = name or type(layer).__name__
         for attr in ("tp_group", "input_size_per_partition", "input_is_parallel", "sequence_parallel",
                      "skip_bias_add", "weight"):
             _require_attr(layer, attr, f"RowParallelLinear {label!r}")
         if getattr(layer, "explicit_expert_comm", False):
-            raise ValueError(f"RowParallelLinear {label!r} is an expert layer with explicit expert communication; "
+            raise ConfigError(f"RowParallelLinear {label!r} is an expert layer with explicit expert communication; "
                              "its reduction is not done by the layer, so the tree patch does not apply")
         if getattr(layer, "gradient_accumulation_fusion", False):
-            raise ValueError(f"RowParallelLinear {label!r} uses gradient_accumulation_fusion (fused main_grad "
+            raise ConfigError(f"RowParallelLinear {label!r} uses gradient_accumulation_fusion (fused main_grad "
                              "accumulation), which the tree forward does not provide; disable it")
         world = layer.tp_group.size()
         if layer.input_size_per_partition % leaf_width:
@@ -148,7 +125,7 @@ def patch_megatron_vocab_parallel_cross_entropy(*, leaf_width: int = DEFAULT_LEA
     def tree_vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
         """moealign tree version of Megatron's vocab_parallel_cross_entropy (no label smoothing)."""
         if label_smoothing:
-            raise ValueError(f"the tree vocab-parallel cross-entropy has no label smoothing (got {label_smoothing})")
+            raise ConfigError(f"the tree vocab-parallel cross-entropy has no label smoothing (got {label_smoothing})")
         return -vocab_parallel_logprob_tree(vocab_parallel_logits, target, get_group(), leaf_width=leaf_width)
 
     handle = TreeReducePatch()
@@ -156,44 +133,4 @@ def patch_megatron_vocab_parallel_cross_entropy(*, leaf_width: int = DEFAULT_LEA
                 "tensor_parallel.cross_entropy.vocab_parallel_cross_entropy")
     handle._set(tp_pkg, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
                 "tensor_parallel.vocab_parallel_cross_entropy")
-    return handle
-
-
-# --------------------------------------------------------------------------------------------------
-# vLLM
-# --------------------------------------------------------------------------------------------------
-
-
-def _tree_all_reduce_out_place(self, input_: torch.Tensor) -> torch.Tensor:
-    """Replacement body of ``GroupCoordinator._all_reduce_out_place``: the tree all-reduce (a new tensor)."""
-    return tree_all_reduce(input_, self.device_group).clone()
-
-
-def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
-    """Route vLLM's all-reduce through the tree all-reduce.
-
-    With ``group_coordinator=None`` the ``GroupCoordinator`` class is patched (every group, including TP);
-    otherwise only that instance (e.g. ``vllm.distributed.get_tp_group()``). Raises
-    :class:`UnsupportedEngineError` for vLLM versions outside :data:`SUPPORTED_VLLM` or when
-    ``_all_reduce_out_place(self, input_)`` is missing or has another signature.
-    """
-    _, version = engine_version("vllm", "moealign.patches.tree_reduce.patch_vllm_all_reduce needs vLLM")
-    check_engine_version("vllm", version, SUPPORTED_VLLM)
-    from vllm.distributed import parallel_state
-
-    cls = _require_attr(parallel_state, "GroupCoordinator", "vllm.distributed.parallel_state")
-    original = _require_attr(cls, "_all_reduce_out_place", "vllm GroupCoordinator")
-    params = list(inspect.signature(original).parameters)
-    if params != ["self", "input_"]:
-        raise UnsupportedEngineError(f"vllm GroupCoordinator._all_reduce_out_place{tuple(params)} has a signature "
-                                     "this patch was not written for, nothing was patched")
-    handle = TreeReducePatch()
-    if group_coordinator is None:
-        handle._set(cls, "_all_reduce_out_place", _tree_all_reduce_out_place, "GroupCoordinator (class)")
-    else:
-        if not isinstance(group_coordinator, cls):
-            raise TypeError(f"expected a vllm GroupCoordinator, got {type(group_coordinator).__name__}")
-        _require_attr(group_coordinator, "device_group", "vllm GroupCoordinator instance")
-        handle._set(group_coordinator, "_all_reduce_out_place",
-                    _tree_all_reduce_out_place.__get__(group_coordinator), "GroupCoordinator (instance)")
     return handle

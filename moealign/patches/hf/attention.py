@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ConfigError
+
 __all__ = ["BI_ATTENTION", "register_bi_attention", "unregister_bi_attention", "is_bi_attention_registered"]
 
 #: The name of the implementation in transformers' registries.
@@ -20,7 +22,7 @@ BI_ATTENTION = "moealign_bi"
 
 
 def _transformers():
-    from .._optional import require
+    from ..._optional import require
 
     return require("transformers", "the batch-invariant attention needs transformers (pip install 'moealign[hf]')")
 
@@ -29,12 +31,12 @@ def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                        **kwargs):
     """transformers' attention-function signature around :func:`bi_attention`; returns ``(out, None)``."""
-    from ..precision.bi_attention import bi_attention
+    from ...precision.bi_attention import bi_attention
 
     if dropout and module.training:
-        raise ValueError(f"the {BI_ATTENTION} attention has no dropout (got dropout={dropout} in training mode)")
+        raise ConfigError(f"the {BI_ATTENTION} attention has no dropout (got dropout={dropout} in training mode)")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        raise ValueError(f"the {BI_ATTENTION} attention needs a bool mask from its own mask builder, got "
+        raise ConfigError(f"the {BI_ATTENTION} attention needs a bool mask from its own mask builder, got "
                          f"{attention_mask.dtype} (was the model loaded with attn_implementation={BI_ATTENTION!r}?)")
     if scaling is None:
         scaling = getattr(module, "scaling", None)

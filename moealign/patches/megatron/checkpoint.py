@@ -5,7 +5,7 @@ layers via ``mlp_only_layers`` / ``decoder_sparse_step``) and Mixtral (without s
 refused: its q/k RMSNorm spans all heads (``hidden_size`` wide), Megatron's ``qk_layernorm`` is per head.
 ::
 
-    from moealign.patches import megatron_checkpoint as mc
+    from moealign.patches.megatron import checkpoint as mc
 
     config = mc.megatron_config_from_hf(hf_model.config)           # TransformerConfig (CPU-safe on CPU)
     gpt = mc.build_megatron_from_hf(hf_model)                      # GPTModel, weights loaded (TP slices)
@@ -42,8 +42,8 @@ from typing import Callable
 
 import torch
 
-from .hf import UnsupportedModelError
-from .megatron import megatron_version
+from ...errors import CheckpointMismatchError, UnsupportedConversionError
+from .version import megatron_version
 
 __all__ = [
     "CONVERTIBLE_FAMILIES",
@@ -58,14 +58,6 @@ __all__ = [
 ]
 
 CONVERTIBLE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
-
-
-class UnsupportedConversionError(UnsupportedModelError, ValueError):
-    """The transformers model uses a feature Megatron-core's local spec cannot express (named in the message)."""
-
-
-class CheckpointMismatchError(ValueError):
-    """A state dict does not match the model: missing, unused or mis-shaped tensors (named in the message)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""transformers adapter: the MoE family registry, live-router discovery (:func:`describe_model`) and the record
+metadata of a model (:func:`record_meta`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...errors import ConfigError, UnsupportedModelError
+from ...record import RecordMeta, config_fingerprint, router_samples, router_signature
+from ...routing_replay.gates import (
+    RouterScoring,
+)
+from .._version import check_engine_version, engine_version
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+
+
+# --------------------------------------------------------------------------------------------------
+# family registry
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How one transformers MoE family routes.
+
+    ``router_class``: class name of the router module (``.gate`` of each sparse block).
+    ``scoring(config)``: the :class:`RouterScoring` of its router.
+    ``scores_in_fp32``: the router returns its gate weights in float32 (Mixtral) instead of the logits dtype.
+    ``num_experts(config)``: number of routed experts.
+    """
+
+    model_type: str
+    router_class: str
+    scoring: Callable[[object], RouterScoring]
+    num_experts: Callable[[object], int]
+    scores_in_fp32: bool = False
+
+
+FAMILIES: dict[str, MoEFamily] = {}
+
+
+def register_family(family: MoEFamily, *, overwrite: bool = False) -> None:
+    if family.model_type in FAMILIES and not overwrite:
+        raise ConfigError(f"MoE family {family.model_type!r} is already registered (pass overwrite=True)")
+    FAMILIES[family.model_type] = family
+
+
+def _norm_topk(config) -> RouterScoring:
+    return RouterScoring(score="softmax", renormalize=bool(getattr(config, "norm_topk_prob", False)))
+
+
+register_family(MoEFamily("qwen2_moe", "Qwen2MoeTopKRouter", _norm_topk, lambda c: c.num_experts))
+register_family(MoEFamily("qwen3_moe", "Qwen3MoeTopKRouter", _norm_topk, lambda c: c.num_experts))
+register_family(MoEFamily("olmoe", "OlmoeTopKRouter", _norm_topk, lambda c: c.num_experts))
+register_family(MoEFamily("mixtral", "MixtralTopKRouter", lambda c: RouterScoring(score="softmax", renormalize=True),
+                          lambda c: c.num_local_experts, scores_in_fp32=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# model description
+# --------------------------------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MoEModelInfo:
+    family: MoEFamily
+    routers: tuple[tuple[int, torch.nn.Module], ...]   # (decoder layer number, router module), ascending
+    num_layers: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    scoring: RouterScoring
+    transformers_version: str
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer, _ in self.routers)
+
+
+def _transformers_version() -> str:
+    _, version = engine_version("transformers", "moealign.patches.hf needs transformers")
+    check_engine_version("transformers", version, SUPPORTED_TRANSFORMERS)
+    return str(version)
+
+
+def describe_model(model: torch.nn.Module) -> MoEModelInfo:
+    """Find the family and the live routers of ``model`` (by decoder layer number); raise if unknown."""
+    version = _transformers_version()
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not a MoE family moealign.patches.hf knows "
+                                    f"(known: {sorted(FAMILIES)}); register one with register_family()")
+    routers = []
+    for name, module in model.named_modules():
+        if type(module).__name__ != family.router_class:
+            continue
+        match = _LAYER_RE.search(name + ".")
+        if match is None:
+            raise UnsupportedModelError(f"router {name!r} is not under a 'layers.<n>.' module; cannot tell its layer")
+        for attr in ("weight", "top_k", "hidden_dim"):
+            if not hasattr(module, attr):
+                raise UnsupportedModelError(f"{family.router_class} at {name!r} has no {attr!r}: this transformers "
+                                            f"version's router differs from the one the adapter targets")
+        routers.append((int(match.group(1)), module))
+    if not routers:
+        raise UnsupportedModelError(f"no {family.router_class} modules found in this {model_type} model")
+    routers.sort(key=lambda item: item[0])
+    layers = [layer for layer, _ in routers]
+    if len(set(layers)) != len(layers):
+        raise UnsupportedModelError(f"several routers share a decoder layer number: {layers}")
+    top_k = {int(m.top_k) for _, m in routers}
+    if len(top_k) != 1:
+        raise UnsupportedModelError(f"routers disagree on top_k: {sorted(top_k)}")
+    return MoEModelInfo(
+        family=family,
+        routers=tuple(routers),
+        num_layers=int(config.num_hidden_layers),
+        num_experts=int(family.num_experts(config)),
+        top_k=top_k.pop(),
+        vocab_size=int(config.vocab_size),
+        scoring=family.scoring(config),
+        transformers_version=version,
+    )
+
+
+def record_meta(model: torch.nn.Module, *, engine: str = "transformers", info: MoEModelInfo | None = None) -> RecordMeta:
+    """The :class:`RecordMeta` of ``model`` (fingerprint from its config and router weights)."""
+    info = info or describe_model(model)
+    config = model.config.to_dict()
+    dtype = next(model.parameters()).dtype
+    return RecordMeta(
+        engine=engine,
+        engine_version=info.transformers_version,
+        model_fingerprint=config_fingerprint(config),
+        num_layers=info.num_layers,
+        moe_layers=info.moe_layers,
+        num_experts=info.num_experts,
+        top_k=info.top_k,
+        vocab_size=info.vocab_size,
+        dtype=str(dtype).replace("torch.", ""),
+        router_signature=router_signature(m.weight for _, m in info.routers),
+        router_samples=router_samples(m.weight for _, m in info.routers),
+        model_name=str(getattr(model.config, "_name_or_path", "") or ""),
+    )

@@ -1,0 +1,53 @@
+"""Megatron-core adapter: CPU mode, replay safety audit, and a driver for Megatron's own RouterReplay.
+
+Megatron-core (0.16.1 to 0.19.x) already has routing replay (``moe_enable_routing_replay=True``: one
+``RouterReplay`` per ``TopKRouter``, a process-global list, actions RECORD / REPLAY_FORWARD /
+REPLAY_BACKWARD). This module drives it instead of re-implementing it, and guards its traps:
+
+* :func:`audit_replay_config` raises :class:`ReplayConfigError` naming the field for every config in
+  which replay would silently not apply or be wrong (router fusion, sinkhorn / quantile routing,
+  capacity-factor token dropping, replay disabled).
+* :class:`RouterReplayDriver` binds targets to the live routers of one model by ``layer_number`` (never
+  by position in the global list; MTP routers excluded), converts a record's routes into each router's
+  int64 ``[local_tokens, k]`` targets, sets the actions, and counts what every router consumed.
+* :func:`enable_megatron_cpu` is an explicit, reversible CPU mode (tests, the embedded default); it
+  refuses to activate when CUDA is present.
+"""
+
+from __future__ import annotations
+
+from ...errors import ReplayConfigError, ReplayError, UnsupportedEngineError
+from ...routing_replay.layouts import (
+    local_route_rows,
+    packed_source_rows,
+    pad_packed_rows,
+)
+from .audit import audit_replay_config
+from .replay import RouterReplayDriver, moe_routers
+from .version import SUPPORTED_MEGATRON, megatron_version
+from .vocab_parallel import kept_logprob
+from .world import (
+    MegatronCPUMode,
+    MegatronWorld,
+    enable_megatron_cpu,
+    init_single_process,
+)
+
+__all__ = [
+    "SUPPORTED_MEGATRON",
+    "ReplayConfigError",
+    "ReplayError",
+    "UnsupportedEngineError",
+    "megatron_version",
+    "enable_megatron_cpu",
+    "MegatronCPUMode",
+    "MegatronWorld",
+    "init_single_process",
+    "audit_replay_config",
+    "moe_routers",
+    "RouterReplayDriver",
+    "local_route_rows",
+    "packed_source_rows",
+    "pad_packed_rows",
+    "kept_logprob",
+]

@@ -1,0 +1,70 @@
+"""Replay safety audit of a Megatron ``TransformerConfig``: every setting in which routing replay would not apply."""
+
+from __future__ import annotations
+
+import warnings
+
+from ...errors import ReplayConfigError
+
+SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
+_SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
+_AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+_AUX_MODES = ("warn", "replayed", "own")
+
+
+# --------------------------------------------------------------------------------------------------
+# audit
+# --------------------------------------------------------------------------------------------------
+
+
+def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
+    """Raise :class:`ReplayConfigError` naming the field for every setting that breaks replay.
+
+    ``aux_loss``: Megatron computes its load-balancing aux loss from the router's *own* top-k, not the
+    replayed one: ``"warn"`` (default) warns, ``"error"`` raises, ``"ignore"`` says nothing. Returns the
+    warnings issued.
+    """
+    problems, notes = [], []
+    get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    if not get("moe_enable_routing_replay", False):
+        problems.append("moe_enable_routing_replay=False: the routers have no RouterReplay, nothing would replay")
+    if get("moe_router_fusion", False):
+        problems.append("moe_router_fusion=True: the fused top-k returns before the replay hook, so replay is "
+                        "silently ignored; set moe_router_fusion=False")
+    lb = get("moe_router_load_balancing_type", "aux_loss")
+    lb_types = lb if isinstance(lb, (list, tuple)) else [lb]
+    for t in lb_types:
+        if t in _SKIPPING_ROUTING_TYPES:
+            problems.append(f"moe_router_load_balancing_type={t!r}: this routing type bypasses RouterReplay")
+    if get("moe_expert_capacity_factor") is not None:
+        problems.append(f"moe_expert_capacity_factor={get('moe_expert_capacity_factor')}: token dropping runs "
+                        f"after replay and can drop replayed routes; use dropless MoE (None)")
+    if get("moe_router_force_load_balancing", False):
+        problems.append("moe_router_force_load_balancing=True: the gate weights of the replayed experts would come "
+                        "from random logits (a benchmark switch)")
+    impl = str(get("cuda_graph_impl", "none") or "none")
+    if impl != "none" or get("enable_cuda_graph", False) or get("external_cuda_graph", False):
+        # 0.16: cuda_graph_scope; 0.19: cuda_graph_modules (cuda_graph_scope deprecated, migrated, then None)
+        field_name = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+        scope = get(field_name)
+        scope = "full" if scope is None else scope
+        scopes = [getattr(x, "name", str(x)).lower() for x in (scope if isinstance(scope, (list, tuple)) else [scope])]
+        if not scopes or any(x in ("", "full", "full_iteration", "moe", "moe_router") for x in scopes):
+            problems.append(f"cuda_graph_impl={impl!r} with {field_name}={scope!r}: a captured router graph keeps "
+                            f"the target tensor it saw at capture, so later targets would not be replayed; exclude the "
+                            f"router from the graph (e.g. scope 'attn') or disable CUDA graphs")
+    if not get("num_moe_experts"):
+        problems.append("num_moe_experts is not set: not a MoE config")
+    if problems:
+        raise ReplayConfigError("routing replay would not apply as asked: " + "; ".join(problems))
+    coeff = get("moe_aux_loss_coeff", 0.0)
+    coeff = sum(coeff) if isinstance(coeff, (list, tuple)) else coeff
+    if any(t in _AUX_FROM_OWN_TOPK for t in lb_types) and coeff:
+        msg = (f"moe_router_load_balancing_type={lb!r} with moe_aux_loss_coeff={coeff}: Megatron computes the "
+               f"aux loss from the router's own top-k, not the replayed experts")
+        if aux_loss == "error":
+            raise ReplayConfigError(msg)
+        if aux_loss == "warn":
+            warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+    return notes
