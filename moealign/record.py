@@ -39,6 +39,7 @@ from .errors import (
     RecordFormatError,
     RecordMismatchError,
 )
+from .routing_replay.protocol import ReplayBatch
 from .routing_replay.routes import (
     RouteError,
     expand_routes,
@@ -377,11 +378,20 @@ class PaddedBatch:
     prompt_lens: torch.Tensor      # int64 [B]
     lengths: torch.Tensor          # int64 [B]
     side: str = "right"
+    moe_layers: tuple[int, ...] = ()   # decoder layer of each route column
 
     @property
     def position_ids(self) -> torch.Tensor:
         pos = self.attention_mask.cumsum(-1) - 1
         return pos.clamp(min=0)
+
+    def replay_batch(self) -> ReplayBatch:
+        """The routes of this batch together with its tokens and mask, for an adapter's ``set_routes``."""
+        if self.routes is None:
+            raise RecordError("this batch has no routes (record with routing capture enabled)")
+        return ReplayBatch.padded(expand_routes(self.routes), input_ids=self.input_ids,
+                                  attention_mask=self.attention_mask, moe_layers=self.moe_layers,
+                                  route_mask=self.route_mask)
 
 
 @dataclass
@@ -399,6 +409,14 @@ class PackedBatch:
     kept_offsets: torch.Tensor | None
     kept_ids: torch.Tensor | None
     prompt_lens: torch.Tensor      # int64 [B]
+    moe_layers: tuple[int, ...] = ()   # decoder layer of each route column
+
+    def replay_batch(self) -> ReplayBatch:
+        """The routes of this packed row together with its tokens and ``cu_seqlens``, for ``set_routes``."""
+        if self.routes is None:
+            raise RecordError("this batch has no routes (record with routing capture enabled)")
+        return ReplayBatch.packed(expand_routes(self.routes), input_ids=self.input_ids, cu_seqlens=self.cu_seqlens,
+                                  moe_layers=self.moe_layers, route_mask=self.route_mask)
 
 
 def concat_kept_sets(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -503,7 +521,8 @@ class RolloutRecord:
             row_base += L - P
         kept_offsets, kept_ids = concat_kept_sets(self.samples)
         return PaddedBatch(input_ids, attention, resp, logp, routes, route_mask, kept_row, kept_offsets,
-                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]), lengths, side)
+                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]), lengths, side,
+                           tuple(self.meta.moe_layers))
 
     def to_packed(self) -> PackedBatch:
         lengths = [s.length for s in self.samples]
@@ -523,7 +542,7 @@ class RolloutRecord:
         kept_row[resp] = torch.arange(int(resp.sum()))
         kept_offsets, kept_ids = concat_kept_sets(self.samples)
         return PackedBatch(input_ids, position_ids, cu, resp, logp, routes, route_mask, kept_row, kept_offsets,
-                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]))
+                           kept_ids, torch.tensor([s.prompt_len for s in self.samples]), tuple(self.meta.moe_layers))
 
     @classmethod
     def from_padded(cls, meta: RecordMeta, batch: PaddedBatch, sampling: Sequence[SamplingParams]) -> "RolloutRecord":
@@ -576,15 +595,19 @@ class RolloutRecord:
         return cls(meta, samples)
 
     # ---------------------------------------------------------------- routes for the trainer
-    def routes_int64(self, layout: str = "packed", side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
-        """Routes as int64 ``[rows, n_layers, k]`` plus the ``route_mask`` of the chosen layout."""
+    def replay_batch(self, layout: str = "padded", side: str = "right", pad_token_id: int = 0) -> ReplayBatch:
+        """The routes for a trainer's ``set_routes``, together with the batch they are laid out for.
+
+        ``layout="padded"`` (``side`` ``"right"`` or ``"left"``): the ``[B, T]`` batch of :meth:`to_padded`;
+        ``"packed"``: the one-row THD batch of :meth:`to_packed`. Feed the model exactly this batch's
+        ``input_ids`` (the adapters check the tokens each router row holds).
+        """
         if not self.has_routes:
             raise RecordError("this record has no routes (record with routing capture enabled)")
         if layout not in ("packed", "padded"):
             raise RecordError(f"layout must be 'packed' or 'padded', got {layout!r}")
-        batch = self.to_packed() if layout == "packed" else self.to_padded(side)
-        routes = expand_routes(batch.routes)
-        return routes.reshape(-1, *routes.shape[-2:]), batch.route_mask.reshape(-1)
+        batch = self.to_packed() if layout == "packed" else self.to_padded(side, pad_token_id)
+        return batch.replay_batch()
 
     # ---------------------------------------------------------------- files
     def _tensors(self) -> dict[str, torch.Tensor]:

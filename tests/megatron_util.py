@@ -54,3 +54,11 @@ def routing_maps(model, routers):
     for _, router in routers:
         handles.append(router.register_forward_hook(lambda m, a, out, maps=maps: maps.append(out[1].detach())))
     return maps, handles
+
+
+def replay_batch(routes: torch.Tensor, ids: torch.Tensor, route_mask: torch.Tensor | None = None, layers=(0, 1)):
+    """The padded ReplayBatch of ``routes`` [B*T, layers, K] for the token batch ``ids`` [B, T] (no padding)."""
+    from moealign.routing_replay.protocol import ReplayBatch
+
+    return ReplayBatch.padded(routes, input_ids=ids, attention_mask=torch.ones_like(ids), moe_layers=layers,
+                              route_mask=route_mask)

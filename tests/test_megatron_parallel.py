@@ -59,14 +59,13 @@ def _worker(rank, world, init_file, out_dir):
         routes = mu.batch_routes(7)
         maps, handles = mu.routing_maps(model, routers)
         with torch.no_grad(), mg.RouterReplayDriver(model) as driver:
-            driver.set_routes(routes, (0, 1), batch_shape=(mu.B, mu.T))    # SP read from parallel_state
+            driver.set_routes(mu.replay_batch(routes, ids))    # SP read from parallel_state
             with driver.forward():
                 model(ids, pos, attention_mask=mask)
             driver.check(calls=1)
             out["maps"] = [m.clone() for m in maps]
             # negative control: the full batch's rows (no SP slice) do not match what this rank's router sees
-            driver.set_routes(routes, (0, 1), batch_shape=(mu.B, mu.T),
-                              parallel=dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0))
+            driver.set_routes(mu.replay_batch(routes, ids), parallel=dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0))
             try:
                 with driver.forward():
                     model(ids, pos, attention_mask=mask)

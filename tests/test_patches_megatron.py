@@ -14,8 +14,10 @@ from megatron_util import batch_routes as _batch_routes  # noqa: E402
 from megatron_util import build as _build  # noqa: E402
 from megatron_util import config as _config  # noqa: E402
 from megatron_util import inputs as _inputs_seeded  # noqa: E402
+from megatron_util import replay_batch as _rb  # noqa: E402
 
 from moealign.patches import megatron as mg  # noqa: E402
+from moealign.routing_replay.protocol import ReplayBatch  # noqa: E402
 from moealign.routing_replay.routes import RouteError  # noqa: E402
 
 
@@ -71,7 +73,7 @@ def test_replay_forces_recorded_experts_in_sequence_first_order(megatron_cpu):
             native = [m.clone() for m in maps]
             maps.clear()
             with mg.RouterReplayDriver(model) as driver:
-                driver.set_routes(routes, (0, 1), batch_shape=(B, T))
+                driver.set_routes(_rb(routes, ids))
                 with driver.forward():
                     model(ids, pos, attention_mask=mask)
                 driver.check(calls=1)
@@ -92,7 +94,7 @@ def test_replay_gradients_reach_router(megatron_cpu):
     ids, pos, mask = _inputs()
     model.zero_grad(set_to_none=True)
     with mg.RouterReplayDriver(model) as driver:
-        driver.set_routes(_batch_routes(3), (0, 1), batch_shape=(B, T))
+        driver.set_routes(_rb(_batch_routes(3), ids))
         with driver.forward():
             out = model(ids, pos, attention_mask=mask)
         out.float().logsumexp(-1).mean().backward()
@@ -106,7 +108,13 @@ def test_counters_catch_missing_rows_and_extra_forwards(megatron_cpu):
     model = megatron_cpu
     ids, pos, mask = _inputs()
     with mg.RouterReplayDriver(model) as driver:
-        driver.set_routes(_batch_routes(1)[: B * T - 3], (0, 1))   # packed-style, 3 rows short
+        short = ReplayBatch.packed(_batch_routes(1)[: B * T - 3], input_ids=ids.reshape(-1)[: B * T - 3],
+                                   cu_seqlens=[0, B * T - 3], moe_layers=(0, 1))   # 3 rows short
+        driver.set_routes(short)
+        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match=r"runs 30 token rows, the routes were laid out for 27"):
+            model(ids, pos, attention_mask=mask)
+        # the router-level count catches it too where the token check cannot see (no model pre-hook)
+        driver._token_hook.remove()
         with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match=r"layer 0: the router saw 30 tokens, the replay targets have 27 rows"):
             model(ids, pos, attention_mask=mask)
     with mg.RouterReplayDriver(model) as driver:
@@ -123,12 +131,12 @@ def test_counters_catch_missing_rows_and_extra_forwards(megatron_cpu):
 def test_set_routes_errors(megatron_cpu, bad, message):
     routes = _batch_routes(2)
     with mg.RouterReplayDriver(megatron_cpu) as driver, pytest.raises(RouteError, match=message):
-        driver.set_routes(bad(routes), (0, 1) if bad(routes).shape[1] == 2 else (0, 1), batch_shape=(B, T))
+        driver.set_routes(_rb(bad(routes), _inputs()[0]))
 
 
 def test_set_routes_missing_layer(megatron_cpu):
     with mg.RouterReplayDriver(megatron_cpu) as driver, pytest.raises(RouteError, match=r"MoE layers \[1\]"):
-        driver.set_routes(_batch_routes(2), (0, 2), batch_shape=(B, T))
+        driver.set_routes(_rb(_batch_routes(2), _inputs()[0], layers=(0, 2)))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -187,7 +195,7 @@ def test_activation_recompute_replays_through_replay_backward(megatron_cpu):
         routes = _batch_routes(11)
         maps, handles = _routing_maps(model)
         with mg.RouterReplayDriver(model) as driver:
-            driver.set_routes(routes, (0, 1), batch_shape=(B, T))
+            driver.set_routes(_rb(routes, ids))
             with driver.forward():
                 out = model(ids, pos, attention_mask=mask)
             driver.check(calls=1)
@@ -218,11 +226,11 @@ def test_route_mask_fills_distinct_experts(megatron_cpu):
     mask = torch.ones(B * T, dtype=torch.bool)
     mask[T - 1::T] = False            # each sample's last token
     routes[~mask] = 0                 # what a padded record holds there
+    ids, pos, attn = _inputs()
     with mg.RouterReplayDriver(megatron_cpu) as driver:
         with pytest.raises(RouteError, match="repeats expert 0"):
-            driver.set_routes(routes, (0, 1), batch_shape=(B, T))          # negative control
-        driver.set_routes(routes, (0, 1), batch_shape=(B, T), route_mask=mask)
-        ids, pos, attn = _inputs()
+            driver.set_routes(_rb(routes, ids))                             # negative control
+        driver.set_routes(_rb(routes, ids, mask))
         with torch.no_grad(), driver.forward():
             megatron_cpu(ids, pos, attention_mask=attn)
         driver.check(calls=1)
@@ -300,16 +308,17 @@ def test_packed_thd_with_padding_replays_recorded_rows(megatron_cpu):
     routes = _batch_routes(9)[:19]                                     # 19 packed rows
     cu = torch.tensor([0, 5, 6, 19])
     cu_padded, source = mg.pad_packed_rows(cu, 4)
+    tokens = torch.arange(19)
     with mg.RouterReplayDriver(megatron_cpu) as driver:
-        driver.set_routes(routes, (0, 1), cu_seqlens=cu, cu_seqlens_padded=cu_padded,
-                          parallel=dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0))
+        driver.set_routes(ReplayBatch.packed(routes, input_ids=tokens, cu_seqlens=cu, moe_layers=(0, 1)),
+                          cu_seqlens_padded=cu_padded, parallel=dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0))
         targets = [r.router_replay.target_topk_idx for _, r in driver.routers]
     assert targets[0].shape == (28, 2)
     real = source >= 0
     assert torch.equal(targets[1][real], routes[source[real], 1])
     assert all(len(set(row.tolist())) == 2 for row in targets[0][~real])   # distinct fillers in padding slots
-    with mg.RouterReplayDriver(megatron_cpu) as driver, pytest.raises(RouteError, match="cu_seqlens ends at 19"):
-        driver.set_routes(routes[:18], (0, 1), cu_seqlens=cu)
+    with pytest.raises(RouteError, match="routes have 18 rows, the batch has 19 token positions"):
+        ReplayBatch.packed(routes[:18], input_ids=tokens, cu_seqlens=cu, moe_layers=(0, 1))
 
 
 def _tracked_aux(model, routes, aux_loss):
@@ -328,7 +337,7 @@ def _tracked_aux(model, routes, aux_loss):
     try:
         with mg.RouterReplayDriver(model, aux_loss=aux_loss) as driver:
             if routes is not None:
-                driver.set_routes(routes, (0, 1), batch_shape=(B, T))
+                driver.set_routes(_rb(routes, ids))
                 with driver.forward():
                     model(ids, pos, attention_mask=mask)
             else:
@@ -401,3 +410,103 @@ def test_kept_logprob_on_the_model_logits(megatron_cpu):
     full = mg.kept_logprob(logits, tokens, None)
     torch.testing.assert_close(full, full_logprob(logits, tokens), rtol=1e-6, atol=1e-6)
     assert (got > full).all()             # negative control: the kept set renormalises
+
+
+# --------------------------------------------------------------------------------------------------
+# the replay protocol: layout slips are detected, only this driver's routers are touched
+# --------------------------------------------------------------------------------------------------
+
+
+def test_driver_implements_the_protocol(megatron_cpu):
+    from moealign.routing_replay.protocol import RoutingReplayAdapter
+
+    with mg.replay_routing(megatron_cpu) as driver:
+        assert isinstance(driver, RoutingReplayAdapter)
+        assert "RouterReplayDriver(megatron GPTModel" in repr(driver) and "active" in repr(driver)
+    assert "undone" in repr(driver)
+    driver.undo()                                                    # idempotent
+
+
+def test_transposed_layout_is_detected(megatron_cpu):
+    """Routes laid out for a [T, B] view of the batch (today's batch_shape=(T, B) slip) are refused at forward."""
+    ids, pos, mask = _inputs()
+    routes = _batch_routes(4)
+    with mg.replay_routing(megatron_cpu) as driver:
+        driver.set_routes(_rb(routes, ids.t().contiguous()))        # same row count, other layout
+        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="not running the batch"):
+            megatron_cpu(ids, pos, attention_mask=mask)
+        driver.set_routes(_rb(routes, ids))                         # the right layout passes
+        with torch.no_grad(), driver.forward():
+            megatron_cpu(ids, pos, attention_mask=mask)
+        driver.check(calls=1)
+
+
+def test_padding_side_slip_is_detected(megatron_cpu):
+    """Routes of a right-padded batch replayed on the left-padded batch of the same shape: refused."""
+    ids, pos, mask = _inputs()
+    lengths = torch.tensor([T, T - 3, T - 5])
+    right = torch.arange(T)[None] < lengths[:, None]
+    left = right.flip(-1)
+    routes = _batch_routes(6)
+    right_ids = torch.where(right, ids, 0)
+    left_ids = torch.zeros_like(ids)
+    for b in range(B):
+        left_ids[b, T - int(lengths[b]):] = ids[b, :int(lengths[b])]
+    batch = ReplayBatch.padded(routes, input_ids=right_ids, attention_mask=right.long(), moe_layers=(0, 1))
+    with mg.replay_routing(megatron_cpu) as driver:
+        driver.set_routes(batch)
+        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="padding-side, layout or batch"):
+            megatron_cpu(left_ids, pos, attention_mask=mask)
+        with torch.no_grad(), driver.forward():
+            megatron_cpu(right_ids, pos, attention_mask=mask)      # negative control: the batch it was laid out for
+        driver.check(calls=1)
+
+
+def test_forward_without_routes_is_a_named_error(megatron_cpu):
+    ids, pos, mask = _inputs()
+    with mg.replay_routing(megatron_cpu) as driver:
+        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="no routes are set"):
+            megatron_cpu(ids, pos, attention_mask=mask)
+
+
+def test_nested_driver_is_refused_and_outer_keeps_working(megatron_cpu):
+    ids, pos, mask = _inputs()
+    with mg.replay_routing(megatron_cpu) as outer:
+        with pytest.raises(mg.ReplayError, match="nested drivers"):
+            mg.replay_routing(megatron_cpu)
+        outer.set_routes(_rb(_batch_routes(2), ids))
+        with torch.no_grad(), outer.forward():
+            megatron_cpu(ids, pos, attention_mask=mask)
+        outer.check(calls=1)
+
+
+def test_set_routes_touches_only_this_drivers_routers(megatron_cpu):
+    """A colocated second model (actor + reference): setting one driver's routes keeps the other's targets."""
+    torch.manual_seed(1)
+    other = _build(_config())
+    try:
+        ids, pos, mask = _inputs()
+        with mg.replay_routing(megatron_cpu) as a, mg.replay_routing(other) as b:
+            b.set_routes(_rb(_batch_routes(8), ids))
+            a.set_routes(_rb(_batch_routes(9), ids))
+            assert all(r.router_replay.target_topk_idx is not None for _, r in b.routers)
+            with torch.no_grad(), b.forward():
+                other(ids, pos, attention_mask=mask)
+            b.check(calls=1)
+    finally:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        mine = {id(r.router_replay) for _, r in mg.moe_routers(other)}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+
+
+def test_route_values_and_expert_count_are_checked(megatron_cpu):
+    ids = _inputs()[0]
+    with pytest.raises(RouteError, match="integer expert ids"):
+        _rb(_batch_routes(2).float(), ids)
+    with mg.replay_routing(megatron_cpu) as driver:
+        with pytest.raises(RouteError, match="outside 1..8"):
+            driver.set_routes(_rb(_batch_routes(2), ids), num_experts=E + 4)
+        with pytest.raises(RouteError, match="takes a ReplayBatch"):
+            driver.set_routes(_batch_routes(2))

@@ -371,8 +371,8 @@ def test_record_with_300_experts_stores_int16(tmp_path):
     assert stored.dtype == torch.int16 and stored.element_size() == 2
     back = RolloutRecord.load(path, expect=META_300)
     assert_records_equal(record, back)
-    routes, mask = back.routes_int64()
-    assert torch.equal(routes[mask], torch.cat([s.routes for s in record.samples]).long())
+    rb = back.replay_batch("packed")
+    assert torch.equal(rb.routes[rb.route_mask], torch.cat([s.routes for s in record.samples]).long())
 
 
 def test_record_with_256_experts_uint8_boundary(tmp_path):
@@ -421,34 +421,33 @@ def test_route_storage_is_top_k_bytes_per_token_and_layer(record, tmp_path):
 
 
 @pytest.mark.parametrize("layout, side", [("packed", "right"), ("padded", "right"), ("padded", "left")])
-def test_routes_int64(record, layout, side):
-    routes, mask = record.routes_int64(layout, side)
+def test_replay_batch(record, layout, side):
+    rb = record.replay_batch(layout, side)
     batch = record.to_packed() if layout == "packed" else record.to_padded(side)
     n, k = len(META.moe_layers), META.top_k
-    assert routes.dtype == torch.int64 and mask.dtype == torch.bool
-    assert routes.shape == (batch.input_ids.numel(), n, k)
-    assert torch.equal(mask, batch.route_mask.reshape(-1))
-    assert torch.equal(routes, batch.routes.reshape(-1, n, k).long())
-    # the masked rows are the samples' routes in order, widened
-    assert_bitwise(routes[mask], torch.cat([s.routes for s in record.samples]).to(torch.int64))
-    assert bool((routes[~mask] == 0).all())
+    assert rb.layout == layout and rb.moe_layers == tuple(META.moe_layers)
+    assert rb.routes.dtype == torch.int64 and rb.route_mask.dtype == torch.bool
+    assert rb.routes.shape == (batch.input_ids.numel(), n, k)
+    assert torch.equal(rb.route_mask, batch.route_mask.reshape(-1))
+    assert torch.equal(rb.routes, batch.routes.reshape(-1, n, k).long())
+    assert torch.equal(rb.input_ids, batch.input_ids)           # the routes travel with their tokens
+    if layout == "padded":
+        assert rb.padding_side in (side, "none") and torch.equal(rb.attention_mask, batch.attention_mask)
+    else:
+        assert torch.equal(rb.cu_seqlens, batch.cu_seqlens)
+    # recorded rows come back in sample order; unrecorded rows are zero
+    assert torch.equal(rb.routes[rb.route_mask], torch.cat([s.routes for s in record.samples]).long())
+    assert bool((rb.routes[~rb.route_mask] == 0).all())
 
 
-def test_routes_int64_default_is_packed(record):
-    routes, mask = record.routes_int64()
-    packed = record.to_packed()
-    assert torch.equal(mask, packed.route_mask)
-    assert torch.equal(routes, packed.routes.long())
-
-
-def test_routes_int64_without_routes():
+def test_replay_batch_without_routes():
     with pytest.raises(RecordError, match="this record has no routes"):
-        make_record(routes=False).routes_int64()
+        make_record(routes=False).replay_batch()
 
 
-def test_routes_int64_unknown_layout(record):
+def test_replay_batch_unknown_layout(record):
     with pytest.raises(RecordError, match="layout must be 'packed' or 'padded', got 'pakced'"):
-        record.routes_int64("pakced")
+        record.replay_batch("pakced")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1188,8 +1187,8 @@ def test_property_round_trips(record, pad):
     if record.has_routes:
         assert record.samples[0].routes.dtype == record.meta.route_dtype
         for layout, side in (("packed", "right"), ("padded", "right"), ("padded", "left")):
-            routes, mask = record.routes_int64(layout, side)
-            assert_bitwise(routes[mask], torch.cat([s.routes for s in record.samples]).long())
+            rb = record.replay_batch(layout, side)
+            assert_bitwise(rb.routes[rb.route_mask], torch.cat([s.routes for s in record.samples]).long())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "r.safetensors")
         record.save(path)

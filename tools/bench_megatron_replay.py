@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved  # noqa: E402
 
 from moealign.embedded import embedded_model_path  # noqa: E402
+from moealign.routing_replay.protocol import ReplayBatch  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -80,11 +81,13 @@ def main(argv=None) -> int:
             model(ids, pos, mask).float().logsumexp(-1).mean().backward()
             model.zero_grad(set_to_none=True)
 
-        driver = mg.RouterReplayDriver(model, aux_loss="own")
+        driver = mg.replay_routing(model, aux_loss="own")
+        batch = ReplayBatch.padded(routes, input_ids=ids.cpu(), attention_mask=torch.ones(B, T, dtype=torch.int64),
+                                   moe_layers=moe_layers)
 
         def replayed():
             driver.reset_counters()
-            driver.set_routes(routes, moe_layers, batch_shape=(B, T))
+            driver.set_routes(batch)
             with driver.forward():
                 out = model(ids, pos, mask)
             with driver.backward():
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         replayed()
         t = interleaved({"plain": plain, "replay": replayed}, args.repeats, device)
         # the host-side part of replay on its own: record layout -> validated sequence-first targets
-        conv = interleaved({"set_routes": lambda: driver.set_routes(routes, moe_layers, batch_shape=(B, T))},
+        conv = interleaved({"set_routes": lambda: driver.set_routes(batch)},
                            max(20, args.repeats), device)
         driver.undo()
 

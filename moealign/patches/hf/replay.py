@@ -1,112 +1,148 @@
-"""transformers adapter, training side: routing replay on one model instance (:class:`RoutingReplay`)."""
+"""transformers adapter, training side: the routing-replay protocol on one model instance.
+
+:func:`replay_routing` returns a :class:`RoutingReplay` that implements
+:class:`moealign.routing_replay.protocol.RoutingReplayAdapter`::
+
+    batch = record.replay_batch("padded", side="right")
+    with hf.replay_routing(model) as replay:
+        replay.set_routes(batch)
+        with replay.forward():
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        replay.check(calls=1)
+
+The routers' ``forward`` (instance attributes, never the class) take the batch's expert ids and
+recompute the gate weights from the live router logits (:func:`~moealign.routing_replay.replay_gate_weights`),
+so the router keeps its gradient. The model's ``forward`` is wrapped too: it checks that the tokens the
+model runs are the batch's (a padding-side or layout slip raises :class:`~moealign.errors.ReplayError`),
+and with ``aux_loss="replayed"`` (the default here) recomputes the load-balancing loss from the
+replayed choices. ``forward()`` / ``backward()`` only mark phases in this adapter (transformers re-runs
+the patched routers during activation recompute with the same targets); they exist so that code
+written for one adapter runs on all.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
-from typing import Iterator
+import warnings
 
 import torch
 import torch.nn.functional as F
 
-from ...errors import ReplayError
+from ...errors import ReplayError, RouteError
 from ...routing_replay.gates import (
     load_balancing_loss,
     replay_gate_weights,
     replay_recorded_gate_weights,
     select_topk,
 )
-from ...routing_replay.routes import RouteError, validate_routes
+from ...routing_replay.protocol import ReplayBatch, ReplayCounters, check_aux_loss_mode, check_row_tokens
+from ...routing_replay.routes import validate_routes
 from .model import MoEModelInfo, describe_model
 
-# --------------------------------------------------------------------------------------------------
-# replay
-# --------------------------------------------------------------------------------------------------
-
+__all__ = ["RoutingReplay", "replay_routing"]
 
 _NO_FORWARD = object()
 
 
-@dataclass
-class ReplayCounter:
-    forwards: int = 0
-    rows_seen: int = 0
-    rows_replayed: int = 0
-
-
-@dataclass
 class RoutingReplay:
-    """Handle of an active replay on one model instance. See :func:`replay_routing`."""
+    """An active routing replay on one transformers model instance (see the module docstring).
 
-    model: torch.nn.Module
-    info: MoEModelInfo
-    fix_aux_loss: bool = True
-    counters: list[ReplayCounter] = field(default_factory=list)
-    _targets: list[torch.Tensor] | None = None
-    _mask: torch.Tensor | None = None
-    _rows_replayed: int = 0
-    _weights: list[torch.Tensor] | None = None
-    _live: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    _active: bool = False
-    _saved_model_forward: object = None   # the instance-level ``forward`` the model had before attach, if any
+    ``aux_loss``: ``"replayed"`` (default) - the model's ``aux_loss`` (and ``loss``) count the replayed
+    experts; ``"warn"`` - transformers' own aux loss is kept and ``aux_disagreement`` records, per router
+    call, the fraction of replayed rows whose own top-k differs from the replayed one (a warning once);
+    ``"own"`` - left alone.
+    """
 
-    def __post_init__(self):
-        self.counters = [ReplayCounter() for _ in self.info.routers]
+    def __init__(self, model: torch.nn.Module, info: MoEModelInfo | None = None, *, aux_loss: str = "replayed"):
+        self.model = model
+        self.info = info or describe_model(model)
+        self.aux_loss = check_aux_loss_mode(aux_loss)
+        self.counters = ReplayCounters(self.moe_layers)
+        self.aux_disagreement: list[float] = []
+        self._batch: ReplayBatch | None = None
+        self._targets: list[torch.Tensor] | None = None
+        self._mask: torch.Tensor | None = None
+        self._rows_replayed = 0
+        self._weights: list[torch.Tensor] | None = None
+        self._verified = False
+        self._check_tokens = True
+        self._live: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._active = False
+        self._warned = False
+        self._saved_model_forward: object = None
 
-    # ------------------------------------------------------------ targets
-    def set_targets(self, routes: torch.Tensor, route_mask: torch.Tensor | None = None, *,
-                    recorded_weights: torch.Tensor | None = None) -> None:
-        """Routes ``[rows, n_layers, k]`` (any integer dtype) for the next forward(s).
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.info.moe_layers
 
-        ``route_mask`` ``[rows]`` marks rows with a recorded route; other rows (padding, each sample's
-        last token) keep the router's own choice. ``recorded_weights`` ``[rows, n_layers, k]`` switches
-        to the verification variant: the gate weights are those constants instead of recomputed ones.
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return (f"RoutingReplay(transformers {type(self.model).__name__}: {len(self.info.routers)} routers "
+                f"{list(self.moe_layers)}, aux_loss={self.aux_loss!r}, scope=instance, {state})")
+
+    # ------------------------------------------------------------ the protocol
+    def set_routes(self, batch: ReplayBatch, *, recorded_weights: torch.Tensor | None = None,
+                   check_tokens: bool = True) -> None:
+        """Hand every router its rows of ``batch`` for the next forward(s) (and their recompute).
+
+        ``recorded_weights`` ``[rows, n_layers, k]`` (batch rows, the batch's layer columns) switches to the
+        verification variant: the gate weights are those constants instead of recomputed ones.
+        ``check_tokens=False`` lets routers be called directly (unit tests of a router module): the model's
+        forward then does not have to run, and nothing checks that the rows belong to the batch's tokens.
         """
-        n, k, E = len(self.info.routers), self.info.top_k, self.info.num_experts
-        if routes.dim() != 3:
-            raise RouteError(f"replay routes must be [rows, layers, k], got shape {tuple(routes.shape)}")
-        if routes.shape[1] != n:
-            raise RouteError(f"replay routes have {routes.shape[1]} layers, the model has {n} MoE layers "
-                             f"{list(self.info.moe_layers)}")
-        if routes.shape[2] != k:
-            raise RouteError(f"replay routes have k={routes.shape[2]}, the model routes top-{k}")
-        rows = routes.shape[0]
-        if route_mask is None:
-            route_mask = torch.ones(rows, dtype=torch.bool, device=routes.device)
-        if route_mask.shape != (rows,):
-            raise RouteError(f"route_mask has shape {tuple(route_mask.shape)}, expected ({rows},)")
-        route_mask = route_mask.to(torch.bool)
-        validate_routes(routes[route_mask.to(routes.device)], E, name="replay routes")
+        if not isinstance(batch, ReplayBatch):
+            raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
+                             f".packed), got {type(batch).__name__}")
+        if not self._active:
+            raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
+        cols = batch.layer_columns(self.moe_layers)
+        k, E = self.info.top_k, self.info.num_experts
+        if batch.routes.shape[2] != k:
+            raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{k}")
+        routes = batch.routes[:, cols]
+        mask = batch.route_mask
+        validate_routes(routes[mask.to(routes.device)], E, name="replay routes")
         device = self.info.routers[0][1].weight.device
         ids = routes.to(device=device, dtype=torch.int64)
-        self._targets = [ids[:, i].contiguous() for i in range(n)]
-        self._mask = None if bool(route_mask.all()) else route_mask.to(device)
-        self._rows_replayed = int(route_mask.sum())
+        self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
+        self._mask = None if bool(mask.all()) else mask.to(device)
+        self._rows_replayed = int(mask.sum())
         if recorded_weights is not None:
-            if recorded_weights.shape != routes.shape:
+            if recorded_weights.shape != batch.routes.shape:
                 raise RouteError(f"recorded_weights shape {tuple(recorded_weights.shape)} != routes shape "
-                                 f"{tuple(routes.shape)}")
-            self._weights = [recorded_weights[:, i].to(device) for i in range(n)]
+                                 f"{tuple(batch.routes.shape)}")
+            self._weights = [recorded_weights[:, c].to(device) for c in cols]
         else:
             self._weights = None
+        self._batch = batch
+        self._check_tokens = bool(check_tokens)
+        self._verified = not check_tokens
 
-    def clear_targets(self) -> None:
-        self._targets = self._mask = self._weights = None
+    def forward(self) -> contextlib.AbstractContextManager:
+        """A forward pass that replays (a phase marker in this adapter)."""
+        return contextlib.nullcontext()
 
-    # ------------------------------------------------------------ counters
+    def backward(self) -> contextlib.AbstractContextManager:
+        """Activation recompute during backward (a phase marker: the routers replay the same rows)."""
+        return contextlib.nullcontext()
+
+    def check(self, calls: int = 1) -> None:
+        """Raise :class:`ReplayError` unless every router ran ``calls`` times, replaying its rows each time."""
+        self.counters.check(calls, self._rows_replayed)
+
     def reset_counters(self) -> None:
-        self.counters = [ReplayCounter() for _ in self.info.routers]
+        self.counters.reset()
 
-    def check(self, forwards: int = 1) -> None:
-        """Raise :class:`ReplayError` unless every MoE layer ran ``forwards`` times, replaying its rows each time."""
-        want_rows = forwards * self._rows_replayed
-        bad = [(layer, c) for (layer, _), c in zip(self.info.routers, self.counters)
-               if c.forwards != forwards or c.rows_replayed != want_rows]
-        if bad:
-            detail = ", ".join(f"layer {layer}: {c.forwards} forwards, {c.rows_replayed} rows replayed" for layer, c in bad)
-            raise ReplayError(f"replay counters unbalanced (expected {forwards} forwards and {want_rows} replayed "
-                              f"rows per MoE layer): {detail}")
+    def clear(self) -> None:
+        """Drop the targets (a router call without new ``set_routes`` is then an error)."""
+        self._targets = self._mask = self._weights = self._batch = None
+        self._rows_replayed = 0
+        self._verified = False
 
     # ------------------------------------------------------------ the patched router forward
     def _router_forward(self, index: int, router: torch.nn.Module):
@@ -115,7 +151,10 @@ class RoutingReplay:
 
         def forward(hidden_states: torch.Tensor):
             if self._targets is None:
-                raise ReplayError("routing replay is active but no targets are set (call set_targets first)")
+                raise ReplayError("routing replay is active but no routes are set (call set_routes(batch) first)")
+            if not self._verified:
+                raise ReplayError(f"a router ran outside a checked forward of {type(self.model).__name__}: call the "
+                                  f"model itself (with input_ids) so the replay can check the batch it runs")
             h = hidden_states.reshape(-1, router.hidden_dim)
             logits = F.linear(h, router.weight, getattr(router, "bias", None))
             target = self._targets[index]
@@ -124,31 +163,82 @@ class RoutingReplay:
                 raise ReplayError(f"layer {layer}: the router saw {h.shape[0]} rows, the replay targets have "
                                   f"{target.shape[0]} rows ({'extra' if target.shape[0] > h.shape[0] else 'missing'} "
                                   f"rows in the record for this forward)")
+            native = None
             if self._mask is None:
                 ids = target
             else:
                 native = select_topk(logits, router.top_k, scoring)[1]
                 ids = torch.where(self._mask[:, None], target, native)
+            if self.aux_loss == "warn":
+                self._measure_disagreement(logits, ids, native, router.top_k, scoring)
             out_dtype = torch.float32 if fp32_scores else logits.dtype
             if self._weights is not None:
                 weights = replay_recorded_gate_weights(self._weights[index], logits).to(out_dtype)
             else:
                 weights = replay_gate_weights(logits, ids, scoring, out_dtype=out_dtype, validate=False)
-            counter = self.counters[index]
-            counter.forwards += 1
-            counter.rows_seen += h.shape[0]
-            counter.rows_replayed += self._rows_replayed
-            if self.fix_aux_loss:
+            self.counters.add(index, self._rows_replayed)
+            if self.aux_loss == "replayed":
                 self._live.append((index, logits, ids))
             return logits, weights, ids
 
         return forward
 
+    def _measure_disagreement(self, logits, ids, native, top_k, scoring) -> None:
+        with torch.no_grad():
+            if native is None:
+                native = select_topk(logits, top_k, scoring)[1]
+            differs = (ids.sort(-1).values != native.sort(-1).values).any(-1)
+            if self._mask is not None:
+                differs = differs[self._mask]
+            rate = float(differs.float().mean()) if differs.numel() else 0.0
+        self.aux_disagreement.append(rate)
+        if rate > 0 and not self._warned:
+            self._warned = True
+            warnings.warn(f"transformers computes the MoE aux loss from the router's own top-k, which differs from "
+                          f"the replayed experts on {rate:.1%} of replayed rows; replay_routing(model, "
+                          f"aux_loss='replayed') counts the replayed experts instead", stacklevel=3)
+
+    # ------------------------------------------------------------ the patched model forward
+    def _check_batch(self, arguments: dict) -> None:
+        batch = self._batch
+        if batch is None or not self._check_tokens:
+            return
+        input_ids = arguments.get("input_ids")
+        if input_ids is None:
+            raise ReplayError("routing replay checks the tokens every router row holds: call the model with "
+                              "input_ids (inputs_embeds hide them)")
+        if batch.layout == "packed" and input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if tuple(input_ids.shape) != tuple(batch.input_ids.shape):
+            raise ReplayError(f"the model runs input_ids {tuple(input_ids.shape)}, the routes were laid out for a "
+                              f"{batch.layout} batch {tuple(batch.input_ids.shape)}")
+        check_row_tokens(batch.row_tokens, input_ids, batch.route_mask, where=f"{type(self.model).__name__}")
+        attention_mask = arguments.get("attention_mask")
+        if batch.layout == "padded" and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            if tuple(attention_mask.shape) != tuple(batch.input_ids.shape):
+                raise ReplayError(f"attention_mask {tuple(attention_mask.shape)} does not match the batch "
+                                  f"{tuple(batch.input_ids.shape)}")
+            masked = batch.route_mask.to(attention_mask.device) & (attention_mask.reshape(-1) == 0)
+            if bool(masked.any()):
+                raise ReplayError(f"{int(masked.sum())} routed rows are masked in the attention_mask the model "
+                                  f"runs with (first row {int(masked.nonzero()[0, 0])}): another padding side?")
+        self._verified = True
+
     def _model_forward(self, original):
         signature = inspect.signature(type(self.model).forward)
 
         def forward(*args, **kwargs):
+            try:
+                arguments = signature.bind_partial(self.model, *args, **kwargs).arguments
+            except TypeError:
+                arguments = kwargs
+            extra = arguments.get("kwargs")
+            if isinstance(extra, dict):
+                arguments = {**extra, **arguments}
+            self._check_batch(arguments)
             self._live.clear()
+            if self.aux_loss != "replayed":
+                return original(*args, **kwargs)
             # The aux loss is fixed on the output object: where the caller asks for a tuple, get the object
             # and convert at the end, as transformers' ``can_return_tuple`` does.
             want_tuple = kwargs.get("return_dict") is False
@@ -161,13 +251,9 @@ class RoutingReplay:
                 for index, logits, ids in self._live:   # with activation recompute the last call per layer wins
                     by_layer[index] = (logits, ids)
                 ordered = [by_layer[i] for i in sorted(by_layer)]
-                try:   # attention_mask may come by keyword or by position
-                    attention_mask = signature.bind_partial(self.model, *args, **kwargs).arguments.get("attention_mask")
-                except TypeError:
-                    attention_mask = kwargs.get("attention_mask")
                 new_aux = load_balancing_loss([lg for lg, _ in ordered], [ids for _, ids in ordered],
                                               self.info.num_experts, self.info.top_k,
-                                              attention_mask=attention_mask)
+                                              attention_mask=arguments.get("attention_mask"))
                 # the coefficient the model itself applied (an instance attribute in every supported family)
                 coef = float(getattr(self.model, "router_aux_loss_coef",
                                      getattr(self.model.config, "router_aux_loss_coef", 0.0)))
@@ -179,49 +265,55 @@ class RoutingReplay:
 
         return forward
 
+    # ------------------------------------------------------------ attach / undo
     def attach(self) -> "RoutingReplay":
         if self._active:
             raise ReplayError("this replay is already attached")
         for _, module in self.info.routers:
             if "forward" in module.__dict__:
                 raise ReplayError("a router of this model already has an instance-level forward (another replay "
-                                  "is active on it?)")
+                                  "is active on it?); nested replays on one model are refused")
         for index, (_, module) in enumerate(self.info.routers):
             module.forward = self._router_forward(index, module)
-        if self.fix_aux_loss:
-            self._saved_model_forward = self.model.__dict__.get("forward", _NO_FORWARD)
-            self.model.forward = self._model_forward(self.model.forward)
+        self._saved_model_forward = self.model.__dict__.get("forward", _NO_FORWARD)
+        self.model.forward = self._model_forward(self.model.forward)
         self._active = True
         return self
 
     def undo(self) -> None:
+        """Restore the routers' and the model's ``forward``; idempotent."""
         if not self._active:
             return
         for _, module in self.info.routers:
             module.__dict__.pop("forward", None)
-        if self.fix_aux_loss:
-            if self._saved_model_forward is _NO_FORWARD:
-                self.model.__dict__.pop("forward", None)
-            else:   # put back a wrapper someone else installed (accelerate, a profiler, ...)
-                self.model.__dict__["forward"] = self._saved_model_forward
-            self._saved_model_forward = None
+        if self._saved_model_forward is _NO_FORWARD:
+            self.model.__dict__.pop("forward", None)
+        else:   # put back a wrapper someone else installed (accelerate, a profiler, ...)
+            self.model.__dict__["forward"] = self._saved_model_forward
+        self._saved_model_forward = None
         self._live.clear()
+        self.clear()
         self._active = False
 
+    def __enter__(self) -> "RoutingReplay":
+        return self
 
-@contextlib.contextmanager
-def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None = None, route_mask: torch.Tensor | None = None,
-                   *, fix_aux_loss: bool = True) -> Iterator[RoutingReplay]:
-    """Force the routers of ``model`` to the given expert ids while the block runs (undone on exit).
+    def __exit__(self, *exc) -> None:
+        self.undo()
 
-    Gate weights are recomputed from the live router logits for the forced ids (the router keeps its
-    gradient); with ``fix_aux_loss`` the model's ``aux_loss`` (and ``loss``) use the replayed choices.
+
+def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *,
+                   aux_loss: str = "replayed") -> RoutingReplay:
+    """Force the routers of ``model`` to recorded expert ids; returns the attached :class:`RoutingReplay`
+    (a context manager: ``with hf.replay_routing(model) as replay: ...`` undoes on exit).
+
+    ``batch`` (optional) is passed to :meth:`RoutingReplay.set_routes`.
     """
-    replay = RoutingReplay(model, describe_model(model), fix_aux_loss=fix_aux_loss)
-    if routes is not None:
-        replay.set_targets(routes, route_mask)
-    replay.attach()
-    try:
-        yield replay
-    finally:
-        replay.undo()
+    replay = RoutingReplay(model, describe_model(model), aux_loss=aux_loss).attach()
+    if batch is not None:
+        try:
+            replay.set_routes(batch)
+        except BaseException:
+            replay.undo()
+            raise
+    return replay

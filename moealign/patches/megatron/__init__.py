@@ -23,7 +23,7 @@ from ...routing_replay.layouts import (
     pad_packed_rows,
 )
 from .audit import audit_replay_config
-from .replay import RouterReplayDriver, moe_routers
+from .replay import RouterReplayDriver, moe_routers, replay_routing
 from .version import SUPPORTED_MEGATRON, megatron_version
 from .vocab_parallel import kept_logprob
 from .world import (
@@ -46,6 +46,7 @@ __all__ = [
     "audit_replay_config",
     "moe_routers",
     "RouterReplayDriver",
+    "replay_routing",
     "local_route_rows",
     "packed_source_rows",
     "pad_packed_rows",

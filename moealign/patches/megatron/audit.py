@@ -6,10 +6,8 @@ import warnings
 
 from ...errors import ReplayConfigError
 
-SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 _SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
 _AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
-_AUX_MODES = ("warn", "replayed", "own")
 
 
 # --------------------------------------------------------------------------------------------------

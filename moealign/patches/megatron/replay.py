@@ -1,19 +1,36 @@
-"""The Megatron implementation of the replay protocol: a driver for Megatron's own ``RouterReplay``."""
+"""The Megatron-core implementation of the routing-replay protocol: a driver for Megatron's own ``RouterReplay``.
+
+:func:`replay_routing` returns a :class:`RouterReplayDriver` (a
+:class:`~moealign.routing_replay.protocol.RoutingReplayAdapter`)::
+
+    batch = record.replay_batch("padded", side="right")
+    with mg.replay_routing(model, aux_loss="replayed") as replay:
+        replay.set_routes(batch)                 # each router's local rows, in Megatron's order
+        with replay.forward():                   # REPLAY_FORWARD
+            logits = model(batch.input_ids, position_ids, attention_mask)
+        with replay.backward():                  # REPLAY_BACKWARD serves activation recompute
+            loss.backward()
+        replay.check(calls=2)
+
+A forward pre-hook on the model compares the tokens the model runs, in each router's row order (after
+context-parallel and sequence-parallel slicing), with the tokens the routes were recorded for: a
+transposed layout, another padding side or another batch raises :class:`~moealign.errors.ReplayError`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from ...errors import ConfigError, ReplayConfigError, ReplayError
+from ...errors import ReplayConfigError, ReplayError
 from ...routing_replay.layouts import local_route_rows, packed_source_rows
+from ...routing_replay.protocol import ReplayBatch, ReplayCounters, check_aux_loss_mode, check_row_tokens
 from ...routing_replay.routes import RouteError, validate_routes
 from .._version import UnsupportedEngineError
-from .audit import _AUX_MODES, audit_replay_config
+from .audit import audit_replay_config
 from .version import megatron_version
 
 # --------------------------------------------------------------------------------------------------
@@ -59,19 +76,12 @@ def _parallel_layout(config) -> dict:
                 sp_size=tp_size if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
 
 
-@dataclass
-class _Counter:
-    calls: int = 0
-    rows: int = 0
-
-
 class RouterReplayDriver:
     """Drive Megatron's RouterReplay for one model.
 
-    ``set_routes(routes, moe_layers, batch_shape=(B, T))`` takes a record's routes ``[B*T, n_layers, k]``
-    (padded batch order, row = b*T + t, as :meth:`RolloutRecord.routes_int64` gives) or ``[N, n_layers, k]``
-    (packed, ``batch_shape=None``) and hands each router its int64 ``[local_tokens, k]`` targets in
-    Megatron's sequence-first order (row = t*B + b). ``forward()`` / ``backward()`` set REPLAY_FORWARD /
+    ``set_routes(batch)`` takes a :class:`~moealign.routing_replay.protocol.ReplayBatch` (padded: row =
+    b*T + t; packed THD) and hands each router its int64 ``[local_tokens, k]`` targets in Megatron's
+    sequence-first order (row = t*B + b), after context- and sequence-parallel slicing. ``forward()`` / ``backward()`` set REPLAY_FORWARD /
     REPLAY_BACKWARD (activation recompute) around the model call; ``check()`` verifies the counters;
     ``clear()`` empties targets and FIFOs between phases. Rows without a recorded route must be given
     *distinct* padding experts (Megatron's dispatcher assumes k distinct experts per token).
@@ -83,10 +93,8 @@ class RouterReplayDriver:
     """
 
     def __init__(self, model: torch.nn.Module, *, audit: bool = True, aux_loss: str = "warn"):
-        if aux_loss not in _AUX_MODES:
-            raise ConfigError(f"aux_loss must be one of {_AUX_MODES}, got {aux_loss!r}")
+        self.aux_loss = check_aux_loss_mode(aux_loss)
         self.model = model
-        self.aux_loss = aux_loss
         self.aux_disagreement: list[float] = []   # per aux-loss computation under replay: rows whose own top-k differs
         self._last_replayed: torch.Tensor | None = None
         self._warned = False
@@ -101,12 +109,49 @@ class RouterReplayDriver:
         if stale:
             raise ReplayConfigError(f"routers of layers {stale} are not in RouterReplay's global list (a stale "
                                     f"model, or clear_global_router_replay_instances() was called after build)")
-        self.counters = [_Counter() for _ in self.routers]
+        nested = [layer for layer, r in self.routers if "get_replay_topk" in vars(r.router_replay)]
+        if nested:
+            raise ReplayError(f"routers of layers {nested} are already driven by another RouterReplayDriver; nested "
+                              f"drivers on one model are refused (undo the other one first)")
+        self.counters = ReplayCounters(self.moe_layers)
         self._originals = []
         self._rows = None
+        self._expected_tokens: torch.Tensor | None = None
+        self._expected_mask: torch.Tensor | None = None
+        self._sp: tuple[int, int] = (1, 0)
+        self._active = True
         for index, (_, router) in enumerate(self.routers):
             self._wrap(index, router.router_replay)
         self._aux_patch = self._patch_aux_scores() if aux_loss != "own" else None
+        self._token_hook = model.register_forward_pre_hook(self._check_tokens_hook, with_kwargs=True)
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return (f"RouterReplayDriver(megatron {type(self.model).__name__}: {len(self.routers)} routers "
+                f"{list(self.moe_layers)}, aux_loss={self.aux_loss!r}, scope=instance, {state})")
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def _check_tokens_hook(self, module, args, kwargs):
+        """Forward pre-hook: the tokens the model runs, in router row order, must be the batch's."""
+        if self._expected_tokens is None:
+            return None
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if input_ids is None:
+            raise ReplayError("routing replay checks the tokens every router row holds: call the model with "
+                              "input_ids")
+        if input_ids.dim() != 2:
+            raise ReplayError(f"Megatron models take input_ids [batch, seq]; got {tuple(input_ids.shape)}")
+        rows = input_ids.t().reshape(-1)                        # sequence-first, as the routers see them
+        sp_size, sp_rank = self._sp
+        if rows.numel() % sp_size:
+            raise ReplayError(f"{rows.numel()} token rows are not divisible by the sequence-parallel size {sp_size}")
+        step = rows.numel() // sp_size
+        rows = rows[sp_rank * step:(sp_rank + 1) * step]
+        check_row_tokens(self._expected_tokens, rows, self._expected_mask, where=f"{type(module).__name__}")
+        return None
 
     def _patch_aux_scores(self):
         """Wrap megatron's ``compute_routing_scores_for_aux_loss`` (router module global): right after a
@@ -145,8 +190,10 @@ class RouterReplayDriver:
 
         def get_replay_topk(scores, topk, *args, **kwargs):
             if replay.router_replay_action is not None and replay.router_replay_action.value != "record":
-                self.counters[index].calls += 1
-                self.counters[index].rows += scores.shape[0]
+                if self._rows is None:
+                    raise ReplayError(f"layer {self.routers[index][0]}: replay is on but no routes are set "
+                                      f"(call set_routes(batch) before forward())")
+                self.counters.add(index, scores.shape[0])
                 want = self._rows
                 if want is not None and scores.shape[0] != want:
                     layer = self.routers[index][0]
@@ -164,74 +211,64 @@ class RouterReplayDriver:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(layer for layer, _ in self.routers)
 
-    def set_routes(self, routes: torch.Tensor, moe_layers, *, batch_shape: tuple[int, int] | None = None,
-                   route_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                   cu_seqlens_padded: torch.Tensor | None = None, num_experts: int | None = None,
-                   parallel: dict | None = None) -> None:
-        """Hand each router its targets for the next micro-batch.
+    def set_routes(self, batch: ReplayBatch, *, cu_seqlens_padded: torch.Tensor | None = None,
+                   num_experts: int | None = None, parallel: dict | None = None) -> None:
+        """Hand each router its rows of ``batch`` for the next micro-batch.
 
-        ``routes`` ``[rows, n_layers, k]`` (any integer dtype) with ``moe_layers`` naming the decoder layer
-        of each route column (all layers or MoE layers only: the model's MoE layers are picked out).
-        Layout: a padded batch (``batch_shape=(B, T)``, row = ``b*T + t``) or a packed row (no
-        ``batch_shape``; ``cu_seqlens`` per sample, and ``cu_seqlens_padded`` for THD with padding, whose
-        padding slots get filler routes). Context parallelism and sequence parallelism are read from
-        megatron's ``parallel_state`` and the model config, or given as ``parallel=dict(cp_size=,
-        cp_rank=, sp_size=, sp_rank=)``; see :func:`local_route_rows`.
+        ``batch`` (:class:`~moealign.routing_replay.protocol.ReplayBatch`): padded ``[B, T]`` or packed THD,
+        with all layers or MoE layers only (the model's MoE layers are picked out by layer number).
+        ``cu_seqlens_padded`` (packed only): the model runs THD with each sequence padded (Megatron needs
+        multiples of ``2 * cp_size``; see :func:`~moealign.routing_replay.layouts.pad_packed_rows`); the
+        padding slots get filler routes. Context parallelism and sequence parallelism are read from
+        megatron's ``parallel_state`` and the model config, or given as ``parallel=dict(cp_size=, cp_rank=,
+        sp_size=, sp_rank=)``; see :func:`~moealign.routing_replay.layouts.local_route_rows`.
 
-        ``route_mask`` ``[rows]`` marks rows with a recorded route; the others (padding, each sample's
-        last token) get distinct filler experts ``(row + arange(k)) % E``: Megatron's dispatcher counts
-        ``k`` distinct experts per token, so a duplicate id is an error here, never silently deduplicated.
+        Rows without a recorded route (padding, each sample's last token) get distinct filler experts
+        ``(row + arange(k)) % E``: Megatron's dispatcher counts ``k`` distinct experts per token, so a
+        duplicate id is an error here, never silently deduplicated. Only this driver's routers are touched.
         """
-        if routes.dim() != 3:
-            raise RouteError(f"routes must be [rows, layers, k], got shape {tuple(routes.shape)}")
-        moe_layers = tuple(int(x) for x in moe_layers)
-        if len(moe_layers) != routes.shape[1]:
-            raise RouteError(f"routes have {routes.shape[1]} layers but moe_layers lists {len(moe_layers)}")
-        missing = [layer for layer in self.moe_layers if layer not in moe_layers]
-        if missing:
-            raise RouteError(f"the record has no routes for this model's MoE layers {missing} "
-                             f"(record layers {list(moe_layers)}, model layers {list(self.moe_layers)})")
+        if not isinstance(batch, ReplayBatch):
+            raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
+                             f".packed), got {type(batch).__name__}")
+        if not self._active:
+            raise ReplayError("this driver was undone; build a new one with replay_routing(model)")
+        cols = batch.layer_columns(self.moe_layers)
         k = int(self.routers[0][1].topk)
-        if routes.shape[2] != k:
-            raise RouteError(f"routes have k={routes.shape[2]}, the model routes top-{k}")
-        E = num_experts or int(self.routers[0][1].config.num_moe_experts)
-        ids = routes.to(torch.int64)
-        rows = ids.shape[0]
-        mask = torch.ones(rows, dtype=torch.bool) if route_mask is None else route_mask.bool().cpu()
-        if mask.shape != (rows,):
-            raise RouteError(f"route_mask has shape {tuple(mask.shape)}, expected ({rows},)")
-        if batch_shape is not None and (cu_seqlens is not None or cu_seqlens_padded is not None):
-            raise RouteError("give batch_shape (padded) or cu_seqlens (packed), not both")
-        if batch_shape is not None and rows != batch_shape[0] * batch_shape[1]:
-            raise RouteError(f"routes have {rows} rows, batch_shape {tuple(batch_shape)} implies "
-                             f"{batch_shape[0] * batch_shape[1]}")
-        if cu_seqlens is not None and int(cu_seqlens[-1]) != rows:
-            raise RouteError(f"routes have {rows} rows, cu_seqlens ends at {int(cu_seqlens[-1])}")
+        if batch.routes.shape[2] != k:
+            raise RouteError(f"routes have k={batch.routes.shape[2]}, the model routes top-{k}")
+        model_E = int(self.routers[0][1].config.num_moe_experts)
+        E = model_E if num_experts is None else int(num_experts)
+        if not 0 < E <= model_E:
+            raise RouteError(f"num_experts={num_experts} is outside 1..{model_E} (the model's expert count)")
+        ids = batch.routes[:, cols].cpu()
+        mask = batch.route_mask.cpu()
+        tokens = batch.row_tokens.cpu()
         if cu_seqlens_padded is not None:
-            if cu_seqlens is None:
-                raise RouteError("cu_seqlens_padded needs cu_seqlens (the unpadded packing of the routes)")
-            source = packed_source_rows(cu_seqlens, cu_seqlens_padded)
-            ids, mask = ids[source.clamp(min=0)], mask[source.clamp(min=0)] & (source >= 0)
+            if batch.layout != "packed":
+                raise RouteError("cu_seqlens_padded applies to a packed batch; this one is padded")
+            source = packed_source_rows(batch.cu_seqlens, cu_seqlens_padded)
+            valid = source >= 0
+            ids, mask, tokens = ids[source.clamp(min=0)], mask[source.clamp(min=0)] & valid, tokens[source.clamp(min=0)]
+        else:
+            valid = torch.ones(ids.shape[0], dtype=torch.bool)
         filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
-        ids = torch.where(mask[:, None, None].to(ids.device), ids, filler[:, None, :].to(ids.device))
+        ids = torch.where(mask[:, None, None], ids, filler[:, None, :])
         validate_routes(ids, E, name="replay routes")
         layout = parallel if parallel is not None else _parallel_layout(getattr(self.model, "config", None))
-        if batch_shape is not None:
-            local = local_route_rows(batch_shape=batch_shape, **layout)
+        if batch.layout == "padded":
+            local = local_route_rows(batch_shape=(batch.batch_size, batch.seq_len), **layout)
         else:
-            cu = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-            if cu is None:
-                if layout.get("cp_size", 1) > 1:
-                    raise RouteError("context parallelism with packed routes needs cu_seqlens")
-                cu = torch.tensor([0, ids.shape[0]])
+            cu = cu_seqlens_padded if cu_seqlens_padded is not None else batch.cu_seqlens
             local = local_route_rows(cu_seqlens_padded=cu, **layout)
-        ids = ids[local.to(ids.device)]
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_indices()
-        for layer, router in self.routers:
-            router.router_replay.set_target_indices(ids[:, moe_layers.index(layer)].contiguous())
+        ids = ids[local]
+        for col, (_, router) in enumerate(self.routers):
+            router.router_replay.clear_indices()                 # this driver's routers only
+            router.router_replay.set_target_indices(ids[:, col].contiguous())
         self._rows = ids.shape[0]
+        # what the pre-hook compares: the token of every local router row (padding slots of THD excluded)
+        self._expected_tokens = tokens[local]
+        self._expected_mask = valid[local]
+        self._sp = (int(layout.get("sp_size", 1)), int(layout.get("sp_rank", 0)))
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -258,23 +295,25 @@ class RouterReplayDriver:
                 router.router_replay.clear_router_replay_action()
 
     def check(self, calls: int = 1) -> None:
-        bad = [(layer, c) for (layer, _), c in zip(self.routers, self.counters)
-               if c.calls != calls or (self._rows is not None and c.rows != calls * self._rows)]
-        if bad:
-            detail = ", ".join(f"layer {layer}: {c.calls} calls, {c.rows} rows" for layer, c in bad)
-            raise ReplayError(f"replay counters unbalanced (expected {calls} calls of {self._rows} rows per "
-                                     f"MoE layer): {detail}")
+        """Raise :class:`ReplayError` unless every router ran ``calls`` replayed calls of exactly its rows."""
+        self.counters.check(calls, self._rows)
 
     def reset_counters(self) -> None:
-        self.counters = [_Counter() for _ in self.routers]
+        self.counters.reset()
 
     def clear(self) -> None:
         """Empty targets and backward FIFOs (between phases: forward-only passes leave FIFO entries)."""
         for _, router in self.routers:
             router.router_replay.clear_indices()
         self._rows = None
+        self._expected_tokens = self._expected_mask = None
 
     def undo(self) -> None:
+        """Restore Megatron's RouterReplay methods and the aux-loss function; idempotent."""
+        if not self._active:
+            return
+        self._active = False
+        self._token_hook.remove()
         self.clear()
         for replay in self._originals:
             replay.__dict__.pop("get_replay_topk", None)
@@ -291,3 +330,17 @@ class RouterReplayDriver:
 
     def __exit__(self, *exc) -> None:
         self.undo()
+
+
+def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *, aux_loss: str = "warn",
+                   audit: bool = True) -> RouterReplayDriver:
+    """Drive Megatron's RouterReplay for ``model``: the attached :class:`RouterReplayDriver` (a context
+    manager that undoes on exit). ``batch`` (optional) is passed to :meth:`RouterReplayDriver.set_routes`."""
+    driver = RouterReplayDriver(model, audit=audit, aux_loss=aux_loss)
+    if batch is not None:
+        try:
+            driver.set_routes(batch)
+        except BaseException:
+            driver.undo()
+            raise
+    return driver

@@ -5,9 +5,6 @@ from __future__ import annotations
 from .._version import check_engine_version, engine_version
 
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
-_SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
-_AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
-_AUX_MODES = ("warn", "replayed", "own")
 
 
 def megatron_version():

@@ -1,0 +1,289 @@
+"""The routing-replay protocol every engine adapter implements (transformers, Megatron-core, vLLM).
+
+One protocol, one error, one aux-loss vocabulary::
+
+    batch = record.replay_batch("padded", side="right")     # routes AND the tokens they belong to
+    with adapter_replay_routing(model, aux_loss="replayed") as replay:    # hf.replay_routing / mg.replay_routing
+        replay.set_routes(batch)          # hand every router its rows, in the engine's own row order
+        with replay.forward():            # a forward pass that replays
+            out = model(...batch.input_ids...)
+        with replay.backward():           # activation recompute during backward replays the same rows
+            loss.backward()
+        replay.check(calls=2)             # every router consumed exactly its rows, forward + recompute
+    # exit: undo(), the model is as it was
+
+A :class:`ReplayBatch` carries the routes together with the batch they were laid out for: the token ids
+(padded ``[batch, seq]`` with its attention mask, or packed ``[tokens]`` with ``cu_seqlens``), named
+fields instead of positional shapes. Adapters compare the token ids the model actually runs with the
+batch's (:func:`check_row_tokens`), so a padding-side slip, a transposed layout or another batch of the
+same shape raises :class:`~moealign.errors.ReplayError` instead of replaying experts recorded for other
+tokens. Routed rows on masked (padding) positions are refused when the batch is built.
+
+``aux_loss`` (:data:`AUX_LOSS_MODES`): ``"replayed"`` - the load-balancing loss counts the replayed
+experts (the ones that ran); ``"warn"`` - the engine's own loss is kept and the adapter measures how
+often the router's own top-k differs from the replayed one (``aux_disagreement``), warning once;
+``"own"`` - the engine's loss is left alone, nothing measured.
+
+Pure torch: no engine import.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from ..errors import ConfigError, ReplayError, RouteError
+
+__all__ = [
+    "AUX_LOSS_MODES",
+    "LAYOUTS",
+    "ReplayBatch",
+    "ReplayCounters",
+    "RoutingReplayAdapter",
+    "check_aux_loss_mode",
+    "check_row_tokens",
+]
+
+AUX_LOSS_MODES = ("replayed", "warn", "own")
+LAYOUTS = ("padded", "packed")
+
+
+def check_aux_loss_mode(mode: str) -> str:
+    if mode not in AUX_LOSS_MODES:
+        raise ConfigError(f"aux_loss must be one of {AUX_LOSS_MODES}, got {mode!r}")
+    return mode
+
+
+def _padding_side(attention_mask: torch.Tensor) -> str:
+    """``"right"`` (ones then zeros in every row), ``"left"`` (zeros then ones), ``"none"`` (all ones)."""
+    am = attention_mask
+    if bool(am.all()):
+        return "none"
+    if bool((am[:, 1:] <= am[:, :-1]).all()):
+        return "right"
+    if bool((am[:, 1:] >= am[:, :-1]).all()):
+        return "left"
+    raise RouteError("attention_mask is neither left- nor right-padded (a row has a hole); replay needs one "
+                     "contiguous run of tokens per row")
+
+
+@dataclass(frozen=True)
+class ReplayBatch:
+    """Routes and the batch they belong to, travelling together.
+
+    ``routes`` int64 ``[rows, n_layers, k]`` in the batch's row order (padded: row = ``b * seq_len + t``;
+    packed: position in the packed row); ``route_mask`` bool ``[rows]`` marks rows with a recorded route
+    (others - padding, each sample's last token - are not replayed); ``moe_layers`` names the decoder
+    layer of each route column; ``input_ids`` the tokens (``[batch, seq]`` padded, ``[tokens]`` packed).
+    Build with :meth:`padded` / :meth:`packed` (or ``RolloutRecord.replay_batch``), which validate.
+    """
+
+    layout: str
+    routes: torch.Tensor
+    route_mask: torch.Tensor
+    moe_layers: tuple[int, ...]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    padding_side: str | None = None
+    cu_seqlens: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def padded(cls, routes: torch.Tensor, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None) -> "ReplayBatch":
+        """A padded ``[batch, seq]`` batch. ``routes`` ``[batch, seq, n_layers, k]`` or ``[batch*seq, n_layers, k]``;
+        ``route_mask`` ``[batch, seq]`` or ``[batch*seq]`` (default: every attended position)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise RouteError(f"a padded replay batch needs input_ids [batch, seq], got "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise RouteError(f"attention_mask {tuple(getattr(attention_mask, 'shape', ()))} must have the shape of "
+                             f"input_ids {tuple(input_ids.shape)}")
+        am = attention_mask.detach().cpu()
+        if am.is_floating_point() and bool(((am != 0) & (am != 1)).any()):
+            raise RouteError("attention_mask must hold 0/1 values")
+        am = am.to(torch.bool)
+        B, T = input_ids.shape
+        if routes.dim() == 4:
+            if tuple(routes.shape[:2]) != (B, T):
+                raise RouteError(f"routes [batch, seq] = {tuple(routes.shape[:2])} do not match input_ids "
+                                 f"{(B, T)}")
+            routes = routes.reshape(B * T, *routes.shape[2:])
+        mask = am.reshape(-1) if route_mask is None else route_mask
+        if mask.dim() == 2:
+            if tuple(mask.shape) != (B, T):
+                raise RouteError(f"route_mask {tuple(mask.shape)} does not match input_ids {(B, T)}")
+            mask = mask.reshape(-1)
+        batch = cls(layout="padded", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
+                    input_ids=input_ids, attention_mask=am.to(torch.int64), padding_side=_padding_side(am))
+        batch._validate()
+        masked = batch.route_mask.cpu() & ~am.reshape(-1)
+        if bool(masked.any()):
+            rows = masked.nonzero().flatten()
+            raise RouteError(f"{rows.numel()} routed rows sit on masked (padding) positions, first row {int(rows[0])} "
+                             f"(batch {int(rows[0]) // T}, position {int(rows[0]) % T}): the routes were laid out "
+                             f"for another padding side or batch")
+        return batch
+
+    @classmethod
+    def packed(cls, routes: torch.Tensor, *, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
+               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None) -> "ReplayBatch":
+        """A packed row (THD): ``input_ids`` ``[tokens]``, ``cu_seqlens`` ``[samples + 1]`` from 0 to ``tokens``;
+        ``routes`` ``[tokens, n_layers, k]``; ``route_mask`` ``[tokens]`` (default: all)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise RouteError(f"a packed replay batch needs input_ids [tokens], got "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+        if (cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any())
+                or int(cu[-1]) != input_ids.numel()):
+            raise RouteError(f"cu_seqlens must be non-decreasing from 0 to the {input_ids.numel()} packed tokens, "
+                             f"got {cu.tolist()}")
+        mask = torch.ones(input_ids.numel(), dtype=torch.bool) if route_mask is None else route_mask
+        batch = cls(layout="packed", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
+                    input_ids=input_ids, cu_seqlens=cu)
+        batch._validate()
+        return batch
+
+    def _validate(self) -> None:
+        r = self.routes
+        if not isinstance(r, torch.Tensor) or r.dim() != 3:
+            raise RouteError(f"routes must be [rows, layers, k], got shape {tuple(getattr(r, 'shape', ()))}")
+        if r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool:
+            raise RouteError(f"routes must hold integer expert ids, got {r.dtype}")
+        if r.shape[0] != self.input_ids.numel():
+            raise RouteError(f"routes have {r.shape[0]} rows, the batch has {self.input_ids.numel()} token positions "
+                             f"(input_ids {tuple(self.input_ids.shape)})")
+        if len(self.moe_layers) != r.shape[1]:
+            raise RouteError(f"routes have {r.shape[1]} layers but moe_layers lists {len(self.moe_layers)}")
+        if len(set(self.moe_layers)) != len(self.moe_layers) or any(x < 0 for x in self.moe_layers):
+            raise RouteError(f"moe_layers must be distinct non-negative layer numbers, got {list(self.moe_layers)}")
+        m = self.route_mask
+        if not isinstance(m, torch.Tensor) or m.shape != (r.shape[0],):
+            raise RouteError(f"route_mask has shape {tuple(getattr(m, 'shape', ()))}, expected ({r.shape[0]},)")
+        if m.dtype != torch.bool:
+            if m.is_floating_point() or bool(((m != 0) & (m != 1)).any()):
+                raise RouteError(f"route_mask must be bool (or 0/1), got {m.dtype}")
+            object.__setattr__(self, "route_mask", m.to(torch.bool))
+        if self.input_ids.dtype.is_floating_point:
+            raise RouteError(f"input_ids must be integer token ids, got {self.input_ids.dtype}")
+        object.__setattr__(self, "routes", r.to(torch.int64))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def rows(self) -> int:
+        return int(self.routes.shape[0])
+
+    @property
+    def row_tokens(self) -> torch.Tensor:
+        """The token each route row belongs to, ``[rows]``."""
+        return self.input_ids.reshape(-1)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0]) if self.layout == "padded" else int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def seq_len(self) -> int | None:
+        """Padded sequence length (``None`` for a packed batch)."""
+        return int(self.input_ids.shape[1]) if self.layout == "padded" else None
+
+    @property
+    def num_replayed_rows(self) -> int:
+        return int(self.route_mask.sum())
+
+    def layer_columns(self, model_layers: Sequence[int]) -> list[int]:
+        """Column of each of the model's MoE layers in :attr:`routes`; RouteError naming missing layers."""
+        missing = [layer for layer in model_layers if layer not in self.moe_layers]
+        if missing:
+            raise RouteError(f"the batch has no routes for the model's MoE layers {missing} (batch layers "
+                             f"{list(self.moe_layers)}, model layers {list(model_layers)})")
+        return [self.moe_layers.index(layer) for layer in model_layers]
+
+    def __repr__(self) -> str:
+        shape = tuple(self.input_ids.shape)
+        side = f", {self.padding_side} padding" if self.layout == "padded" else ""
+        return (f"ReplayBatch({self.layout} {shape}{side}, {self.num_replayed_rows}/{self.rows} rows replayed, "
+                f"layers {list(self.moe_layers)}, k={self.routes.shape[2]})")
+
+
+def check_row_tokens(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor | None = None, *,
+                     where: str = "the model") -> None:
+    """Raise :class:`ReplayError` unless the tokens ``actual`` (what the routers' rows hold, in their order)
+    equal ``expected`` (the batch the routes were laid out for) on every row of ``mask``."""
+    expected, actual = expected.reshape(-1), actual.reshape(-1)
+    if expected.numel() != actual.numel():
+        raise ReplayError(f"{where} runs {actual.numel()} token rows, the routes were laid out for "
+                          f"{expected.numel()}")
+    differ = expected.to(actual.device) != actual
+    if mask is not None:
+        differ &= mask.to(actual.device).reshape(-1)
+    if bool(differ.any()):
+        rows = differ.nonzero().flatten()
+        r = int(rows[0])
+        total = int(mask.sum()) if mask is not None else expected.numel()
+        raise ReplayError(f"{where} is not running the batch the routes were laid out for: {rows.numel()} of {total} "
+                          f"routed rows hold other tokens (first: row {r}, routes for token {int(expected[r])}, the "
+                          f"model has token {int(actual[r])}); a padding-side, layout or batch slip")
+
+
+@dataclass
+class _LayerCount:
+    calls: int = 0
+    rows: int = 0
+
+
+@dataclass
+class ReplayCounters:
+    """Per-router counts of replayed calls and rows, and the one balance check every adapter uses."""
+
+    layers: tuple[int, ...]
+    counts: list[_LayerCount] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = [_LayerCount() for _ in self.layers]
+
+    def add(self, index: int, rows: int) -> None:
+        self.counts[index].calls += 1
+        self.counts[index].rows += int(rows)
+
+    def check(self, calls: int, rows_per_call: int | None) -> None:
+        """Raise :class:`ReplayError` unless every router ran ``calls`` replayed calls of ``rows_per_call`` rows."""
+        if not isinstance(calls, int) or isinstance(calls, bool) or calls < 0:
+            raise ConfigError(f"calls must be a non-negative int, got {calls!r}")
+        want = None if rows_per_call is None else calls * rows_per_call
+        bad = [(layer, c) for layer, c in zip(self.layers, self.counts)
+               if c.calls != calls or (want is not None and c.rows != want)]
+        if bad:
+            detail = ", ".join(f"layer {layer}: {c.calls} calls, {c.rows} rows" for layer, c in bad)
+            raise ReplayError(f"replay counters unbalanced (expected {calls} calls of {rows_per_call} rows per MoE "
+                              f"layer): {detail}")
+
+
+@runtime_checkable
+class RoutingReplayAdapter(Protocol):
+    """What ``hf.replay_routing(model)`` and ``megatron.replay_routing(model)`` return (and vLLM's, next)."""
+
+    moe_layers: tuple[int, ...]
+    aux_loss: str
+
+    def set_routes(self, batch: ReplayBatch) -> None: ...
+
+    def forward(self) -> AbstractContextManager: ...
+
+    def backward(self) -> AbstractContextManager: ...
+
+    def check(self, calls: int = 1) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def undo(self) -> None: ...
+
+    def __enter__(self): ...
+
+    def __exit__(self, *exc) -> None: ...
