@@ -148,8 +148,8 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: error: {message} (see '{self.prog} --help')")
 
 
-class _UsageError(Exception):
-    pass
+class _UsageError(ConfigError):
+    """A bad command line (argparse's complaint), printed as it is."""
 
 
 def build_parser() -> argparse.ArgumentParser:
