@@ -168,7 +168,9 @@ def test_registration_is_reversible_and_close_to_sdpa():
     from moealign.patches.hf import attention as ha
 
     path = str(embedded_model_path())
-    name = ha.register_bi_attention()
+    was_registered = ha.is_bi_attention_registered()
+    handle = ha.apply_bi_attention()
+    name = handle.name
     try:
         assert ha.is_bi_attention_registered()
         bi = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -183,8 +185,8 @@ def test_registration_is_reversible_and_close_to_sdpa():
             b = ref(input_ids=ids, attention_mask=am).logits
         torch.testing.assert_close(a[am.bool()], b[am.bool()], atol=1e-4, rtol=1e-4)
     finally:
-        ha.unregister_bi_attention()
-    assert not ha.is_bi_attention_registered()
+        handle.undo()
+    assert ha.is_bi_attention_registered() == was_registered
     ha.register_bi_attention()          # engines register it on demand; leave the process as engines expect
 
 

@@ -26,12 +26,13 @@ when triton is installed (``backend="auto"``), else the torch implementations ab
 The two backends are each batch-invariant but do not agree with each other bitwise: the rollout engine and
 the trainer must use the same one.
 
-:func:`batch_invariant_mode` registers these implementations as the CPU (and CUDA, when present) kernels of
-``aten::mm``, ``aten::addmm``, ``aten::bmm``, ``aten::_log_softmax`` and ``aten::mean.dim`` through
-``torch.library`` (as thinking-machines-lab/batch_invariant_ops does), so unmodified model code
-(``nn.Linear``, ``torch.log_softmax``, transformers' RMSNorm built on ``mean``) becomes batch-invariant.
-Autograd formulas are untouched (the override sits below the autograd key). Calls with ``out=`` keep the
-stock kernels, and so do dtypes the override does not cover (integers, complex).
+:func:`enable_batch_invariant` (a :class:`~moealign.handle.PatchHandle`, scope ``"process"``) and the context
+manager :func:`batch_invariant_mode` register these implementations as the CPU (and CUDA, when present) kernels
+of ``aten::mm``, ``aten::addmm``, ``aten::bmm``, ``aten::_grouped_mm``, ``aten::_log_softmax`` and
+``aten::mean.dim`` through ``torch.library`` (as thinking-machines-lab/batch_invariant_ops does), so
+unmodified model code (``nn.Linear``, ``torch.log_softmax``, transformers' RMSNorm built on ``mean``) becomes
+batch-invariant. Autograd formulas are untouched (the override sits below the autograd key). Calls with
+``out=`` keep the stock kernels, and so do dtypes the override does not cover (integers, complex).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES
+from .._validate import check_positive_int
 from ..errors import BatchInvariantError, InputTypeError
+from ..handle import PatchHandle
 
 __all__ = [
     "DEFAULT_ROW_TILE",
@@ -55,6 +59,7 @@ __all__ = [
     "bi_matmul",
     "bi_mean",
     "bi_rms_norm",
+    "enable_batch_invariant",
     "fixed_tree_sum",
     "is_batch_invariant_mode_enabled",
     "triton_available",
@@ -65,7 +70,6 @@ __all__ = [
 DEFAULT_ROW_TILE = 32
 
 _ALIGN_BYTES = 64
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "torch", "triton")
 
 
@@ -92,9 +96,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _check_row_tile(row_tile: int | None) -> int:
     if row_tile is None:
         return DEFAULT_ROW_TILE
-    if isinstance(row_tile, bool) or not isinstance(row_tile, int) or row_tile < 1:
-        raise BatchInvariantError(f"row_tile must be a positive int, got {row_tile!r}")
-    return row_tile
+    return check_positive_int(row_tile, "row_tile", BatchInvariantError)
 
 
 def _check_backend(backend: str) -> str:
@@ -645,33 +647,48 @@ def _install() -> torch.library.Library:
 
 
 def is_batch_invariant_mode_enabled() -> bool:
-    """True while at least one :func:`batch_invariant_mode` is entered."""
+    """True while at least one :func:`enable_batch_invariant` handle (or :func:`batch_invariant_mode`) is active."""
     return _ModeState.depth > 0
 
 
-@contextlib.contextmanager
-def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
-    """Swap batch-invariant kernels in for ``aten::mm/addmm/bmm/_log_softmax/mean.dim`` while inside.
+def _release() -> None:
+    with _ModeState.lock:
+        _ModeState.depth -= 1
+        if _ModeState.depth == 0 and _ModeState.library is not None:
+            _ModeState.library._destroy()
+            _ModeState.library = None
 
-    Process-wide (every thread sees it), reversible and re-entrant: nested modes share one
-    registration, which is removed when the outermost one exits (also on an exception). The CUDA
-    kernels are overridden too when CUDA is available (Triton kernels if triton is installed).
-    ``enabled=False`` makes it a no-op, for code that toggles the mode with a flag.
+
+def enable_batch_invariant() -> PatchHandle:
+    """Swap batch-invariant kernels in for ``aten::mm/addmm/bmm/_grouped_mm/_log_softmax/mean.dim``.
+
+    Returns a :class:`~moealign.handle.PatchHandle` (scope ``"process"``: every thread sees the kernels);
+    ``undo()`` (or leaving ``with``) releases it. Handles nest: they share one ``torch.library``
+    registration, removed when the last active handle is undone. The CUDA kernels are overridden too when
+    CUDA is available (Triton kernels if triton is installed).
     """
-    if not isinstance(enabled, bool):
-        raise InputTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    if not enabled:
-        yield
-        return
     with _ModeState.lock:
         if _ModeState.depth == 0:
             _ModeState.library = _install()
         _ModeState.depth += 1
-    try:
-        yield
-    finally:
-        with _ModeState.lock:
-            _ModeState.depth -= 1
-            if _ModeState.depth == 0 and _ModeState.library is not None:
-                _ModeState.library._destroy()
-                _ModeState.library = None
+    keys = _dispatch_keys()
+    handle = PatchHandle(f"batch-invariant aten kernels ({', '.join(_OVERRIDES)}) on {' and '.join(keys)}",
+                         "process")
+    handle.add_callback(_release, f"torch.library aten IMPL ({', '.join(keys)})")
+    return handle
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(enabled: bool = True) -> Iterator[PatchHandle | None]:
+    """:func:`enable_batch_invariant` while inside (undone on exit, also on an exception); yields the handle.
+
+    Re-entrant: nested modes share one registration, removed when the outermost one exits.
+    ``enabled=False`` makes it a no-op (yields None), for code that toggles the mode with a flag.
+    """
+    if not isinstance(enabled, bool):
+        raise InputTypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    if not enabled:
+        yield None
+        return
+    with enable_batch_invariant() as handle:
+        yield handle

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES
+from .._validate import check_positive_int
 from ..errors import InputTypeError
 from .batch_invariant import BatchInvariantError, fixed_tree_sum
 
@@ -37,8 +39,6 @@ __all__ = ["DEFAULT_QUERY_CHUNK", "bi_attention"]
 
 #: Queries per chunk of the ``[B, H, Q, K, D]`` intermediates (memory only; values do not depend on it).
 DEFAULT_QUERY_CHUNK = 64
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_inputs(query, key, value, mask) -> tuple[int, int, int, int, int]:
@@ -80,8 +80,7 @@ def bi_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     of that row, in order: not of the batch, the padding side, nor the key length.
     """
     B, H, Hkv, Q, K = _check_inputs(query, key, value, mask)
-    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-        raise BatchInvariantError(f"query_chunk must be a positive int, got {query_chunk!r}")
+    check_positive_int(query_chunk, "query_chunk", BatchInvariantError)
     D = query.shape[-1]
     scaling = D ** -0.5 if scaling is None else float(scaling)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32

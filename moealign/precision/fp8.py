@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import EngineError, InputError, InputTypeError
+from ..handle import PatchHandle
 
 __all__ = [
     "FP8_DTYPES",
@@ -255,34 +256,29 @@ class Fp8FakeQuantLinear(torch.nn.Linear):
         return F.linear(x, cfg.quant_weight(self.weight), self.bias)
 
 
-class FakeQuantHandle:
-    """The hooks :func:`fake_quant_fp8_` installed; ``undo()`` removes them (the model is as before)."""
+class FakeQuantHandle(PatchHandle):
+    """The hooks :func:`fake_quant_fp8_` installed (a :class:`~moealign.handle.PatchHandle`, scope
+    ``"instance"``); ``undo()`` removes them (the model is as before). ``modules`` maps each quantised
+    module's qualified name to its quantised weight names."""
 
-    def __init__(self, config: Fp8FakeQuantConfig):
+    def __init__(self, config: Fp8FakeQuantConfig, target: str = "fp8 fake-quant"):
+        super().__init__(target, "instance")
         self.config = config
         self.modules: dict[str, list[str]] = {}     # qualified module name -> quantised weight names
-        self._handles: list = []
-        self._shadowed: list[tuple[torch.nn.Module, list[str]]] = []
 
-    def undo(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for module, names in self._shadowed:
+    def _quantise(self, name: str, module: torch.nn.Module, names: list[str]) -> None:
+        """Mark ``module``, hook it, and register the undo of both (unmark, drop any shadowed weight)."""
+        module.__dict__[_MARK] = True
+
+        def unmark() -> None:
             for n in names:
                 module.__dict__.pop(n, None)
             module.__dict__.pop(_MARK, None)
-        self._shadowed.clear()
 
-    def __enter__(self) -> "FakeQuantHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
+        self.add_callback(unmark)
+        self.modules[name] = names
+        self.add_hook(module.register_forward_pre_hook(_pre_hook(self.config, names)), f"{name or '<root>'}")
+        self.add_hook(module.register_forward_hook(_post_hook(names), always_call=True))
 
 
 _MARK = "_moealign_fp8_fake_quant"
@@ -319,6 +315,7 @@ def fake_quant_fp8_(model: torch.nn.Module, config: Fp8FakeQuantConfig = Fp8Fake
     if not isinstance(config, Fp8FakeQuantConfig):
         raise InputTypeError(f"config must be an Fp8FakeQuantConfig, got {type(config).__name__}")
     handle = FakeQuantHandle(config)
+    kinds: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, Fp8FakeQuantLinear) or not config.selects(name, module):
             continue
@@ -328,11 +325,10 @@ def fake_quant_fp8_(model: torch.nn.Module, config: Fp8FakeQuantConfig = Fp8Fake
         if module.__dict__.get(_MARK):
             handle.undo()
             raise EngineError(f"module {name!r} is already fake-quantised (undo the earlier fake_quant_fp8_ first)")
-        module.__dict__[_MARK] = True
-        handle.modules[name] = names
-        handle._handles.append(module.register_forward_pre_hook(_pre_hook(config, names)))
-        handle._handles.append(module.register_forward_hook(_post_hook(names), always_call=True))
-        handle._shadowed.append((module, names))
+        handle._quantise(name, module, names)
+        kinds.add(type(module).__name__)
     if not handle.modules:
         raise InputError("fake_quant_fp8_ found no module to quantise (check config.skip / config.filter)")
+    what = f"{next(iter(kinds))} modules" if len(kinds) == 1 else f"modules ({', '.join(sorted(kinds))})"
+    handle.target = f"fp8 {config.fmt} fake-quant on {len(handle.modules)} {what} of {type(model).__name__}"
     return handle

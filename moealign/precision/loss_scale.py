@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .._validate import check_positive_int
 from ..errors import EngineError, InputError
 
 __all__ = ["DynamicLossScaler", "has_overflow"]
@@ -46,10 +47,8 @@ class DynamicLossScaler:
             raise InputError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0 < backoff_factor < 1:
             raise InputError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise InputError(f"growth_interval must be a positive int, got {growth_interval!r}")
-        if not (isinstance(hysteresis, int) and hysteresis >= 1):
-            raise InputError(f"hysteresis must be a positive int, got {hysteresis!r}")
+        check_positive_int(growth_interval, "growth_interval", InputError)
+        check_positive_int(hysteresis, "hysteresis", InputError)
         if min_scale > max_scale:
             raise InputError(f"min_scale {min_scale} exceeds max_scale {max_scale}")
         self.loss_scale = float(min(max(initial_scale, min_scale), max_scale))

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._validate import POLICY_DTYPES as _FLOAT_DTYPES
 from ..errors import ConfigError, EngineError, InputTypeError, UnknownPolicyError
 
 __all__ = [
@@ -65,8 +66,6 @@ __all__ = [
 # module roles a policy can override (the transformers side resolves them to module names)
 ROUTER = "router"
 LM_HEAD = "lm_head"
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)

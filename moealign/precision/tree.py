@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._validate import check_positive_int
 from ..errors import EngineError, InputError, InputTypeError, TreeReductionError
 
 __all__ = [
@@ -115,8 +116,7 @@ def tree_reduce(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 def _check_leaf_width(leaf_width: int) -> None:
-    if not isinstance(leaf_width, int) or isinstance(leaf_width, bool) or leaf_width < 1:
-        raise TreeReductionError(f"leaf_width must be a positive integer, got {leaf_width!r}")
+    check_positive_int(leaf_width, "leaf_width", TreeReductionError, noun="integer")
 
 
 def _num_leaves(size: int, leaf_width: int, what: str) -> int:

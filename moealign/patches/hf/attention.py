@@ -1,12 +1,16 @@
 """transformers: the batch-invariant attention (:func:`moealign.precision.bi_attention.bi_attention`) as an
 attention implementation, ``attn_implementation="moealign_bi"``.
 
-:func:`register_bi_attention` adds two entries to transformers' process-wide registries: the attention
+:func:`apply_bi_attention` adds two entries to transformers' process-wide registries: the attention
 function (``AttentionInterface``) and its mask builder (``AttentionMaskInterface``, a boolean
-``[B, 1, Q, K]`` mask, True = attend, never skipped). Models loaded with
-``attn_implementation=BI_ATTENTION`` then call it from their unmodified attention modules, in the full
-forward and in every cached decode step. :func:`unregister_bi_attention` removes both entries (models still
-configured with the name would fail on their next forward). Registering twice is harmless.
+``[B, 1, Q, K]`` mask, True = attend, never skipped), and returns a :class:`~moealign.handle.PatchHandle`
+(scope ``"process"``) whose ``name`` is :data:`BI_ATTENTION`. Models loaded with
+``attn_implementation=handle.name`` then call it from their unmodified attention modules, in the full
+forward and in every cached decode step. ``handle.undo()`` puts both registries back as they were (models
+still configured with the name fail on their next forward if no entry is left). Registering twice is harmless.
+
+:func:`register_bi_attention` is the same registration for the process's lifetime (the engines of
+:mod:`moealign.mismatch` register on demand); it returns the name only.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
+from ...handle import PatchHandle
 
-__all__ = ["BI_ATTENTION", "register_bi_attention", "unregister_bi_attention", "is_bi_attention_registered"]
+__all__ = ["BI_ATTENTION", "BiAttentionHandle", "apply_bi_attention", "register_bi_attention",
+           "is_bi_attention_registered"]
 
 #: The name of the implementation in transformers' registries.
 BI_ATTENTION = "moealign_bi"
@@ -53,25 +59,34 @@ def _mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
+class BiAttentionHandle(PatchHandle):
+    """Undo handle of :func:`apply_bi_attention`; ``name`` is the ``attn_implementation`` to load models with."""
+
+    name: str = BI_ATTENTION
+
+
+def apply_bi_attention() -> BiAttentionHandle:
+    """Register the batch-invariant attention with transformers' attention and mask registries.
+
+    Returns a :class:`BiAttentionHandle` (scope ``"process"``): ``handle.name`` is :data:`BI_ATTENTION`;
+    ``handle.undo()`` restores both registry entries as they were before (removed if there was none).
+    """
+    _transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    handle = BiAttentionHandle(f"transformers attention {BI_ATTENTION!r} (AttentionInterface, "
+                               f"AttentionMaskInterface)", "process")
+    handle.set_item(AttentionInterface._global_mapping, BI_ATTENTION, _attention_forward,
+                    f"AttentionInterface[{BI_ATTENTION!r}]")
+    handle.set_item(AttentionMaskInterface._global_mapping, BI_ATTENTION, _mask,
+                    f"AttentionMaskInterface[{BI_ATTENTION!r}]")
+    return handle
+
+
 def register_bi_attention() -> str:
-    """Register the batch-invariant attention with transformers; returns its name (:data:`BI_ATTENTION`)."""
-    _transformers()
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(BI_ATTENTION, _attention_forward)
-    AttentionMaskInterface.register(BI_ATTENTION, _mask)
-    return BI_ATTENTION
-
-
-def unregister_bi_attention() -> None:
-    """Remove the entries :func:`register_bi_attention` added (no-op when absent)."""
-    _transformers()
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface._global_mapping.pop(BI_ATTENTION, None)
-    AttentionMaskInterface._global_mapping.pop(BI_ATTENTION, None)
+    """:func:`apply_bi_attention` for the rest of the process (no handle); returns the name, :data:`BI_ATTENTION`."""
+    return apply_bi_attention().name
 
 
 def is_bi_attention_registered() -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from ...handle import PatchHandle
 from ...precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
 from ...precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
@@ -61,26 +62,37 @@ def _cast_inputs_hook(dtype: torch.dtype):
     return hook
 
 
-class PrecisionHandle:
-    """What :func:`apply_precision` changed; ``undo()`` puts it back."""
+class PrecisionHandle(PatchHandle):
+    """What :func:`apply_precision` changed (a :class:`~moealign.handle.PatchHandle`, scope ``"instance"``);
+    ``undo()`` puts it back, in reverse: fake quantisation, input-cast hooks, then every parameter and buffer
+    cast back to its original dtype (the original values when applied with ``keep_original=True``)."""
 
     def __init__(self, model: torch.nn.Module, policy: PrecisionPolicy, roles: dict[str, str]):
+        super().__init__(f"precision policy {policy.name!r} on {type(model).__name__}", "instance")
         self.model = model
         self.policy = policy
         self.roles = roles
         self.fp8: FakeQuantHandle | None = None
-        self._hooks: list = []
+        self._hooks: list = []                             # the input-cast hooks (also registered to undo)
         self._dtypes: dict[str, torch.dtype] = {}          # "p:<name>" / "b:<name>" -> original dtype
         self._originals: dict[str, torch.Tensor] = {}      # same keys, with keep_original=True
+        self.add_callback(self._restore_dtypes, "parameter and buffer dtypes")
 
-    def undo(self) -> None:
-        """Remove hooks and fake quantisation; cast every parameter and buffer back to its original
-        dtype (restoring the original values when applied with ``keep_original=True``)."""
-        if self.fp8 is not None:
-            self.fp8.undo()
+    def _add_input_cast(self, name: str, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        hook = module.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
+        self._hooks.append(hook)
+        self.add_hook(hook, f"{name or '<root>'} inputs -> {dtype_name(dtype)}")
+
+    def _add_fp8(self, fp8: FakeQuantHandle) -> None:
+        self.fp8 = fp8
+
+        def undo_fp8() -> None:
+            fp8.undo()
             self.fp8 = None
-        for h in self._hooks:
-            h.remove()
+
+        self.add_callback(undo_fp8, fp8.target)
+
+    def _restore_dtypes(self) -> None:
         self._hooks.clear()
         with torch.no_grad():
             for mname, module in self.model.named_modules():
@@ -98,12 +110,6 @@ class PrecisionHandle:
                             store[name] = value
         self._dtypes.clear()
         self._originals.clear()
-
-    def __enter__(self) -> "PrecisionHandle":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
 
 
 def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, keep_original: bool = False,
@@ -151,12 +157,12 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
             continue
         module = modules[role_module]
         module.to(dtype)
-        handle._hooks.append(module.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True))
+        handle._add_input_cast(role_module, module, dtype)
     with torch.no_grad():
         for (mname, name), value in kept_buffers.items():
             modules[mname]._buffers[name] = value.to(torch.float32)
     if policy.fp8 is not None:
-        handle.fp8 = fake_quant_fp8_(model, fp8_fake_quant_config(policy, roles))
+        handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, roles)))
     return handle
 
 

@@ -8,7 +8,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ...errors import ConfigError, ReplayError
+from ...errors import ConfigError, InputTypeError, ReplayError
+from ...handle import PatchHandle
 from ...record import RolloutRecord, Sample, SamplingParams
 from ...routing_replay.routes import compact_routes
 from .model import MoEModelInfo, describe_model, record_meta
@@ -18,16 +19,19 @@ from .model import MoEModelInfo, describe_model, record_meta
 # --------------------------------------------------------------------------------------------------
 
 
-class RouteCapture:
+class RouteCapture(PatchHandle):
     """Router decisions seen through forward hooks: ``calls[i]`` is the list of ``[rows, k]`` int64 ids
-    of MoE layer ``i`` (index into ``info.moe_layers``), one entry per router call."""
+    of MoE layer ``i`` (index into ``info.moe_layers``), one entry per router call.
+
+    A :class:`~moealign.handle.PatchHandle` (scope ``"instance"``): :meth:`attach` adds one forward hook per
+    router, ``undo()`` removes them (what was captured stays readable)."""
 
     def __init__(self, info: MoEModelInfo, keep_logits: bool = False):
+        super().__init__(f"route capture on {len(info.routers)} {info.family.model_type} routers", "instance")
         self.info = info
         self.keep_logits = keep_logits
         self.calls: list[list[torch.Tensor]] = [[] for _ in info.routers]
         self.logits: list[list[torch.Tensor]] = [[] for _ in info.routers]
-        self._handles = []
 
     def _hook(self, index: int):
         def hook(module, args, output):
@@ -37,14 +41,9 @@ class RouteCapture:
         return hook
 
     def attach(self) -> "RouteCapture":
-        for index, (_, module) in enumerate(self.info.routers):
-            self._handles.append(module.register_forward_hook(self._hook(index)))
+        for index, (layer, module) in enumerate(self.info.routers):
+            self.add_hook(module.register_forward_hook(self._hook(index)), f"router of layer {layer}")
         return self
-
-    def undo(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def clear(self) -> None:
         for lst in self.calls + self.logits:
@@ -146,21 +145,47 @@ class _KeptSetCapture:
         return out
 
 
-@contextlib.contextmanager
-def _append_logits_processor(model, processor) -> Iterator[None]:
-    """Make ``processor`` the last logits processor of ``model.generate`` (instance-level, undone on exit)."""
-    original = type(model)._get_logits_processor
+def _append_logits_processor(model, processor) -> PatchHandle:
+    """Make ``processor`` the last logits processor of ``model.generate`` (instance-level ``set_attr`` of
+    ``_get_logits_processor``; a :class:`~moealign.handle.PatchHandle`, undone on ``undo()`` or ``with`` exit)."""
+    original = model._get_logits_processor     # bound: the class's, or one the instance already had
 
     def _get_logits_processor(*args, **kwargs):
-        processors = original(model, *args, **kwargs)
+        processors = original(*args, **kwargs)
         processors.append(processor)
         return processors
 
-    model._get_logits_processor = _get_logits_processor
-    try:
+    handle = PatchHandle(f"{type(processor).__name__} appended to {type(model).__name__}.generate's logits "
+                         f"processors", "instance")
+    handle.set_attr(model, "_get_logits_processor", _get_logits_processor)
+    return handle
+
+
+@contextlib.contextmanager
+def _sampling_rng(generator: torch.Generator, device: torch.device) -> Iterator[None]:
+    """Let ``generate()``'s sampling (``torch.multinomial`` on the default generator of ``device``) draw from
+    ``generator``: the default generator is forked, set to ``generator``'s state, and after the block
+    ``generator`` takes the advanced state back (as if sampling had drawn from it); the process's RNG states
+    (CPU and ``device``) are as before, also on an exception."""
+    if not isinstance(generator, torch.Generator):
+        raise InputTypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise ConfigError(f"generator is on {generator.device} but sampling runs on {device}; "
+                          f"pass torch.Generator(device={str(device)!r})")
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(generator.get_state())
+            yield
+            generator.set_state(torch.get_rng_state())
+        return
+    backend = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else backend.current_device()
+    if generator.device.index is not None and generator.device.index != index:
+        raise ConfigError(f"generator is on {generator.device} but sampling runs on {device.type}:{index}")
+    with torch.random.fork_rng(devices=[index], device_type=device.type):
+        backend.set_rng_state(generator.get_state(), index)
         yield
-    finally:
-        del model._get_logits_processor
+        generator.set_state(backend.get_rng_state(index))
 
 
 def _response_lengths(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
@@ -183,6 +208,7 @@ def generate_with_record(
     record_routes: bool = True,
     record_kept_sets: bool = True,
     seed: int | None = None,
+    generator: torch.Generator | None = None,
     engine: str = "transformers",
     validate: bool = False,
 ) -> RolloutRecord:
@@ -192,6 +218,11 @@ def generate_with_record(
     the record). Log-probs and kept sets come from the processed scores sampling used (after
     temperature, top-k, top-p, min-p and any other processor of the generation config); routes from
     the prefill and every decode step.
+
+    Sampling draws from ``generator`` (a ``torch.Generator`` on the prompts' device; it is advanced, as any
+    torch sampling function advances its generator) or, with ``seed``, from a fresh generator seeded with it
+    (the same draws as ``torch.manual_seed(seed)`` then sampling); the process's global RNG is left as it
+    was. With neither, sampling draws from (and advances) the global RNG.
     """
     info = describe_model(model)
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
@@ -205,6 +236,10 @@ def generate_with_record(
                          "set tokenizer.padding_side = 'left'")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if seed is not None and generator is not None:
+        raise ConfigError("pass seed or generator, not both")
+    if seed is not None:
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     gen_cfg = model.generation_config
     if eos_token_id is None:
         eos_token_id = gen_cfg.eos_token_id
@@ -214,11 +249,11 @@ def generate_with_record(
 
     S0 = input_ids.shape[1]
     kept = _KeptSetCapture(S0, KEPT_SET_FLUSH_BYTES)
-    if seed is not None:
-        torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
         stack.enter_context(_append_logits_processor(model, kept))
+        if generator is not None:
+            stack.enter_context(_sampling_rng(generator, input_ids.device))
         with torch.no_grad():
             sequences = model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, do_sample=True,

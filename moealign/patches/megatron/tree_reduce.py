@@ -17,15 +17,16 @@ from ...precision.tree import (
     tree_reduce_scatter,
     vocab_parallel_logprob_tree,
 )
-from .._handle import AttributePatches
+from ...handle import PatchHandle
 from .._version import UnsupportedEngineError, check_engine_version, engine_version
 
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 SUPPORTED_VLLM = ">=0.8,<0.34"
 
 
-class TreeReducePatch(AttributePatches):
-    """Undo handle of the patches in this module (also a context manager); ``patched`` names what was swapped."""
+class TreeReducePatch(PatchHandle):
+    """Undo handle of the patches in this module (a :class:`~moealign.handle.PatchHandle`); ``patched`` names
+    what was swapped."""
 
 
 def _require_attr(owner, name: str, where: str):
@@ -103,9 +104,10 @@ def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DE
                                      f"multiple of leaf_width={leaf_width}")
         if world & (world - 1):
             raise TreeReductionError(f"RowParallelLinear {label!r}: TP size {world} is not a power of two")
-    handle = TreeReducePatch()
+    handle = TreeReducePatch(f"TP-invariant tree forward on {len(targets)} RowParallelLinear of "
+                             f"{type(module).__name__} (leaf_width={leaf_width})", "instance")
     for name, layer in targets:
-        handle._set(layer, "forward", _row_parallel_tree_forward(layer, leaf_width, algorithm),
+        handle.set_attr(layer, "forward", _row_parallel_tree_forward(layer, leaf_width, algorithm),
                     f"RowParallelLinear {name or '<root>'}")
     return handle
 
@@ -128,9 +130,10 @@ def patch_megatron_vocab_parallel_cross_entropy(*, leaf_width: int = DEFAULT_LEA
             raise ConfigError(f"the tree vocab-parallel cross-entropy has no label smoothing (got {label_smoothing})")
         return -vocab_parallel_logprob_tree(vocab_parallel_logits, target, get_group(), leaf_width=leaf_width)
 
-    handle = TreeReducePatch()
-    handle._set(ce_mod, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
-                "tensor_parallel.cross_entropy.vocab_parallel_cross_entropy")
-    handle._set(tp_pkg, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
-                "tensor_parallel.vocab_parallel_cross_entropy")
+    handle = TreeReducePatch(f"megatron vocab_parallel_cross_entropy -> tree version (leaf_width={leaf_width})",
+                             "module")
+    handle.set_attr(ce_mod, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
+                    "tensor_parallel.cross_entropy.vocab_parallel_cross_entropy")
+    handle.set_attr(tp_pkg, "vocab_parallel_cross_entropy", tree_vocab_parallel_cross_entropy,
+                    "tensor_parallel.vocab_parallel_cross_entropy")
     return handle

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import torch
 
 from ...errors import EngineError
-from .._handle import AttributePatches
+from ...handle import PatchHandle
 from .version import megatron_version
 
 # --------------------------------------------------------------------------------------------------
@@ -15,8 +15,8 @@ from .version import megatron_version
 # --------------------------------------------------------------------------------------------------
 
 
-class MegatronCPUMode(AttributePatches):
-    """Undo handle of :func:`enable_megatron_cpu` (also a context manager)."""
+class MegatronCPUMode(PatchHandle):
+    """Undo handle of :func:`enable_megatron_cpu` (a :class:`~moealign.handle.PatchHandle`, scope ``"module"``)."""
 
 
 def enable_megatron_cpu() -> MegatronCPUMode:
@@ -34,60 +34,84 @@ def enable_megatron_cpu() -> MegatronCPUMode:
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
-    mode = MegatronCPUMode()
-    mode._set(torch.cuda, "current_device", lambda: "cpu")
-    mode._set(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
-    mode._set(torch.cuda, "manual_seed", lambda seed: None)
-    mode._set(mrandom, "_get_cuda_rng_state",
-              lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
-    mode._set(mrandom, "_set_cuda_rng_state",
-              lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    mode = MegatronCPUMode("Megatron-core CPU mode (torch.cuda RNG/device, tensor_parallel.random, moe_utils)",
+                           "module")
+    mode.set_attr(torch.cuda, "current_device", lambda: "cpu")
+    mode.set_attr(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    mode.set_attr(torch.cuda, "manual_seed", lambda seed: None)
+    mode.set_attr(mrandom, "_get_cuda_rng_state",
+                  lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    mode.set_attr(mrandom, "_set_cuda_rng_state",
+                  lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
                  "fused_moe_aux_loss"):
         if not hasattr(moe_utils, name):
-            mode._set(moe_utils, name, None)
+            mode.set_attr(moe_utils, name, None)
     return mode
 
 
-@dataclass
-class MegatronWorld:
-    """Undo handle of :func:`init_single_process`: tears down only what it set up."""
+class MegatronWorld(PatchHandle):
+    """Undo handle of :func:`init_single_process` (scope ``"process"``): ``undo()`` tears down only what it set
+    up, in reverse (``parallel_state``, the process group, its rendezvous file, the CPU mode)."""
 
-    cpu_mode: MegatronCPUMode | None = None
-    owns_process_group: bool = False
-    owns_parallel_state: bool = False
-    init_file: str | None = None
+    def __init__(self, target: str = "one-process Megatron world", scope: str = "process"):
+        super().__init__(target, scope)
+        self.cpu_mode: MegatronCPUMode | None = None
+        self.owns_process_group = False
+        self.owns_parallel_state = False
+        self.init_file: str | None = None
 
     def close(self) -> None:
-        import os
+        """Same as :meth:`undo` (:mod:`moealign.mismatch.engines` closes its world with it)."""
+        self.undo()
 
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+    def _adopt_cpu_mode(self, mode: MegatronCPUMode) -> None:
+        self.cpu_mode = mode
 
-        if self.owns_parallel_state:
-            parallel_state.destroy_model_parallel()
-            self.owns_parallel_state = False
-        if self.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self.owns_process_group = False
-        if self.init_file and os.path.exists(self.init_file):
-            os.unlink(self.init_file)
-        if self.cpu_mode is not None:
-            self.cpu_mode.undo()
+        def undo_cpu_mode() -> None:
+            mode.undo()
             self.cpu_mode = None
 
-    def __enter__(self) -> "MegatronWorld":
-        return self
+        self.add_callback(undo_cpu_mode, mode.target)
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _adopt_init_file(self, path: str) -> None:
+        self.init_file = path
+
+        def remove_init_file() -> None:
+            if os.path.exists(path):
+                os.unlink(path)
+
+        self.add_callback(remove_init_file, f"rendezvous file {path}")
+
+    def _adopt_process_group(self, backend: str) -> None:
+        import torch.distributed as dist
+
+        self.owns_process_group = True
+
+        def destroy_process_group() -> None:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_process_group = False
+
+        self.add_callback(destroy_process_group, f"torch.distributed process group ({backend}, world size 1)")
+
+    def _adopt_parallel_state(self) -> None:
+        from megatron.core import parallel_state
+
+        self.owns_parallel_state = True
+
+        def destroy_model_parallel() -> None:
+            parallel_state.destroy_model_parallel()
+            self.owns_parallel_state = False
+
+        self.add_callback(destroy_model_parallel, "megatron parallel_state (TP = PP = CP = EP = 1)")
 
 
 def init_single_process(seed: int = 1234) -> MegatronWorld:
     """A one-process Megatron world (TP = PP = CP = EP = 1) for the mismatch harness and benchmarks.
 
     On CPU it enables :func:`enable_megatron_cpu` and a gloo process group; on CUDA, NCCL. An already
-    initialised process group or ``parallel_state`` is used as it is (and left alone by ``close()``).
+    initialised process group or ``parallel_state`` is used as it is (and left alone by ``undo()``).
     """
     import tempfile
 
@@ -97,24 +121,23 @@ def init_single_process(seed: int = 1234) -> MegatronWorld:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    world = MegatronWorld()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    world = MegatronWorld(f"one-process Megatron world ({'CUDA, nccl' if backend == 'nccl' else 'CPU mode, gloo'})")
     try:
         if not torch.cuda.is_available():
-            world.cpu_mode = enable_megatron_cpu()
+            world._adopt_cpu_mode(enable_megatron_cpu())
         if not dist.is_initialized():
-            fd, world.init_file = tempfile.mkstemp(prefix="moealign-dist-")
-            import os
-
+            fd, init_file = tempfile.mkstemp(prefix="moealign-dist-")
             os.close(fd)
-            os.unlink(world.init_file)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                    init_method=f"file://{world.init_file}", rank=0, world_size=1)
-            world.owns_process_group = True
+            os.unlink(init_file)
+            world._adopt_init_file(init_file)
+            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=0, world_size=1)
+            world._adopt_process_group(backend)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-            world.owns_parallel_state = True
+            world._adopt_parallel_state()
         model_parallel_cuda_manual_seed(seed)
     except BaseException:
-        world.close()
+        world.undo()
         raise
     return world

@@ -10,15 +10,16 @@ from ...errors import InputTypeError
 from ...precision.tree import (
     tree_all_reduce,
 )
-from .._handle import AttributePatches
+from ...handle import PatchHandle
 from .._version import UnsupportedEngineError, check_engine_version, engine_version
 
 SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 SUPPORTED_VLLM = ">=0.8,<0.34"
 
 
-class TreeReducePatch(AttributePatches):
-    """Undo handle of the patches in this module (also a context manager); ``patched`` names what was swapped."""
+class TreeReducePatch(PatchHandle):
+    """Undo handle of the patches in this module (a :class:`~moealign.handle.PatchHandle`); ``patched`` names
+    what was swapped."""
 
 
 def _require_attr(owner, name: str, where: str):
@@ -56,13 +57,16 @@ def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
     if params != ["self", "input_"]:
         raise UnsupportedEngineError(f"vllm GroupCoordinator._all_reduce_out_place{tuple(params)} has a signature "
                                      "this patch was not written for, nothing was patched")
-    handle = TreeReducePatch()
     if group_coordinator is None:
-        handle._set(cls, "_all_reduce_out_place", _tree_all_reduce_out_place, "GroupCoordinator (class)")
+        handle = TreeReducePatch("vLLM GroupCoordinator._all_reduce_out_place -> tree all-reduce (every group)",
+                                 "class")
+        handle.set_attr(cls, "_all_reduce_out_place", _tree_all_reduce_out_place, "GroupCoordinator (class)")
     else:
         if not isinstance(group_coordinator, cls):
             raise InputTypeError(f"expected a vllm GroupCoordinator, got {type(group_coordinator).__name__}")
         _require_attr(group_coordinator, "device_group", "vllm GroupCoordinator instance")
-        handle._set(group_coordinator, "_all_reduce_out_place",
+        handle = TreeReducePatch(f"vLLM all-reduce -> tree all-reduce on GroupCoordinator "
+                                 f"{getattr(group_coordinator, 'unique_name', '?')!r}", "instance")
+        handle.set_attr(group_coordinator, "_all_reduce_out_place",
                     _tree_all_reduce_out_place.__get__(group_coordinator), "GroupCoordinator (instance)")
     return handle
