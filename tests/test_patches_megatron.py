@@ -422,7 +422,8 @@ def test_driver_implements_the_protocol(megatron_cpu):
 
     with mg.replay_routing(megatron_cpu) as driver:
         assert isinstance(driver, RoutingReplayAdapter)
-        assert "RouterReplayDriver(megatron GPTModel" in repr(driver) and "active" in repr(driver)
+        assert "RouterReplayDriver(Megatron RouterReplay of 2 routers [0, 1] of GPTModel" in repr(driver)
+        assert "scope=module, active" in repr(driver)
     assert "undone" in repr(driver)
     driver.undo()                                                    # idempotent
 

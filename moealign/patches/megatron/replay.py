@@ -26,8 +26,14 @@ from typing import Iterator
 import torch
 
 from ...errors import ReplayConfigError, ReplayError
+from ...handle import PatchHandle
 from ...routing_replay.layouts import local_route_rows, packed_source_rows
-from ...routing_replay.protocol import ReplayBatch, ReplayCounters, check_aux_loss_mode, check_row_tokens
+from ...routing_replay.protocol import (
+    ReplayBatch,
+    ReplayCounters,
+    check_aux_loss_mode,
+    check_row_tokens,
+)
 from ...routing_replay.routes import RouteError, validate_routes
 from .._version import UnsupportedEngineError
 from .audit import audit_replay_config
@@ -76,7 +82,7 @@ def _parallel_layout(config) -> dict:
                 sp_size=tp_size if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
 
 
-class RouterReplayDriver:
+class RouterReplayDriver(PatchHandle):
     """Drive Megatron's RouterReplay for one model.
 
     ``set_routes(batch)`` takes a :class:`~moealign.routing_replay.protocol.ReplayBatch` (padded: row =
@@ -113,26 +119,25 @@ class RouterReplayDriver:
         if nested:
             raise ReplayError(f"routers of layers {nested} are already driven by another RouterReplayDriver; nested "
                               f"drivers on one model are refused (undo the other one first)")
+        PatchHandle.__init__(self, f"Megatron RouterReplay of {len(self.routers)} routers {list(self.moe_layers)} of "
+                             f"{type(model).__name__}, aux_loss={aux_loss!r}",
+                             scope="instance" if aux_loss == "own" else "module")
         self.counters = ReplayCounters(self.moe_layers)
-        self._originals = []
         self._rows = None
         self._expected_tokens: torch.Tensor | None = None
         self._expected_mask: torch.Tensor | None = None
         self._sp: tuple[int, int] = (1, 0)
-        self._active = True
-        for index, (_, router) in enumerate(self.routers):
-            self._wrap(index, router.router_replay)
-        self._aux_patch = self._patch_aux_scores() if aux_loss != "own" else None
-        self._token_hook = model.register_forward_pre_hook(self._check_tokens_hook, with_kwargs=True)
-
-    def __repr__(self) -> str:
-        state = "active" if self._active else "undone"
-        return (f"RouterReplayDriver(megatron {type(self.model).__name__}: {len(self.routers)} routers "
-                f"{list(self.moe_layers)}, aux_loss={self.aux_loss!r}, scope=instance, {state})")
-
-    @property
-    def active(self) -> bool:
-        return self._active
+        self.add_callback(self.clear)                       # undone last: empty this driver's targets and FIFOs
+        try:
+            for index, (layer, router) in enumerate(self.routers):
+                self._wrap(index, layer, router.router_replay)
+            if aux_loss != "own":
+                self._patch_aux_scores()
+            self._token_hook = self.add_hook(model.register_forward_pre_hook(self._check_tokens_hook, with_kwargs=True),
+                          f"{type(model).__name__} forward pre-hook (token check)")
+        except BaseException:
+            self.undo()
+            raise
 
     def _check_tokens_hook(self, module, args, kwargs):
         """Forward pre-hook: the tokens the model runs, in router row order, must be the batch's."""
@@ -183,9 +188,15 @@ class RouterReplayDriver:
         wrapper = compute_routing_scores_for_aux_loss
         wrapper.active = True
         router_mod.compute_routing_scores_for_aux_loss = wrapper
-        return router_mod, original, wrapper
 
-    def _wrap(self, index: int, replay) -> None:
+        def restore() -> None:
+            wrapper.active = False            # a pass-through if another driver wrapped it after us
+            if router_mod.compute_routing_scores_for_aux_loss is wrapper:
+                router_mod.compute_routing_scores_for_aux_loss = original
+
+        self.add_callback(restore, "megatron.core.transformer.moe.router.compute_routing_scores_for_aux_loss")
+
+    def _wrap(self, index: int, layer: int, replay) -> None:
         original = replay.get_replay_topk
 
         def get_replay_topk(scores, topk, *args, **kwargs):
@@ -204,8 +215,7 @@ class RouterReplayDriver:
             self._last_replayed = top_indices if replaying else None
             return probs, top_indices
 
-        replay.get_replay_topk = get_replay_topk
-        self._originals.append(replay)
+        self.set_attr(replay, "get_replay_topk", get_replay_topk, f"RouterReplay.get_replay_topk (layer {layer})")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -230,7 +240,7 @@ class RouterReplayDriver:
         if not isinstance(batch, ReplayBatch):
             raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
                              f".packed), got {type(batch).__name__}")
-        if not self._active:
+        if not self.active:
             raise ReplayError("this driver was undone; build a new one with replay_routing(model)")
         cols = batch.layer_columns(self.moe_layers)
         k = int(self.routers[0][1].topk)
@@ -307,29 +317,6 @@ class RouterReplayDriver:
             router.router_replay.clear_indices()
         self._rows = None
         self._expected_tokens = self._expected_mask = None
-
-    def undo(self) -> None:
-        """Restore Megatron's RouterReplay methods and the aux-loss function; idempotent."""
-        if not self._active:
-            return
-        self._active = False
-        self._token_hook.remove()
-        self.clear()
-        for replay in self._originals:
-            replay.__dict__.pop("get_replay_topk", None)
-        self._originals.clear()
-        if self._aux_patch is not None:
-            module, original, wrapper = self._aux_patch
-            wrapper.active = False            # a pass-through if another driver wrapped it after us
-            if module.compute_routing_scores_for_aux_loss is wrapper:
-                module.compute_routing_scores_for_aux_loss = original
-            self._aux_patch = None
-
-    def __enter__(self) -> "RouterReplayDriver":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
 
 
 def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *, aux_loss: str = "warn",
