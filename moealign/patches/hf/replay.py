@@ -106,7 +106,9 @@ class RoutingReplay:
             raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{k}")
         routes = batch.routes[:, cols]
         mask = batch.route_mask
-        validate_routes(routes[mask.to(routes.device)], E, name="replay routes")
+        # unrouted rows may hold anything: check a copy with valid ids there, so errors name the batch row
+        filler = torch.arange(k, dtype=routes.dtype, device=routes.device)
+        validate_routes(torch.where(mask.to(routes.device)[:, None, None], routes, filler), E, name="replay routes")
         device = self.info.routers[0][1].weight.device
         ids = routes.to(device=device, dtype=torch.int64)
         self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
