@@ -10,6 +10,10 @@ Conventions: bitwise claims use ``torch.equal`` and come with a negative control
 comparison failing where it must; "restored" means nothing is left in an instance ``__dict__`` and
 every module's hook dictionaries have the keys they had before (transformers installs its own
 output-capturing hooks on the routers at a model's first forward, so "no hook at all" would be wrong).
+
+Replays go through the routing-replay protocol: routes travel in a ``ReplayBatch`` with the tokens they
+were laid out for (helper :func:`rb`), and padding positions are never routed - so a test that replays
+other ids on a padded batch compares the attended rows only (padding rows keep the router's own choice).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import sys
+import warnings
 
 import pytest
 import torch
@@ -25,12 +30,14 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from moealign.errors import ConfigError, ReplayError  # noqa: E402
 from moealign.patches import (
     UnsupportedEngineError,  # noqa: E402
     hf,  # noqa: E402
 )
 from moealign.record import RecordMismatchError, SamplingParams  # noqa: E402
 from moealign.routing_replay.gates import RouterScoring, load_balancing_loss  # noqa: E402
+from moealign.routing_replay.protocol import ReplayBatch, RoutingReplayAdapter  # noqa: E402
 from moealign.routing_replay.routes import RouteError  # noqa: E402
 from moealign.routing_replay.sampling_mask import (  # noqa: E402
     kept_logprob,
@@ -157,6 +164,25 @@ def left_padded_prompts(seed=1, lengths=(7, 4, 2)):
         ids[b, T - L:] = torch.randint(3, VOCAB, (L,), generator=g)
         am[b, T - L:] = 1
     return ids, am
+
+
+def rb(routes, ids, am=None, mask=None, *, layers=(0, 1)):
+    """A padded :class:`ReplayBatch`: ``routes`` ``[B*T, n_layers, k]`` laid out for ``ids`` ``[B, T]``;
+    ``am`` defaults to all ones, ``mask`` (the routed rows) to every attended position."""
+    am = torch.ones_like(ids) if am is None else am
+    return ReplayBatch.padded(routes, input_ids=ids, attention_mask=am, moe_layers=layers, route_mask=mask)
+
+
+def direct(model, routes, shape):
+    """An attached replay for calling a router module directly (no model forward to check the tokens):
+    ``routes`` ``[rows, n_layers, k]`` for a hidden-state batch of ``shape`` ``(B, T)``."""
+    replay = hf.replay_routing(model)
+    try:
+        replay.set_routes(rb(routes, torch.full(shape, 5, dtype=torch.int64)), check_tokens=False)
+    except BaseException:
+        replay.undo()
+        raise
+    return replay
 
 
 def independent_aux(router_logits, ids_per_layer, mask=None):
@@ -415,11 +441,13 @@ def test_record_then_replay_reproduces_rollout_logprobs(models, family):
     ids, am = left_padded_prompts(seed=9)
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     rec = hf.generate_with_record(model, ids, am, sampling=sampling, max_new_tokens=6, seed=2)
-    batch = rec.to_padded("right")
-    routes, mask = rec.routes_int64("padded")
-    with torch.no_grad(), hf.replay_routing(model, routes, mask) as replay, hf.capture_routes(model) as cap:
-        out = model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        replay.check(forwards=1)
+    batch = rec.replay_batch("padded", side="right")
+    routes, mask = batch.routes, batch.route_mask
+    assert batch.padding_side == "right" and torch.equal(batch.input_ids, rec.to_padded("right").input_ids)
+    with torch.no_grad(), hf.replay_routing(model, batch) as replay, hf.capture_routes(model) as cap:
+        with replay.forward():
+            out = model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        replay.check(calls=1)
     seen = cap.last_forward()
     assert torch.equal(seen[mask], routes[mask])
     B, Tn = batch.input_ids.shape
@@ -440,22 +468,26 @@ def test_identity_replay_is_bitwise(models, family):
     model = models[family]
     ids, am = padded_batch()
     own, ref = native_routes(model, ids, attention_mask=am, output_router_logits=True)
+    real = am.reshape(-1).bool()
     hooks = hook_state(model)
-    with torch.no_grad(), hf.replay_routing(model, own) as replay:
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
         out = model(ids, attention_mask=am, use_cache=False, output_router_logits=True)
-        replay.check(forwards=1)
+        replay.check(calls=1)
     assert torch.equal(out.logits, ref.logits)
     assert len(out.router_logits) == len(ref.router_logits) == 2
     assert all(torch.equal(x, y) for x, y in zip(out.router_logits, ref.router_logits))
     assert torch.equal(out.aux_loss, ref.aux_loss)                           # the recomputed aux loss too
     assert_restored(model, hooks)
-    # negative control: other ids change the logits, and the routers really took exactly those ids
+    # negative control: other ids change the logits, and the routers really took exactly those ids on the
+    # routed (attended) rows; padding rows keep the router's own choice (layer 0: the unreplayed model's)
     target = rotated(own)
-    with torch.no_grad(), hf.replay_routing(model, target), hf.capture_routes(model) as cap:
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am)), hf.capture_routes(model) as cap:
         out2 = model(ids, attention_mask=am, use_cache=False)
     assert not torch.allclose(out2.logits, ref.logits, atol=1e-3)
-    assert torch.equal(cap.last_forward(), target)
-    assert not torch.equal(as_sets(cap.last_forward()), as_sets(own))
+    seen = cap.last_forward()
+    assert torch.equal(seen[real], target[real])
+    assert not torch.equal(as_sets(seen[real]), as_sets(own[real]))
+    assert (~real).any() and torch.equal(seen[~real, 0], own[~real, 0])
 
 
 @pytest.mark.parametrize("family_name", ["qwen3_moe", "mixtral"])
@@ -465,12 +497,12 @@ def test_identity_replay_is_bitwise_in_bf16(models, family_name):
     model = copy.deepcopy(models[family_name]).to(torch.bfloat16)
     ids, am = padded_batch()
     own, ref = native_routes(model, ids, attention_mask=am, output_router_logits=True)
-    with torch.no_grad(), hf.replay_routing(model, own):
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)):
         out = model(ids, attention_mask=am, use_cache=False, output_router_logits=True)
     assert out.logits.dtype == torch.bfloat16
     assert torch.equal(out.logits, ref.logits)
     assert all(torch.equal(x, y) for x, y in zip(out.router_logits, ref.router_logits))
-    with torch.no_grad(), hf.replay_routing(model, rotated(own)):
+    with torch.no_grad(), hf.replay_routing(model, rb(rotated(own), ids, am)):
         moved = model(ids, attention_mask=am, use_cache=False)
     assert not torch.equal(moved.logits, ref.logits)
 
@@ -479,19 +511,20 @@ def test_identity_replay_is_bitwise_in_bf16(models, family_name):
 def test_replayed_router_matches_native_router(models, family, dtype):
     """Called directly, a patched router returns the native router's logits, weights (values and dtype:
     fp32 for Mixtral, the logits' dtype otherwise) and ids at the native ids; at other ids the weights are
-    the family's softmax probabilities gathered there (renormalised for Mixtral)."""
+    the family's softmax probabilities gathered there (renormalised for Mixtral). A router called directly
+    needs ``set_routes(..., check_tokens=False)``: by default it must run inside a checked model forward."""
     model = models[family] if dtype == torch.float32 else copy.deepcopy(models[family]).to(dtype)
     router = router_modules(model)[0]
     h = torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype)
     with torch.no_grad():
         native_logits, native_w, native_ids = router(h)
-    with torch.no_grad(), hf.replay_routing(model, native_ids.reshape(-1, 1, K).expand(-1, 2, -1)):
+    with torch.no_grad(), direct(model, native_ids.reshape(-1, 1, K).expand(-1, 2, -1), (2, 5)):
         logits, w, ids = router(h)
     assert torch.equal(logits, native_logits) and torch.equal(ids, native_ids)
     assert w.dtype == native_w.dtype and torch.equal(w, native_w)
     assert w.dtype == (torch.float32 if family == "mixtral" else dtype)
     other = rotated(native_ids, 3)
-    with torch.no_grad(), hf.replay_routing(model, other.reshape(-1, 1, K).expand(-1, 2, -1)):
+    with torch.no_grad(), direct(model, other.reshape(-1, 1, K).expand(-1, 2, -1), (2, 5)):
         _, w2, ids2 = router(h)
     assert torch.equal(ids2, other)
     want = native_logits.float().softmax(-1).gather(1, other)
@@ -499,6 +532,12 @@ def test_replayed_router_matches_native_router(models, family, dtype):
         want = want / want.sum(-1, keepdim=True)
     torch.testing.assert_close(w2.float(), want, atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=1e-2)
     assert not torch.allclose(w2.float(), native_w.float())
+    # with the token check on (the default), a router run outside the model's forward is refused
+    batch = rb(other.reshape(-1, 1, K).expand(-1, 2, -1), torch.full((2, 5), 5, dtype=torch.int64))
+    with torch.no_grad(), hf.replay_routing(model, batch) as replay:
+        with pytest.raises(ReplayError, match="a router ran outside a checked forward"):
+            router(h)
+        assert [c.calls for c in replay.counters.counts] == [0, 0]
 
 
 def test_padded_and_packed_replay_agree(models, family):
@@ -513,19 +552,23 @@ def test_padded_and_packed_replay_agree(models, family):
     packed_ids = ids[am.bool()][None]
     position_ids = torch.cat([torch.arange(L) for L in lengths])[None]
     target_packed = target_padded[real]
+    packed = ReplayBatch.packed(target_packed, input_ids=packed_ids[0], cu_seqlens=[0, *torch.tensor(lengths)
+                                                                                     .cumsum(0).tolist()],
+                                moe_layers=(0, 1))
     with torch.no_grad():
-        with hf.replay_routing(model, target_padded, real) as replay:
+        with hf.replay_routing(model, rb(target_padded, ids, am)) as replay:
+            assert rb(target_padded, ids, am).route_mask.equal(real)           # default: the attended rows
             out_pad = model(ids, attention_mask=am, use_cache=False)
-            replay.check(forwards=1)
-            assert replay.counters[0].rows_seen == 2 * T
-            assert replay.counters[0].rows_replayed == int(real.sum())
-        with hf.replay_routing(model, target_packed) as replay, hf.capture_routes(model) as cap:
+            replay.check(calls=1)
+            assert replay.counters.counts[0].calls == 1 and 2 * T > int(real.sum())
+            assert replay.counters.counts[0].rows == int(real.sum())        # replayed rows only
+        with hf.replay_routing(model, packed) as replay, hf.capture_routes(model) as cap:
             out_pack = model(packed_ids, position_ids=position_ids, use_cache=False)
-            replay.check(forwards=1)
+            replay.check(calls=1)
         assert torch.equal(cap.last_forward(), target_packed)
         torch.testing.assert_close(out_pack.logits[0], out_pad.logits[am.bool()], atol=1e-4, rtol=1e-4)
         # negative control: without position_ids the second sample attends to the first
-        with hf.replay_routing(model, target_packed):
+        with hf.replay_routing(model, packed):
             out_bad = model(packed_ids, use_cache=False)
     assert not torch.allclose(out_bad.logits[0, lengths[0]:], out_pad.logits[1, :lengths[1]], atol=1e-3)
 
@@ -535,9 +578,11 @@ def test_route_mask_false_rows_keep_router_choice(models, family):
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
     target = rotated(own)
-    mask = torch.ones(own.shape[0], dtype=torch.bool)
-    mask[::3] = False
-    with torch.no_grad(), hf.replay_routing(model, target, mask), hf.capture_routes(model, keep_logits=True) as cap:
+    mask = am.reshape(-1).bool()                                            # routed rows: attended positions ...
+    mask[::3] = False                                                       # ... but every third
+    assert (~mask & am.reshape(-1).bool()).any()
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am, mask)), \
+            hf.capture_routes(model, keep_logits=True) as cap:
         model(ids, attention_mask=am, use_cache=False)
     seen = cap.last_forward()
     assert torch.equal(seen[mask], target[mask])
@@ -554,9 +599,12 @@ def test_gradients_reach_the_router(models, family):
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
     labels = ids.masked_fill(am == 0, -100)
-    with hf.replay_routing(model, rotated(own)):
-        out = model(ids, attention_mask=am, labels=labels, use_cache=False)
-    out.loss.backward()
+    with hf.replay_routing(model, rb(rotated(own), ids, am)) as replay:
+        with replay.forward():
+            out = model(ids, attention_mask=am, labels=labels, use_cache=False)
+        with replay.backward():
+            out.loss.backward()
+        replay.check(calls=1)
     for router in router_modules(model):
         assert router.weight.grad is not None
         assert torch.isfinite(router.weight.grad).all() and router.weight.grad.abs().sum() > 0
@@ -564,7 +612,7 @@ def test_gradients_reach_the_router(models, family):
     grads = {}
     for replay in (False, True):
         model.zero_grad(set_to_none=True)
-        with hf.replay_routing(model, own) if replay else contextlib.nullcontext():
+        with hf.replay_routing(model, rb(own, ids, am)) if replay else contextlib.nullcontext():
             out = model(ids, attention_mask=am, labels=labels, use_cache=False, output_router_logits=True)
         out.loss.backward()
         grads[replay] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -573,7 +621,7 @@ def test_gradients_reach_the_router(models, family):
     # negative control: the verification variant (recorded weights as constants) cuts the router off
     model.zero_grad(set_to_none=True)
     with hf.replay_routing(model) as replay:
-        replay.set_targets(rotated(own), recorded_weights=torch.full(own.shape, 0.5))
+        replay.set_routes(rb(rotated(own), ids, am), recorded_weights=torch.full(own.shape, 0.5))
         out = model(ids, attention_mask=am, labels=labels, use_cache=False)
     out.loss.backward()
     for router in router_modules(model):
@@ -588,16 +636,16 @@ def test_aux_loss_uses_replayed_choices(models, family):
     labels = ids.masked_fill(am == 0, -100)
     kw = dict(attention_mask=am, labels=labels, use_cache=False, output_router_logits=True)
     with torch.no_grad():
-        with hf.replay_routing(model, target, fix_aux_loss=False):
+        with hf.replay_routing(model, rb(target, ids, am), aux_loss="own"):
             old = model(ids, **kw)
-        with hf.replay_routing(model, target):
+        with hf.replay_routing(model, rb(target, ids, am)):
             new = model(ids, **kw)
     assert torch.equal(old.logits, new.logits)
     # transformers' own aux loss counts the router's own top-k of the same logits
     module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
     native_aux = module.load_balancing_loss_func(old.router_logits, E, K, am)
     torch.testing.assert_close(old.aux_loss, native_aux, atol=1e-6, rtol=0)
-    per_layer = [target[:, i] for i in range(target.shape[1])]
+    per_layer = [target[:, i] for i in range(target.shape[1])]     # padding rows: not replayed, masked out below
     want = load_balancing_loss(list(new.router_logits), per_layer, E, K, attention_mask=am)
     torch.testing.assert_close(new.aux_loss, want, atol=1e-6, rtol=0)
     assert abs(float(new.aux_loss) - independent_aux(new.router_logits, per_layer, am)) < 1e-5
@@ -610,7 +658,7 @@ def test_aux_loss_uses_replayed_choices(models, family):
     torch.testing.assert_close(new.loss, old.loss - AUX_COEF * old.aux_loss + AUX_COEF * new.aux_loss,
                                atol=1e-6, rtol=0)
     # identity replay: the fixed aux loss is transformers' own
-    with torch.no_grad(), hf.replay_routing(model, own):
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)):
         same = model(ids, **kw)
     torch.testing.assert_close(same.aux_loss, module.load_balancing_loss_func(same.router_logits, E, K, am),
                                atol=1e-6, rtol=0)
@@ -623,9 +671,10 @@ def aux_setup(models):
     own, _ = native_routes(model, ids, attention_mask=am)
     target = rotated(own)
     labels = ids.masked_fill(am == 0, -100)
-    per_layer = [target[:, i] for i in range(target.shape[1])]
-    with torch.no_grad(), hf.replay_routing(model, target):
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am)), hf.capture_routes(model) as cap:
         by_kw = model(ids, attention_mask=am, labels=labels, use_cache=False, output_router_logits=True)
+    replayed = cap.last_forward()                          # target on attended rows, the router's own on padding
+    per_layer = [replayed[:, i] for i in range(replayed.shape[1])]
     masked = load_balancing_loss(list(by_kw.router_logits), per_layer, E, K, attention_mask=am)
     unmasked = load_balancing_loss(list(by_kw.router_logits), per_layer, E, K)
     assert torch.equal(by_kw.aux_loss, masked)
@@ -636,7 +685,7 @@ def aux_setup(models):
 def test_aux_loss_fix_with_positional_attention_mask(aux_setup):
     """Regression: ``model(ids, am)`` (mask by position) must mask pad rows in the aux loss too."""
     model, ids, am, labels, target, by_kw = aux_setup
-    with torch.no_grad(), hf.replay_routing(model, target):
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am)):
         by_pos = model(ids, am, labels=labels, use_cache=False, output_router_logits=True)
     assert torch.equal(by_pos.aux_loss, by_kw.aux_loss) and torch.equal(by_pos.loss, by_kw.loss)
 
@@ -646,7 +695,7 @@ def test_aux_loss_fix_with_tuple_output(aux_setup):
     is not tested: transformers 5.23's own MoE forwards fail with it, replay or not.)"""
     model, ids, am, labels, target, by_kw = aux_setup
     kw = dict(attention_mask=am, labels=labels, use_cache=False, output_router_logits=True)
-    with torch.no_grad(), hf.replay_routing(model, target):
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am)):
         as_tuple = model(ids, return_dict=False, **kw)
         as_dict = model(ids, return_dict=True, **kw)
     assert isinstance(as_tuple, tuple)
@@ -667,7 +716,7 @@ def test_aux_loss_fix_uses_the_models_coefficient(models):
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
     labels = ids.masked_fill(am == 0, -100)
-    with torch.no_grad(), hf.replay_routing(model, rotated(own)):
+    with torch.no_grad(), hf.replay_routing(model, rb(rotated(own), ids, am)):
         out = model(ids, attention_mask=am, labels=labels, use_cache=False, output_router_logits=True)
     ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, ce + 0.5 * out.aux_loss, atol=1e-6, rtol=0)
@@ -684,8 +733,9 @@ def test_replay_restores_a_preexisting_instance_forward(models):
     model.forward = wrapper
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
-    with torch.no_grad(), hf.replay_routing(model, own):
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
         model(ids, attention_mask=am, use_cache=False)
+        replay.check(calls=1)
     assert model.__dict__["forward"] is wrapper
     assert len(calls) == 2                                                  # also ran inside the replay
 
@@ -694,23 +744,26 @@ def test_counters(models):
     model = models["mixtral"]
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
-    rows = own.shape[0]
-    mask = am.reshape(-1).bool()
-    with torch.no_grad(), hf.replay_routing(model, own, mask) as replay:
-        with pytest.raises(hf.ReplayError, match=r"expected 1 forwards .*layer 0: 0 forwards, 0 rows replayed"):
-            replay.check(forwards=1)
+    n = int(am.sum())                                                       # routed rows (attended positions)
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
+        with pytest.raises(hf.ReplayError, match=rf"expected 1 calls of {n} rows .*layer 0: 0 calls, 0 rows"):
+            replay.check(calls=1)
+        replay.check(calls=0)
         model(ids, attention_mask=am, use_cache=False)
-        replay.check(forwards=1)
-        assert [c.forwards for c in replay.counters] == [1, 1]
-        assert [c.rows_seen for c in replay.counters] == [rows, rows]
-        assert [c.rows_replayed for c in replay.counters] == [int(mask.sum())] * 2
+        replay.check(calls=1)
+        assert [c.calls for c in replay.counters.counts] == [1, 1]
+        assert [c.rows for c in replay.counters.counts] == [n, n]
+        assert n < own.shape[0]                                             # padding rows are not counted
         model(ids, attention_mask=am, use_cache=False)
-        with pytest.raises(hf.ReplayError, match=rf"layer 0: 2 forwards, {2 * int(mask.sum())} rows replayed"):
-            replay.check(forwards=1)
-        replay.check(forwards=2)
+        with pytest.raises(hf.ReplayError, match=rf"layer 0: 2 calls, {2 * n} rows"):
+            replay.check(calls=1)
+        replay.check(calls=2)
         replay.reset_counters()
         with pytest.raises(hf.ReplayError, match="unbalanced"):
-            replay.check(forwards=1)
+            replay.check(calls=1)
+        replay.check(calls=0)
+        with pytest.raises(ConfigError, match="calls must be a non-negative int"):
+            replay.check(calls=-1)
 
 
 def enable_checkpointing(model, use_reentrant):
@@ -726,7 +779,7 @@ def enable_checkpointing(model, use_reentrant):
                          ids=lambda c: f"{c[0]}-{'reentrant' if c[1] else 'nonreentrant'}")
 def test_gradient_checkpointing_replay(models, case):
     """Activation checkpointing recomputes every decoder layer in backward: each router runs twice per
-    training step, both times with the same targets, so the counters show 2 forwards (check(forwards=2)).
+    training step, both times with the same targets, so the counters show 2 calls (check(calls=2)).
     Non-reentrant checkpointing (transformers' default) keeps the aux loss's gradient; reentrant
     checkpointing runs the first pass under no_grad, so (as in plain transformers) only the LM loss is
     compared there."""
@@ -735,9 +788,10 @@ def test_gradient_checkpointing_replay(models, case):
     ids, am = padded_batch()
     own, _ = native_routes(base, ids, attention_mask=am)
     target = rotated(own)
+    real = am.reshape(-1).bool()
     labels = ids.masked_fill(am == 0, -100)
     kw = dict(attention_mask=am, labels=labels, use_cache=False, output_router_logits=not reentrant)
-    with hf.replay_routing(base, target):
+    with hf.replay_routing(base, rb(target, ids, am)):
         plain = base(ids, **kw)
     plain.loss.backward()
     plain_grads = [r.weight.grad.clone() for r in router_modules(base)]
@@ -745,18 +799,20 @@ def test_gradient_checkpointing_replay(models, case):
     model = copy.deepcopy(base)
     model.zero_grad(set_to_none=True)
     enable_checkpointing(model, reentrant)
-    with hf.replay_routing(model, target) as replay, hf.capture_routes(model) as cap:
-        out = model(ids, **kw)
+    with hf.replay_routing(model, rb(target, ids, am)) as replay, hf.capture_routes(model) as cap:
+        with replay.forward():
+            out = model(ids, **kw)
         assert cap.num_calls == [1, 1]
-        replay.check(forwards=1)
-        out.loss.backward()
-        # the recomputation ran every router again, with the same targets
+        replay.check(calls=1)
+        with replay.backward():
+            out.loss.backward()
+        # the recomputation ran every router again, with the same targets on the routed rows
         assert cap.num_calls == [2, 2]
-        assert all(torch.equal(c, target[:, i]) for i, calls in enumerate(cap.calls) for c in calls)
-        replay.check(forwards=2)
-        assert [c.rows_replayed for c in replay.counters] == [2 * target.shape[0]] * 2
-        with pytest.raises(hf.ReplayError, match="expected 1 forwards"):
-            replay.check(forwards=1)
+        assert all(torch.equal(c[real], target[real, i]) for i, calls in enumerate(cap.calls) for c in calls)
+        replay.check(calls=2)
+        assert [c.rows for c in replay.counters.counts] == [2 * int(real.sum())] * 2
+        with pytest.raises(hf.ReplayError, match="expected 1 calls"):
+            replay.check(calls=1)
     torch.testing.assert_close(out.loss, plain.loss, atol=1e-6, rtol=0)
     for got, want in zip((r.weight.grad for r in router_modules(model)), plain_grads):
         assert want.abs().sum() > 0
@@ -770,22 +826,27 @@ def test_context_manager_restores_on_exit_and_on_error(models):
     own, ref = native_routes(model, ids, attention_mask=am)
     hooks = hook_state(model)
     with pytest.raises(RuntimeError, match="body failed"):
-        with hf.replay_routing(model, rotated(own)):
+        with hf.replay_routing(model, rb(rotated(own), ids, am)):
             assert "forward" in model.__dict__
             assert all("forward" in r.__dict__ for r in router_modules(model))
             raise RuntimeError("body failed")
     assert_restored(model, hooks)
-    with pytest.raises(hf.ReplayError, match="layer 0: the router saw"):     # error raised inside the forward
-        with torch.no_grad(), hf.replay_routing(model, own[:-1]):
-            model(ids, attention_mask=am, use_cache=False)
+    with pytest.raises(hf.ReplayError, match="laid out for a padded batch"):  # raised by the model's forward
+        with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)):
+            model(ids[:, :-1], attention_mask=am[:, :-1], use_cache=False)
+    assert_restored(model, hooks)
+    with pytest.raises(hf.ReplayError, match="layer 0: the router saw"):     # raised inside a router
+        with torch.no_grad(), hf.replay_routing(model) as replay:
+            replay.set_routes(rb(own, ids, am), check_tokens=False)
+            model(ids[:, :-1], attention_mask=am[:, :-1], use_cache=False)
     assert_restored(model, hooks)
     with torch.no_grad():
         after = model(ids, attention_mask=am, use_cache=False)
     assert torch.equal(after.logits, ref.logits)
     # manual attach / undo, undo twice is harmless
     replay = hf.RoutingReplay(model, hf.describe_model(model))
-    replay.set_targets(rotated(own))
     replay.attach()
+    replay.set_routes(rb(rotated(own), ids, am))
     with torch.no_grad():
         moved = model(ids, attention_mask=am, use_cache=False)
     replay.undo()
@@ -801,10 +862,10 @@ def test_replay_is_per_instance(models):
     own_a, ref_a = native_routes(a, ids, attention_mask=am)
     _, ref_b = native_routes(b, ids, attention_mask=am)
     hooks_b = hook_state(b)
-    with torch.no_grad(), hf.replay_routing(a, rotated(own_a)) as replay:
+    with torch.no_grad(), hf.replay_routing(a, rb(rotated(own_a), ids, am)) as replay:
         out_b = b(ids, attention_mask=am, use_cache=False)
         assert not any("forward" in m.__dict__ for m in b.modules())
-        assert [c.forwards for c in replay.counters] == [0, 0]                 # b's forward was not counted
+        replay.check(calls=0)                                                  # b's forward was not counted
         out_a = a(ids, attention_mask=am, use_cache=False)
     assert torch.equal(out_b.logits, ref_b.logits)
     assert not torch.allclose(out_a.logits, ref_a.logits, atol=1e-3)
@@ -828,72 +889,342 @@ def test_capture_routes(models):
 
 
 # --------------------------------------------------------------------------------------------------
+# 2b. the replay protocol: routes travel with the tokens they were laid out for
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def protocol_record(models):
+    """A qwen3_moe rollout of 3 prompts whose samples have different lengths (real padding either side)."""
+    model = models["qwen3_moe"]
+    ids, am = left_padded_prompts(seed=9)
+    rec = hf.generate_with_record(model, ids, am, sampling=SamplingParams(temperature=0.8, top_p=0.9),
+                                  max_new_tokens=6, seed=2)
+    assert len({s.length for s in rec.samples}) == len(rec)
+    return model, rec
+
+
+def test_replay_routing_implements_the_protocol(models):
+    model = models["olmoe"]
+    with hf.replay_routing(model) as replay:
+        assert isinstance(replay, RoutingReplayAdapter)
+        assert replay.moe_layers == (0, 1) and replay.aux_loss == "replayed" and replay.active
+    assert not replay.active
+
+
+def test_padding_side_slip_is_refused(protocol_record):
+    """(1) Routes laid out for right padding, fed with the left-padded batch of the same [B, T]: refused (the
+    old API took any [B*T] table and replayed every slipped row's experts on another token). (2) The same
+    routes with the batch they were laid out for replay and balance."""
+    model, rec = protocol_record
+    right = rec.replay_batch("padded", side="right")
+    left = rec.to_padded("left")
+    assert right.padding_side == "right" and tuple(left.input_ids.shape) == tuple(right.input_ids.shape)
+    # what the slip would replay: routed rows whose token is another one in the left-padded batch
+    slipped = (right.row_tokens != left.input_ids.reshape(-1)) & right.route_mask
+    assert int(slipped.sum()) > 0.1 * right.num_replayed_rows
+    hooks = hook_state(model)
+    with torch.no_grad(), hf.replay_routing(model, right) as replay:
+        with pytest.raises(ReplayError, match=rf"not running the batch the routes were laid out for: "
+                                              rf"{int(slipped.sum())} of {right.num_replayed_rows} routed rows"):
+            model(left.input_ids, attention_mask=left.attention_mask, use_cache=False)
+        # the right tokens with the left mask: routed rows the model would treat as padding
+        with pytest.raises(ReplayError, match="routed rows are masked in the attention_mask"):
+            model(right.input_ids, attention_mask=left.attention_mask, use_cache=False)
+        replay.check(calls=0)                                               # no router ran
+        # (2) the batch the routes were laid out for
+        with hf.capture_routes(model) as cap, replay.forward():
+            model(right.input_ids, attention_mask=right.attention_mask, use_cache=False)
+        replay.check(calls=1)
+        m = right.route_mask
+        assert torch.equal(cap.last_forward()[m], right.routes[m])
+    assert_restored(model, hooks)
+    # routes laid out for left padding replay on the left-padded batch just as well
+    left_routes = rec.replay_batch("padded", side="left")
+    assert left_routes.padding_side == "left" and torch.equal(left_routes.input_ids, left.input_ids)
+    with torch.no_grad(), hf.replay_routing(model, left_routes) as replay, hf.capture_routes(model) as cap:
+        model(left.input_ids, attention_mask=left.attention_mask, use_cache=False)
+        replay.check(calls=1)
+    m = left_routes.route_mask
+    assert torch.equal(cap.last_forward()[m], left_routes.routes[m])
+
+
+def test_routes_on_padding_are_refused_when_built(protocol_record):
+    """(3) A ReplayBatch whose route_mask marks padding positions is refused at construction."""
+    _, rec = protocol_record
+    right, left = rec.to_padded("right"), rec.to_padded("left")
+    with pytest.raises(RouteError, match=r"routed rows sit on masked \(padding\) positions"):
+        ReplayBatch.padded(right.routes, input_ids=left.input_ids, attention_mask=left.attention_mask,
+                           moe_layers=right.moe_layers, route_mask=right.route_mask)
+    ids, am = padded_batch()
+    routes = torch.arange(K).expand(ids.numel(), 2, K)
+    with pytest.raises(RouteError, match=r"3 routed rows sit on masked \(padding\) positions, first row 15 "
+                                         r"\(batch 1, position 6\)"):
+        rb(routes, ids, am, torch.ones(ids.numel(), dtype=torch.bool))
+    hole = am.clone()
+    hole[0, 4] = 0
+    with pytest.raises(RouteError, match="neither left- nor right-padded"):
+        rb(routes, ids, hole)
+    with pytest.raises(RouteError, match="must have the shape of input_ids"):
+        rb(routes, ids, am[:, 1:])
+    batch = rb(routes, ids, am)                                             # negative control: built
+    assert batch.num_replayed_rows == int(am.sum()) and batch.padding_side == "right"
+
+
+def test_other_batch_of_same_shape_is_refused(models):
+    """(4) Tokens permuted between rows, another batch, one changed token: refused; padding tokens (not
+    routed) may differ; the batch itself replays bitwise."""
+    model = models["olmoe"]
+    ids, am = padded_batch(lengths=(8, 8))
+    own, ref = native_routes(model, ids, attention_mask=am)
+    other, _ = padded_batch(seed=4, lengths=(8, 8))
+    one = ids.clone()
+    one[1, 3] = (one[1, 3] + 1) % VOCAB
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
+        for wrong, count in ((ids.flip(0), 16), (other, 16), (one, 1)):
+            with pytest.raises(ReplayError, match=rf"not running the batch .*: {count} of 16 routed rows"):
+                model(wrong, attention_mask=am, use_cache=False)
+        replay.check(calls=0)
+        out = model(ids, attention_mask=am, use_cache=False)
+        replay.check(calls=1)
+    assert torch.equal(out.logits, ref.logits)
+    ids, am = padded_batch()                                                # lengths 9, 6: padding in row 1
+    own, _ = native_routes(model, ids, attention_mask=am)
+    pad_changed = ids.masked_fill(am == 0, 7)
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
+        model(pad_changed, attention_mask=am, use_cache=False)
+        replay.check(calls=1)
+
+
+def test_inputs_embeds_is_refused(models):
+    """(5) With inputs_embeds the replay cannot see the tokens: refused unless the token check is off."""
+    model = models["qwen2_moe"]
+    ids, am = padded_batch()
+    own, ref = native_routes(model, ids, attention_mask=am)
+    embeds = model.get_input_embeddings()(ids).detach()
+    with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
+        with pytest.raises(ReplayError, match=r"call the model with input_ids \(inputs_embeds hide them\)"):
+            model(inputs_embeds=embeds, attention_mask=am, use_cache=False)
+        replay.check(calls=0)
+        replay.set_routes(rb(own, ids, am), check_tokens=False)
+        out = model(inputs_embeds=embeds, attention_mask=am, use_cache=False)
+        replay.check(calls=1)
+    assert torch.equal(out.logits, ref.logits)
+
+
+def test_aux_loss_modes(models):
+    """(6) "warn": transformers' own aux loss is kept, ``aux_disagreement`` records per router call the
+    fraction of replayed rows whose own top-k differs (0 at the native routes, > 0 rotated), one warning;
+    "own": transformers' aux loss, nothing measured; anything else: ConfigError."""
+    model = models["qwen3_moe"]
+    ids, am = padded_batch()
+    own, ref = native_routes(model, ids, attention_mask=am, output_router_logits=True)
+    target = rotated(own)
+    module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
+    kw = dict(attention_mask=am, use_cache=False, output_router_logits=True)
+    with torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                                  # native routes: no warning
+            with hf.replay_routing(model, rb(own, ids, am), aux_loss="warn") as replay:
+                same = model(ids, **kw)
+        assert replay.aux_disagreement == [0.0, 0.0]
+        assert torch.equal(same.aux_loss, ref.aux_loss) and torch.equal(same.logits, ref.logits)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with hf.replay_routing(model, rb(target, ids, am), aux_loss="warn") as replay:
+                warned = model(ids, **kw)
+                model(ids, **kw)
+        ours = [w for w in caught if "differs from the replayed experts" in str(w.message)]
+        assert len(ours) == 1                                               # once per replay
+        assert len(replay.aux_disagreement) == 4
+        assert replay.aux_disagreement[0] == 1.0                            # layer 0: every rotated row differs
+        assert all(rate > 0 for rate in replay.aux_disagreement)
+        torch.testing.assert_close(warned.aux_loss, module.load_balancing_loss_func(warned.router_logits, E, K, am),
+                                   atol=0, rtol=0)
+        with hf.replay_routing(model, rb(own, ids, am), aux_loss="own") as replay:
+            own_same = model(ids, **kw)
+        assert torch.equal(own_same.aux_loss, ref.aux_loss) and replay.aux_disagreement == []
+        with hf.replay_routing(model, rb(target, ids, am), aux_loss="own") as replay:
+            own_moved = model(ids, **kw)
+        assert replay.aux_disagreement == []
+        with hf.replay_routing(model, rb(target, ids, am)) as replay:
+            fixed = model(ids, **kw)
+    assert torch.equal(own_moved.logits, warned.logits) and torch.equal(own_moved.logits, fixed.logits)
+    assert torch.equal(own_moved.aux_loss, warned.aux_loss)                 # own and warn: transformers' loss
+    assert not torch.allclose(own_moved.aux_loss, fixed.aux_loss)           # replayed: the replayed experts'
+    hooks = hook_state(model)
+    for bad in ("fixed", "Replayed", False, None):
+        with pytest.raises(ConfigError, match="aux_loss must be one of"):
+            hf.replay_routing(model, rb(own, ids, am), aux_loss=bad)
+    assert_restored(model, hooks)
+
+
+def test_packed_record_replay_matches_padded(protocol_record):
+    """(9) ``record.replay_batch("packed")`` fed as input_ids [1, N] with position_ids replays the same routes
+    on the same tokens as the right-padded layout: routed rows bitwise, logits to fp32 noise."""
+    model, rec = protocol_record
+    padded = rec.replay_batch("padded", side="right")
+    packed = rec.replay_batch("packed")
+    pk = rec.to_packed()
+    assert packed.layout == "packed" and torch.equal(packed.cu_seqlens, pk.cu_seqlens)
+    real = padded.attention_mask.reshape(-1).bool()
+    assert torch.equal(padded.row_tokens[real], packed.row_tokens)         # right padding: packed row = real rows
+    assert torch.equal(padded.route_mask[real], packed.route_mask)
+    assert torch.equal(padded.routes[real], packed.routes)
+    with torch.no_grad():
+        with hf.replay_routing(model, padded) as replay, hf.capture_routes(model) as cap:
+            out_pad = model(padded.input_ids, attention_mask=padded.attention_mask, use_cache=False)
+            replay.check(calls=1)
+        seen_pad = cap.last_forward()
+        with hf.replay_routing(model, packed) as replay, hf.capture_routes(model) as cap:
+            with pytest.raises(ReplayError, match="the routes were laid out for a packed batch"):
+                model(padded.input_ids, attention_mask=padded.attention_mask, use_cache=False)
+            with pytest.raises(ReplayError, match="not running the batch"):    # samples in another order
+                model(packed.input_ids.flip(0)[None], position_ids=pk.position_ids.flip(0)[None], use_cache=False)
+            out_pack = model(packed.input_ids[None], position_ids=pk.position_ids[None], use_cache=False)
+            replay.check(calls=1)
+            assert [c.rows for c in replay.counters.counts] == [packed.num_replayed_rows] * 2
+        seen_pack = cap.last_forward()
+    m = packed.route_mask
+    assert torch.equal(seen_pack[m], packed.routes[m])
+    assert torch.equal(seen_pack[m], seen_pad[real][m])
+    assert torch.equal(as_sets(seen_pack[~m]), as_sets(seen_pad[real][~m]))  # last tokens: the router's own
+    torch.testing.assert_close(out_pack.logits[0], out_pad.logits[padded.attention_mask.bool()], atol=1e-4,
+                               rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
 # 3. errors
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("delta", [-1, +2])
+@pytest.mark.parametrize("delta", [-1, +1])
 def test_row_count_mismatch_names_layer_and_counts(models, delta):
+    """Routes for a batch of another length: the ReplayBatch refuses routes that do not cover its tokens, the
+    model's forward refuses a batch of another shape, and (token check off) the router names the layer and
+    both row counts."""
     model = models["qwen3_moe"]
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
     n = own.shape[0]
-    targets = own[:n + delta] if delta < 0 else torch.cat([own, own[:delta]])
+    with pytest.raises(RouteError, match=rf"routes have {n + delta} rows, the batch has {n} token positions"):
+        rb(own[:n + delta] if delta < 0 else torch.cat([own, own[:delta]]), ids, am)
+    # a well-formed batch laid out for one column less / more (B = 2: 2 rows per column)
+    B, T = ids.shape
+    if delta < 0:
+        other_ids, other_am = ids[:, :T - 1], am[:, :T - 1]
+    else:
+        other_ids = torch.cat([ids, torch.full((B, 1), PAD)], 1)
+        other_am = torch.cat([am, torch.zeros(B, 1, dtype=am.dtype)], 1)
+    m = other_ids.numel()
     word = "missing" if delta < 0 else "extra"
-    with hf.replay_routing(model, targets) as replay, torch.no_grad():
-        with pytest.raises(hf.ReplayError, match=rf"layer 0: the router saw {n} rows, the replay targets have "
-                                                  rf"{n + delta} rows \({word} rows"):
+    routes = torch.arange(K).expand(m, 2, K)
+    with torch.no_grad(), hf.replay_routing(model, rb(routes, other_ids, other_am)) as replay:
+        with pytest.raises(hf.ReplayError, match=rf"the model runs input_ids \({B}, {T}\), the routes were laid out "
+                                                  rf"for a padded batch \({B}, {T + delta}\)"):
             model(ids, attention_mask=am, use_cache=False)
-        assert [c.forwards for c in replay.counters] == [0, 0]
+        replay.set_routes(rb(routes, other_ids, other_am), check_tokens=False)
+        with pytest.raises(hf.ReplayError, match=rf"layer 0: the router saw {n} rows, the replay targets have "
+                                                  rf"{m} rows \({word} rows"):
+            model(ids, attention_mask=am, use_cache=False)
+        assert [c.calls for c in replay.counters.counts] == [0, 0]
 
 
-def test_set_targets_validation(models):
+def test_set_routes_validation(models):
     model = models["qwen3_moe"]
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
+    n = own.shape[0]
     with hf.replay_routing(model) as replay:
-        with pytest.raises(RouteError, match=r"replay routes have 3 layers, the model has 2 MoE layers \[0, 1\]"):
-            replay.set_targets(torch.cat([own, own[:, :1]], dim=1))
-        with pytest.raises(RouteError, match=r"replay routes have k=3, the model routes top-2"):
-            replay.set_targets(torch.cat([own, own[..., :1]], dim=2))
+        assert isinstance(replay, RoutingReplayAdapter)
+        # malformed batches are refused when built
+        with pytest.raises(RouteError, match=r"routes have 3 layers but moe_layers lists 2"):
+            rb(torch.cat([own, own[:, :1]], dim=1), ids, am)
         with pytest.raises(RouteError, match=r"must be \[rows, layers, k\]"):
-            replay.set_targets(own[:, 0])
+            rb(own[:, 0], ids, am)
+        with pytest.raises(RouteError, match=r"route_mask has shape \(3,\)"):
+            rb(own, ids, am, am.reshape(-1).bool()[:3])
+        with pytest.raises(RouteError, match="must hold integer expert ids"):
+            rb(own.float(), ids, am)
+        # ... and those that do not fit this model by set_routes
+        with pytest.raises(RouteError, match=r"no routes for the model's MoE layers \[1\]"):
+            replay.set_routes(rb(own, ids, am, layers=(0, 2)))
+        replay.set_routes(rb(torch.cat([own, own[:, :1]], dim=1), ids, am, layers=(0, 1, 2)))   # a superset is fine
+        with pytest.raises(RouteError, match=r"replay routes have k=3, the model routes top-2"):
+            replay.set_routes(rb(torch.cat([own, own[..., :1]], dim=2), ids, am))
         bad = own.clone()
         bad[4, 1, 0] = E
         with pytest.raises(RouteError, match=rf"replay routes\[4, 1, 0\] = {E} is not an expert id in \[0, {E}\)"):
-            replay.set_targets(bad)
+            replay.set_routes(rb(bad, ids, am))
         dup = own.clone()
         dup[5, 0] = torch.tensor([3, 3])
         with pytest.raises(RouteError, match=r"replay routes row \[5, 0\] repeats expert 3"):
-            replay.set_targets(dup)
+            replay.set_routes(rb(dup, ids, am))
         # bad ids on rows the mask leaves to the router are not an error
-        mask = torch.ones(own.shape[0], dtype=torch.bool)
+        mask = am.reshape(-1).bool()
         mask[4] = False
-        replay.set_targets(bad, mask)
-        with pytest.raises(RouteError, match=r"route_mask has shape \(3,\)"):
-            replay.set_targets(own, mask[:3])
+        replay.set_routes(rb(bad, ids, am, mask))
         with pytest.raises(RouteError, match="recorded_weights shape"):
-            replay.set_targets(own, recorded_weights=torch.ones(own.shape[0], 2, 3))
-        # no targets: an error at the forward, not a silent native forward
-        replay.clear_targets()
-        with pytest.raises(hf.ReplayError, match="no targets are set"), torch.no_grad():
+            replay.set_routes(rb(own, ids, am), recorded_weights=torch.ones(n, 2, 3))
+        # (7) anything but a ReplayBatch is refused: a bare route tensor carries no tokens to check
+        for wrong in (own, (own, mask), None):
+            with pytest.raises(RouteError, match="set_routes takes a ReplayBatch"):
+                replay.set_routes(wrong)
+        # no routes: an error at the forward, not a silent native forward
+        replay.clear()
+        with pytest.raises(hf.ReplayError, match="no routes are set"), torch.no_grad():
             model(ids, attention_mask=am, use_cache=False)
-    assert issubclass(RouteError, ValueError)
+    hooks = hook_state(model)
+    with pytest.raises(RouteError, match="set_routes takes a ReplayBatch"):
+        hf.replay_routing(model, own)
+    assert_restored(model, hooks)                                           # the failed start left nothing behind
+    with pytest.raises(hf.ReplayError, match="was undone"):
+        replay.set_routes(rb(own, ids, am))
+    assert issubclass(RouteError, ValueError) and issubclass(RouteError, ReplayError)
+    assert hf.ReplayError is ReplayError
+
+
+def test_bad_route_is_named_by_its_batch_row(models):
+    """A bad expert id on a routed row is reported at its row of the batch (``b * T + t``), not at its index
+    among the routed rows (left padding and unrouted last tokens shift the two apart)."""
+    model = models["qwen3_moe"]
+    ids, am = left_padded_prompts()                                         # rows 0..6 | 7..13 | 14..20
+    T = ids.shape[1]
+    routes = torch.arange(K).expand(ids.numel(), 2, K).clone()
+    row = T + T - 2                                                         # batch 1, position 5 (attended)
+    assert am.reshape(-1)[row] == 1 and int(am.reshape(-1)[:row].sum()) != row
+    routes[row, 1, 0] = E
+    with hf.replay_routing(model) as replay:
+        with pytest.raises(RouteError, match=rf"replay routes\[{row}, 1, 0\] = {E} is not an expert id"):
+            replay.set_routes(rb(routes, ids, am))
+        dup = torch.arange(K).expand(ids.numel(), 2, K).clone()
+        dup[row, 0] = torch.tensor([3, 3])
+        with pytest.raises(RouteError, match=rf"replay routes row \[{row}, 0\] repeats expert 3"):
+            replay.set_routes(rb(dup, ids, am))
 
 
 def test_two_replays_on_one_model(models):
+    """(8) A second replay on a model that already replays is refused; the first one keeps replaying."""
     model = models["mixtral"]
     ids, am = padded_batch()
     own, ref = native_routes(model, ids, attention_mask=am)
+    real = am.reshape(-1).bool()
+    target = rotated(own)
     hooks = hook_state(model)
-    with torch.no_grad(), hf.replay_routing(model, rotated(own)) as first:
+    with torch.no_grad(), hf.replay_routing(model, rb(target, ids, am)) as first:
+        wrapped = model.__dict__["forward"]
         with pytest.raises(hf.ReplayError, match="already has an instance-level forward"):
-            with hf.replay_routing(model, own):
+            with hf.replay_routing(model, rb(own, ids, am)):
                 pass
+        with pytest.raises(hf.ReplayError, match="already has an instance-level forward"):
+            hf.replay_routing(model, aux_loss="own")
         with pytest.raises(hf.ReplayError, match="already attached"):
             first.attach()
-        out = model(ids, attention_mask=am, use_cache=False)                   # the first still works
-        first.check(forwards=1)
+        assert model.__dict__["forward"] is wrapped                             # untouched by the refusals
+        with hf.capture_routes(model) as cap:
+            out = model(ids, attention_mask=am, use_cache=False)                # the first still works
+        first.check(calls=1)
+        assert torch.equal(cap.last_forward()[real], target[real])
     assert not torch.allclose(out.logits, ref.logits, atol=1e-3)
     assert_restored(model, hooks)
 
@@ -988,7 +1319,7 @@ def test_register_family_alias():
         assert info.family.model_type == "moealign_test_alias" and info.moe_layers == (0, 1)
         ids, am = padded_batch()
         own, ref = native_routes(model, ids, attention_mask=am)
-        with torch.no_grad(), hf.replay_routing(model, own):
+        with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)):
             out = model(ids, attention_mask=am, use_cache=False)
         assert torch.equal(out.logits, ref.logits)
         # a family registered with the wrong scoring replays other gate weights (negative control)
@@ -997,7 +1328,7 @@ def test_register_family_alias():
         with pytest.raises(ValueError, match="'moealign_test_alias' is already registered"):
             hf.register_family(wrong)
         hf.register_family(wrong, overwrite=True)
-        with torch.no_grad(), hf.replay_routing(model, own):
+        with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)):
             out_wrong = model(ids, attention_mask=am, use_cache=False)
         assert not torch.equal(out_wrong.logits, ref.logits)
         # a family naming a router class the model does not have
@@ -1071,12 +1402,19 @@ def test_dense_layers_are_skipped():
     rec = hf.generate_with_record(model, ids, am, max_new_tokens=3, seed=0)
     assert rec.meta.moe_layers == (0, 2)
     assert all(s.routes.shape[1:] == (2, K) for s in rec.samples)
-    batch = rec.to_padded("right")
+    batch = rec.replay_batch("padded", side="right")
+    assert batch.moe_layers == (0, 2)
     own, ref = native_routes(model, batch.input_ids, attention_mask=batch.attention_mask)
-    routes, mask = rec.routes_int64("padded")
+    routes, mask = batch.routes, batch.route_mask
     assert torch.equal(as_sets(own[mask]), as_sets(routes[mask]))
-    with torch.no_grad(), hf.replay_routing(model, own):
+    with torch.no_grad(), hf.replay_routing(model, batch) as replay, hf.capture_routes(model) as cap:
+        out = model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        replay.check(calls=1)
+    assert torch.equal(cap.last_forward()[mask], routes[mask])
+    with torch.no_grad(), hf.replay_routing(model, rb(own, batch.input_ids, batch.attention_mask, layers=(0, 2))):
         out = model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     assert torch.equal(out.logits, ref.logits)
-    with pytest.raises(RouteError, match="3 layers, the model has 2 MoE layers"), hf.replay_routing(model) as r:
-        r.set_targets(torch.zeros(4, 3, K, dtype=torch.int64) + torch.arange(K))
+    # routes laid out for decoder layers 0 and 1 (a model without the dense layer) do not fit this one
+    with pytest.raises(RouteError, match=r"no routes for the model's MoE layers \[2\]"), \
+            hf.replay_routing(model) as r:
+        r.set_routes(rb(routes, batch.input_ids, batch.attention_mask, mask, layers=(0, 1)))

@@ -4,8 +4,10 @@ Each figure is a ratio against its baseline measured in the same run, interleave
 
 * generate():   ``hf.generate_with_record`` (routes + kept sets + log-probs) vs plain ``model.generate``
                 with the same sampling settings and seed (target: at most 1.03x).
-* train fwd:    full-sequence forward (+ backward with ``--backward``) with ``hf.replay_routing`` vs
-                without (target: at most 1.03x).
+* train fwd:    full-sequence forward (+ backward with ``--backward``) with routing replay vs without
+                (target: at most 1.03x). The replayed step is what a trainer does per micro-batch: attach,
+                ``set_routes(record.replay_batch(...))`` (validation, device copy), the forward (the model's
+                tokens checked against the batch's), ``check(calls=1)``, undo.
 * storage:      bytes per (token, MoE layer) of the saved route table (target: top_k bytes for <= 256
                 experts; vLLM's capture and SGLang use 4 bytes per id, verl 2).
 
@@ -16,6 +18,7 @@ Each figure is a ratio against its baseline measured in the same run, interleave
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moealign.embedded import default_prompts, embedded_model_path  # noqa: E402
 from moealign.patches import hf  # noqa: E402
 from moealign.record import RolloutRecord, SamplingParams  # noqa: E402
+from moealign.routing_replay.protocol import AUX_LOSS_MODES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved as _interleaved  # noqa: E402
@@ -43,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--backward", action="store_true", help="time forward + backward in the training step")
+    ap.add_argument("--aux-loss", default="own", choices=AUX_LOSS_MODES,
+                    help="replay_routing's aux_loss mode (default own: the model's aux loss left alone)")
     ap.add_argument("--json", help="write the figures as JSON")
     ap.add_argument("--prompts", help="JSON list of prompts (default: the shipped set)")
     args = ap.parse_args(argv)
@@ -79,28 +85,28 @@ def main(argv=None) -> int:
 
     train_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[args.train_dtype]).to(args.device)
     train_model.train(args.backward)
-    batch = record.to_padded("right", tok.pad_token_id)
-    routes, mask = record.routes_int64("padded")
+    batch = record.replay_batch("padded", side="right", pad_token_id=tok.pad_token_id)   # routes + their tokens
     x, xm = batch.input_ids.to(args.device), batch.attention_mask.to(args.device)
+    info = hf.describe_model(train_model)
 
-    def step():
+    def step(replay=None):
+        forward = replay.forward() if replay is not None else contextlib.nullcontext()
+        backward = replay.backward() if replay is not None else contextlib.nullcontext()
         if args.backward:
-            out = train_model(input_ids=x, attention_mask=xm, use_cache=False)
-            out.logits.float().logsumexp(-1).mean().backward()
+            with forward:
+                out = train_model(input_ids=x, attention_mask=xm, use_cache=False)
+            with backward:
+                out.logits.float().logsumexp(-1).mean().backward()
             train_model.zero_grad(set_to_none=True)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), forward:
                 train_model(input_ids=x, attention_mask=xm, use_cache=False)
 
-    replay = hf.RoutingReplay(train_model, hf.describe_model(train_model), fix_aux_loss=False)
-    replay.set_targets(routes, mask)
-
     def replayed_step():
-        replay.attach()
-        try:
-            step()
-        finally:
-            replay.undo()
+        with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss).attach() as replay:
+            replay.set_routes(batch)
+            step(replay)
+            replay.check(calls=1)
 
     step()
     replayed_step()
@@ -122,7 +128,7 @@ def main(argv=None) -> int:
         "generate_plain_ms": gen["plain"] * 1e3, "generate_record_ms": gen["record"] * 1e3,
         "generate_ratio": gen["record"] / gen["plain"],
         "generate_ratio_median": gen["record_median"] / gen["plain_median"],
-        "train_step": "forward+backward" if args.backward else "forward",
+        "train_step": "forward+backward" if args.backward else "forward", "aux_loss": args.aux_loss,
         "train_plain_ms": train["plain"] * 1e3, "train_replay_ms": train["replay"] * 1e3,
         "train_ratio": train["replay"] / train["plain"],
         "train_ratio_median": train["replay_median"] / train["plain_median"],
