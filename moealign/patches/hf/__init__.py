@@ -7,11 +7,16 @@ restore the instance on exit; ``undo()`` for manual use)::
 
     record = hf.generate_with_record(model, input_ids, attention_mask, sampling=SamplingParams(top_p=0.9),
                                      max_new_tokens=64)           # routes + kept sets + log-probs
-    batch = record.to_padded("right")
-    with hf.replay_routing(model) as replay:
-        replay.set_targets(*record.routes_int64("padded"))
-        out = model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-        replay.check(forwards=1)                                  # every MoE layer consumed its rows
+    batch = record.replay_batch("padded", side="right")           # routes + the tokens they belong to
+    with hf.replay_routing(model) as replay:                      # the routing-replay protocol
+        replay.set_routes(batch)
+        with replay.forward():
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        replay.check(calls=1)                                     # every MoE layer consumed its rows
+
+Modules: :mod:`.model` (live routers, record metadata), :mod:`.rollout` (route capture,
+``generate_with_record``), :mod:`.replay` (the replay protocol), :mod:`.precision` (precision policies on
+a live model), :mod:`.attention` (the batch-invariant attention registered with transformers).
 
 Supported families (a small registry, :func:`register_family` adds more): Qwen2-MoE, Qwen3-MoE,
 Mixtral, OLMoE (transformers 5.x, where each sparse block's ``.gate`` is a ``*TopKRouter`` module

@@ -30,22 +30,25 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import ReplayError, RouteError
+from ...handle import PatchHandle
 from ...routing_replay.gates import (
     load_balancing_loss,
     replay_gate_weights,
     replay_recorded_gate_weights,
     select_topk,
 )
-from ...routing_replay.protocol import ReplayBatch, ReplayCounters, check_aux_loss_mode, check_row_tokens
+from ...routing_replay.protocol import (
+    ReplayBatch,
+    ReplayCounters,
+    check_aux_loss_mode,
+    check_row_tokens,
+)
 from ...routing_replay.routes import validate_routes
 from .model import MoEModelInfo, describe_model
 
 __all__ = ["RoutingReplay", "replay_routing"]
 
-_NO_FORWARD = object()
-
-
-class RoutingReplay:
+class RoutingReplay(PatchHandle):
     """An active routing replay on one transformers model instance (see the module docstring).
 
     ``aux_loss``: ``"replayed"`` (default) - the model's ``aux_loss`` (and ``loss``) count the replayed
@@ -58,6 +61,9 @@ class RoutingReplay:
         self.model = model
         self.info = info or describe_model(model)
         self.aux_loss = check_aux_loss_mode(aux_loss)
+        PatchHandle.__init__(self, f"routing replay on {len(self.info.routers)} {self.info.family.model_type} routers "
+                                   f"{list(self.info.moe_layers)} of {type(model).__name__}, aux_loss={aux_loss!r}",
+                             "instance")
         self.counters = ReplayCounters(self.moe_layers)
         self.aux_disagreement: list[float] = []
         self._batch: ReplayBatch | None = None
@@ -68,22 +74,11 @@ class RoutingReplay:
         self._verified = False
         self._check_tokens = True
         self._live: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._active = False
         self._warned = False
-        self._saved_model_forward: object = None
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         return self.info.moe_layers
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def __repr__(self) -> str:
-        state = "active" if self._active else "undone"
-        return (f"RoutingReplay(transformers {type(self.model).__name__}: {len(self.info.routers)} routers "
-                f"{list(self.moe_layers)}, aux_loss={self.aux_loss!r}, scope=instance, {state})")
 
     # ------------------------------------------------------------ the protocol
     def set_routes(self, batch: ReplayBatch, *, recorded_weights: torch.Tensor | None = None,
@@ -98,7 +93,7 @@ class RoutingReplay:
         if not isinstance(batch, ReplayBatch):
             raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
                              f".packed), got {type(batch).__name__}")
-        if not self._active:
+        if not self.active:
             raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
         cols = batch.layer_columns(self.moe_layers)
         k, E = self.info.top_k, self.info.num_experts
@@ -269,39 +264,22 @@ class RoutingReplay:
 
     # ------------------------------------------------------------ attach / undo
     def attach(self) -> "RoutingReplay":
-        if self._active:
+        """Patch the routers' and the model's ``forward`` (instance attributes); refused when this or another
+        replay is already on the model."""
+        if self.active:
             raise ReplayError("this replay is already attached")
         for _, module in self.info.routers:
             if "forward" in module.__dict__:
                 raise ReplayError("a router of this model already has an instance-level forward (another replay "
                                   "is active on it?); nested replays on one model are refused")
-        for index, (_, module) in enumerate(self.info.routers):
-            module.forward = self._router_forward(index, module)
-        self._saved_model_forward = self.model.__dict__.get("forward", _NO_FORWARD)
-        self.model.forward = self._model_forward(self.model.forward)
-        self._active = True
+        self.add_callback(self.clear)                    # undone last: drop targets and live router outputs
+        self.add_callback(self._live.clear)
+        for index, (layer, module) in enumerate(self.info.routers):
+            self.set_attr(module, "forward", self._router_forward(index, module), f"router forward (layer {layer})")
+        # wraps whatever forward the model has (a wrapper of accelerate or a profiler is kept and put back)
+        self.set_attr(self.model, "forward", self._model_forward(self.model.forward),
+                      f"{type(self.model).__name__}.forward (token check, aux loss)")
         return self
-
-    def undo(self) -> None:
-        """Restore the routers' and the model's ``forward``; idempotent."""
-        if not self._active:
-            return
-        for _, module in self.info.routers:
-            module.__dict__.pop("forward", None)
-        if self._saved_model_forward is _NO_FORWARD:
-            self.model.__dict__.pop("forward", None)
-        else:   # put back a wrapper someone else installed (accelerate, a profiler, ...)
-            self.model.__dict__["forward"] = self._saved_model_forward
-        self._saved_model_forward = None
-        self._live.clear()
-        self.clear()
-        self._active = False
-
-    def __enter__(self) -> "RoutingReplay":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
 
 
 def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *,
