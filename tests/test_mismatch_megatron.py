@@ -20,7 +20,6 @@ from moealign.mismatch.engines import (  # noqa: E402
     MegatronTrainEngine,
 )
 from moealign.record import SamplingParams  # noqa: E402
-from moealign.routing_replay.routes import expand_routes  # noqa: E402
 
 SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]
 
@@ -88,13 +87,11 @@ def test_training_step_with_replay_and_recompute(record):
         batch = record.to_padded("right", 1)
         B, T = batch.input_ids.shape
         mask = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None] | (batch.attention_mask == 0)[:, None, None, :]
-        routes = expand_routes(batch.routes)
         routers = mgp.moe_routers(model)
         before = [r.weight.detach().clone() for _, r in routers]
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        with mgp.RouterReplayDriver(model, aux_loss="replayed") as driver:
-            driver.set_routes(routes.reshape(B * T, *routes.shape[-2:]), record.meta.moe_layers, batch_shape=(B, T),
-                              route_mask=batch.route_mask.reshape(-1))
+        with mgp.replay_routing(model, aux_loss="replayed") as driver:
+            driver.set_routes(batch.replay_batch())
             with driver.forward():
                 logits = model(batch.input_ids, batch.position_ids, mask)
             driver.check(calls=1)

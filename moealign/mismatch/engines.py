@@ -39,7 +39,6 @@ from ..precision.policy import (
     get_policy,
 )
 from ..record import RecordMeta, RolloutRecord, SamplingParams
-from ..routing_replay.routes import expand_routes
 
 __all__ = [
     "ATTENTION",
@@ -239,14 +238,12 @@ class HFTrainEngine:
             capture = stack.enter_context(hf.capture_routes(self.model))
             rp = None
             if replay:
-                rp = stack.enter_context(hf.replay_routing(self.model, fix_aux_loss=False))
-                # the padded batch already holds the routes: no second layout pass
-                routes = expand_routes(batch.routes)
-                rp.set_targets(routes.reshape(-1, *routes.shape[-2:]), batch.route_mask.reshape(-1))
+                rp = stack.enter_context(hf.replay_routing(self.model, aux_loss="own"))
+                rp.set_routes(batch.replay_batch())      # the routes travel with the tokens they were laid out for
             out = self.model(input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev),
                              use_cache=False)
             if rp is not None:
-                rp.check(forwards=1)
+                rp.check(calls=1)
             used = capture.last_forward()
         route_mask = batch.route_mask.reshape(-1).to(used.device)
         # logits at position p - 1 score the token at position p
@@ -325,9 +322,7 @@ class MegatronTrainEngine:
         try:
             with torch.no_grad(), _bi_context(self.batch_invariant):
                 if replay:
-                    routes = expand_routes(batch.routes)
-                    self.driver.set_routes(routes.reshape(B * T, *routes.shape[-2:]), record.meta.moe_layers,
-                                           batch_shape=(B, T), route_mask=batch.route_mask.reshape(-1))
+                    self.driver.set_routes(batch.replay_batch())
                     with self.driver.forward():
                         logits = self.model(batch.input_ids.to(dev), batch.position_ids.to(dev), mask)
                     self.driver.check(calls=1)
