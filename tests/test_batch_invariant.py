@@ -1,8 +1,10 @@
 """Batch-invariant ops: a row computed alone equals the same row inside batches, bitwise; stock ops do not.
 
-Each bitwise claim (``torch.equal``) sits next to a negative control: the stock op (or, for log_softmax,
-whose CPU kernel happens to be row-wise already, the common ``x - logsumexp(x)`` composite) run through
-the same comparison must show at least one differing row, so the comparison can fail.
+Each bitwise claim (``torch.equal``) sits next to a negative control that differs *by construction*: a
+naive op whose reduction order depends on the batch explicitly (a row alone is reduced in one piece, rows
+inside a batch in two halves, each rounded to the output dtype) run through the same comparison must show
+differing rows, so the comparison can fail. Whether the *stock* ops are batch-variant depends on the BLAS,
+its kernels and thread split on the machine, so no test relies on it.
 """
 
 import threading
@@ -43,13 +45,15 @@ def row_mismatches(fn, xb):
     return bad, checked
 
 
-def assert_invariant_and_control(ours, stock, datasets):
-    """``ours`` is batch-invariant on every dataset; ``stock`` differs somewhere on at least one.
+def split_when_batched(whole, halves):
+    """A naive op, batch-dependent by construction: ``whole(x)`` for one row, ``halves(x)`` (the reduction
+    done as two pieces combined, split where the whole reduction does not split) for a batch of rows."""
+    return lambda x: whole(x) if x.shape[0] == 1 else halves(x)
 
-    Whether a stock op's different reduction order shows in the output depends on the data (a last-bit
-    difference in an fp32 accumulator often vanishes when rounded to bf16, or through an rsqrt), so the
-    control gets a few seeded datasets and needs one counterexample.
-    """
+
+def assert_invariant_and_control(ours, naive, datasets):
+    """``ours`` is batch-invariant on every dataset; ``naive`` (batch-dependent by construction, see
+    :func:`split_when_batched`) differs somewhere, so the comparison can fail."""
     if isinstance(datasets, torch.Tensor):
         datasets = [datasets]
     stock_bad = 0
@@ -57,8 +61,8 @@ def assert_invariant_and_control(ours, stock, datasets):
         bad, checked = row_mismatches(ours, xb)
         assert checked == 22
         assert bad == 0, f"{bad}/{checked} rows differ between batch sizes"
-        stock_bad += row_mismatches(stock, xb)[0]
-    assert stock_bad > 0, "negative control: the stock op was batch-invariant on these sizes"
+        stock_bad += row_mismatches(naive, xb)[0]
+    assert stock_bad > 0, "negative control: the split reduction was not caught by the comparison"
 
 
 @pytest.fixture(autouse=True)
@@ -73,15 +77,18 @@ def at_least_two_threads():
 # ---------------------------------------------------------------------------------------------- matmul
 
 
-# bf16: the stock CPU GEMM accumulates in fp32 and rounds to bf16, which hides most order differences;
-# at K = 4096, N = 1024 some rows still differ.
-@pytest.mark.parametrize("dtype,k,n,n_sets", [(torch.float32, 256, 200, 1), (torch.bfloat16, 4096, 1024, 4)])
+def naive_matmul(w):
+    h = w.shape[0] // 2
+    return split_when_batched(lambda x: x @ w, lambda x: x[:, :h] @ w[:h] + x[:, h:] @ w[h:])
+
+
+@pytest.mark.parametrize("dtype,k,n,n_sets", [(torch.float32, 256, 200, 1), (torch.bfloat16, 4096, 1024, 1)])
 def test_matmul_rows_invariant_and_close(dtype, k, n, n_sets):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(k, n, generator=gen).to(dtype)
     sets = [torch.randn(128, k, generator=gen).to(dtype) for _ in range(n_sets)]
     xb = sets[0]
-    assert_invariant_and_control(lambda x: bi_matmul(x, w), lambda x: x @ w, sets)
+    assert_invariant_and_control(lambda x: bi_matmul(x, w), naive_matmul(w), sets)
     ref = xb.double() @ w.double()
     tol = 1e-4 if dtype == torch.float32 else 1.0  # bf16 output: |y| ~ 64, half an ulp ~ 0.25
     assert (bi_matmul(xb, w).double() - ref).abs().max() < tol
@@ -168,7 +175,9 @@ def test_fixed_tree_sum_accuracy_padding_and_dims():
 def test_mean_rows_invariant_and_close():
     gen = torch.Generator().manual_seed(6)
     xb = torch.randn(128, 65536, generator=gen)
-    assert_invariant_and_control(lambda x: bi_mean(x, -1), lambda x: x.mean(-1), xb)
+    h = xb.shape[-1] // 3   # not a half: pairwise summation already splits in halves
+    assert_invariant_and_control(lambda x: bi_mean(x, -1), split_when_batched(
+        lambda x: x.mean(-1), lambda x: (x[:, :h].sum(-1) + x[:, h:].sum(-1)) / x.shape[-1]), xb)
     assert (bi_mean(xb, -1).double() - xb.double().mean(-1)).abs().max() < 1e-7
     x3 = torch.randn(4, 5, 6, generator=gen)
     assert torch.allclose(bi_mean(x3, (0, 2), keepdim=True), x3.mean((0, 2), keepdim=True), atol=1e-6)
@@ -183,8 +192,15 @@ def test_log_softmax_rows_invariant_and_close():
     gen = torch.Generator().manual_seed(7)
     sets = [torch.randn(128, 50000, generator=gen) * 3 for _ in range(4)]
     xb = sets[0]
-    assert_invariant_and_control(lambda x: bi_log_softmax(x, -1),
-                                 lambda x: x - torch.logsumexp(x, -1, keepdim=True), sets)
+    h = xb.shape[-1] // 2
+
+    def lse_halves(x):
+        m = x.amax(-1, keepdim=True)
+        return x - (m + torch.log(torch.exp(x[:, :h] - m).sum(-1, keepdim=True) +
+                                  torch.exp(x[:, h:] - m).sum(-1, keepdim=True)))
+
+    assert_invariant_and_control(lambda x: bi_log_softmax(x, -1), split_when_batched(
+        lambda x: torch.log_softmax(x, -1), lse_halves), sets)
     assert (bi_log_softmax(xb) - torch.log_softmax(xb, -1)).abs().max() < 1e-5
     xh = xb[:4].bfloat16()
     out = bi_log_softmax(xh, dtype=torch.float32)
@@ -203,7 +219,13 @@ def test_rms_norm_rows_invariant_and_close():
     def stock(x):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
-    assert_invariant_and_control(lambda x: bi_rms_norm(x, w, 1e-6), stock, sets)
+    h = xb.shape[-1] // 3   # not a half: pairwise summation already splits in halves
+
+    def halves(x):
+        ms = (x[:, :h].pow(2).sum(-1, keepdim=True) + x[:, h:].pow(2).sum(-1, keepdim=True)) / x.shape[-1]
+        return w * (x * torch.rsqrt(ms + 1e-6))
+
+    assert_invariant_and_control(lambda x: bi_rms_norm(x, w, 1e-6), split_when_batched(stock, halves), sets)
     assert (bi_rms_norm(xb, w) - stock(xb)).abs().max() < 1e-4
     xh = xb[:3, :512].bfloat16()
     wh = w[:512].bfloat16()
@@ -248,16 +270,32 @@ class TinyBlock(torch.nn.Module):
         return torch.log_softmax(self.head(self.norm2(x)), dim=-1)
 
 
-def test_mode_makes_a_model_batch_invariant():
+def naive_linears(monkeypatch):
+    """Negative control by construction: every ``nn.Linear`` splits its K reduction in two pieces (at a third)
+    when the leading (batch) dimension is above 1, and not for a single sample."""
+    stock = F.linear
+
+    def linear(x, weight, bias=None):
+        if x.shape[0] == 1:
+            return stock(x, weight, bias)
+        h = weight.shape[1] // 3
+        out = stock(x[..., :h], weight[:, :h]) + stock(x[..., h:], weight[:, h:])
+        return out if bias is None else out + bias
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+
+
+def test_mode_makes_a_model_batch_invariant(monkeypatch):
     torch.manual_seed(9)
     block = TinyBlock().eval()
     xb = torch.randn(128, 96)
     with torch.no_grad():
         with batch_invariant_mode():
             bad, checked = row_mismatches(block, xb)
-        stock_bad, _ = row_mismatches(block, xb)
+        naive_linears(monkeypatch)
+        naive_bad, _ = row_mismatches(block, xb)
     assert bad == 0, f"{bad}/{checked} rows differ with the mode on"
-    assert stock_bad > 0, "negative control: the block was batch-invariant without the mode"
+    assert naive_bad > 0, "negative control: a batch-dependent linear was not caught by the comparison"
 
 
 def test_mode_ops_equal_direct_functions():
@@ -294,8 +332,8 @@ def test_mode_is_reversible_nested_and_exception_safe():
         assert is_batch_invariant_mode_enabled()
         assert torch.equal(x @ w, inside)  # the inner exit kept the outer registration
     assert not is_batch_invariant_mode_enabled()
-    # the override was really active (a one-row stock matmul takes another path) and is now gone
-    assert not torch.equal(inside, stock)
+    # the override was really active (the fixed-tile matmul's bits) and is now gone
+    assert torch.equal(inside, bi_matmul(x, w))
     assert torch.equal(x @ w, stock)
     with pytest.raises(RuntimeError, match="boom"):
         with batch_invariant_mode():
@@ -344,7 +382,7 @@ def test_gradients_flow_through_direct_functions_and_mode():
     assert torch.equal(no_grad_out, bi_linear(x, w, b).detach())
 
 
-def test_embedded_moe_model_logits_batch_invariant_under_mode():
+def test_embedded_moe_model_logits_batch_invariant_under_mode(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from moealign.embedded import default_prompts, embedded_model_path
 
@@ -363,9 +401,10 @@ def test_embedded_moe_model_logits_batch_invariant_under_mode():
 
     with batch_invariant_mode():
         moded = same_logits()
-    stock = same_logits()
+    naive_linears(monkeypatch)
+    naive = same_logits()
     assert all(moded), f"logits of prompt 0 differ inside batches with the mode on: {moded}"
-    assert not all(stock), "negative control: stock logits were batch-invariant"
+    assert not any(naive), "negative control: batch-dependent linears were not caught by the comparison"
 
 
 # ---------------------------------------------------------------------------------------------- errors
