@@ -34,6 +34,8 @@ def fp32_reports():
         "bi_sdpa": run_mismatch(MismatchConfig(rollout_precision="fp32", batch_invariant=True, attention="sdpa",
                                                **SMALL)),
         "stock": run_mismatch(MismatchConfig(rollout_precision="fp32", **SMALL)),
+        "bf16_trainer": run_mismatch(MismatchConfig(rollout_precision="fp32", train_precision="bf16",
+                                                    batch_invariant=True, **SMALL)),
     }
 
 
@@ -49,12 +51,22 @@ def test_fully_aligned_run_is_exactly_zero(fp32_reports):
     assert _runs(report)["baseline"]["max_abs_logp_diff"] > 1e-3
 
 
-def test_negative_controls_keep_a_gap(fp32_reports):
-    """The decode-vs-full gap: batch-invariant matmuls alone (SDPA attention) and stock ops each leave it."""
+def test_negative_control_keeps_a_gap(fp32_reports):
+    """Negative control by construction: the fully aligned harness (same prompts, replay, mask, batch-invariant
+    ops and attention) with the trainer in bf16 must show a gap, so the exact zero above can fail."""
+    aligned = _runs(fp32_reports["bf16_trainer"])[ALIGNED]
+    assert aligned["support_mismatch_rate"] == 0.0
+    assert aligned["max_abs_logp_diff"] > 1e-4
+
+
+def test_levers_without_batch_invariance_stay_small(fp32_reports):
+    """Batch-invariant matmuls alone (SDPA attention) and stock ops: replay and mask still remove the flips
+    and the support gap, and what is left (the decode-vs-full reduction order, on this machine's kernels:
+    README "sources of the last gap") is small. Whether it is exactly 0 depends on the BLAS, so not asserted."""
     for name in ("bi_sdpa", "stock"):
         aligned = _runs(fp32_reports[name])[ALIGNED]
         assert aligned["router_flip_rate"] == 0.0 and aligned["support_mismatch_rate"] == 0.0
-        assert 0.0 < aligned["max_abs_logp_diff"] < 1e-3, name
+        assert aligned["max_abs_logp_diff"] < 1e-3, name
 
 
 def test_policy_options_reach_the_engines_and_the_json(tmp_path):
@@ -118,6 +130,5 @@ def test_sweep_fp16_beats_bf16_and_fp8_aligned_runs(tmp_path):
     fp8 = sweep["configs"][2]["report"]
     assert fp8["rollout"]["precision"] == fp8["train"]["precision"] == "fp8-e4m3-block"
     assert gaps["fp8 aligned"]["router_flip_rate"] == 0.0 and gaps["fp8 aligned"]["support_mismatch_rate"] == 0.0
-    assert gaps["fp8 aligned"]["max_abs_logp_diff"] > 0.0       # simulated FP8 is not bitwise across decode/full
     table = format_sweep(sweep)
     assert all(label in table for label, *_ in configs)
