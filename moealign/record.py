@@ -39,6 +39,7 @@ from .errors import (
     RecordFormatError,
     RecordMismatchError,
 )
+from .families import arch_keys
 from .routing_replay.protocol import ReplayBatch
 from .routing_replay.routes import (
     RouteError,
@@ -201,21 +202,15 @@ def _short(value) -> str:
 # fingerprints
 # --------------------------------------------------------------------------------------------------
 
-# Config keys that change what the network computes. Keys not in a config are skipped.
-_ARCH_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
-    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace",
-    "moe_layer_freq", "n_group", "topk_group", "routed_scaling_factor", "scoring_func",
-    "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters", "tie_word_embeddings",
-    "sliding_window", "qk_norm", "clip_qkv",
-)
+# Config keys that change what the network computes (per family, from moealign.families). Keys not in a
+# config are skipped.
 
 
 def config_fingerprint(config: dict) -> str:
-    """SHA-256 (hex, 16 chars) of the architecture fields of a model config (dtype-independent)."""
-    picked = {k: config[k] for k in _ARCH_KEYS if k in config and config[k] is not None}
+    """SHA-256 (hex, 16 chars) of the architecture fields of a model config (dtype-independent). The fields are
+    the family's ``arch_keys`` (:func:`moealign.families.arch_keys`; :data:`moealign.families.ARCH_KEYS` for a
+    model_type no family is registered for)."""
+    picked = {k: config[k] for k in arch_keys(config.get("model_type")) if k in config and config[k] is not None}
     if "model_type" not in picked:
         raise RecordError("config_fingerprint: the config has no model_type")
     text = json.dumps(picked, sort_keys=True, default=str)

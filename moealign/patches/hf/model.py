@@ -1,64 +1,26 @@
-"""transformers adapter: the MoE family registry, live-router discovery (:func:`describe_model`) and the record
-metadata of a model (:func:`record_meta`)."""
+"""transformers adapter: live-router discovery (:func:`describe_model`) and the record metadata of a model
+(:func:`record_meta`). The family knowledge (router class, scoring, experts) comes from the registry in
+:mod:`moealign.families`; ``FAMILIES``, ``MoEFamily`` and ``register_family`` are re-exported from there."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from ...errors import ConfigError, UnsupportedModelError
+from ...errors import UnsupportedModelError
+from ...families import FAMILIES, MoEFamily, get_family, register_family
 from ...record import RecordMeta, config_fingerprint, router_samples, router_signature
 from ...routing_replay.gates import (
     RouterScoring,
 )
 from .._version import check_engine_version, engine_version
 
+__all__ = ["SUPPORTED_TRANSFORMERS", "FAMILIES", "MoEFamily", "register_family", "MoEModelInfo", "describe_model",
+           "record_meta"]
+
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
-
-
-# --------------------------------------------------------------------------------------------------
-# family registry
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MoEFamily:
-    """How one transformers MoE family routes.
-
-    ``router_class``: class name of the router module (``.gate`` of each sparse block).
-    ``scoring(config)``: the :class:`RouterScoring` of its router.
-    ``scores_in_fp32``: the router returns its gate weights in float32 (Mixtral) instead of the logits dtype.
-    ``num_experts(config)``: number of routed experts.
-    """
-
-    model_type: str
-    router_class: str
-    scoring: Callable[[object], RouterScoring]
-    num_experts: Callable[[object], int]
-    scores_in_fp32: bool = False
-
-
-FAMILIES: dict[str, MoEFamily] = {}
-
-
-def register_family(family: MoEFamily, *, overwrite: bool = False) -> None:
-    if family.model_type in FAMILIES and not overwrite:
-        raise ConfigError(f"MoE family {family.model_type!r} is already registered (pass overwrite=True)")
-    FAMILIES[family.model_type] = family
-
-
-def _norm_topk(config) -> RouterScoring:
-    return RouterScoring(score="softmax", renormalize=bool(getattr(config, "norm_topk_prob", False)))
-
-
-register_family(MoEFamily("qwen2_moe", "Qwen2MoeTopKRouter", _norm_topk, lambda c: c.num_experts))
-register_family(MoEFamily("qwen3_moe", "Qwen3MoeTopKRouter", _norm_topk, lambda c: c.num_experts))
-register_family(MoEFamily("olmoe", "OlmoeTopKRouter", _norm_topk, lambda c: c.num_experts))
-register_family(MoEFamily("mixtral", "MixtralTopKRouter", lambda c: RouterScoring(score="softmax", renormalize=True),
-                          lambda c: c.num_local_experts, scores_in_fp32=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,10 +57,7 @@ def describe_model(model: torch.nn.Module) -> MoEModelInfo:
     version = _transformers_version()
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not a MoE family moealign.patches.hf knows "
-                                    f"(known: {sorted(FAMILIES)}); register one with register_family()")
+    family = get_family(model_type)
     routers = []
     for name, module in model.named_modules():
         if type(module).__name__ != family.router_class:

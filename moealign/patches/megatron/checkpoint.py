@@ -3,6 +3,8 @@
 Families: Qwen3-MoE (the embedded model), Qwen2-MoE (shared expert with a sigmoid gate, qkv bias, dense
 layers via ``mlp_only_layers`` / ``decoder_sparse_step``) and Mixtral (without sliding window). OLMoE is
 refused: its q/k RMSNorm spans all heads (``hidden_size`` wide), Megatron's ``qk_layernorm`` is per head.
+What differs between families (expert size, layer pattern, extra tensors, extra config fields, refusals) is
+read from each family's ``megatron`` section in :mod:`moealign.families`; this module holds the stock mapping.
 ::
 
     from moealign.patches.megatron import checkpoint as mc
@@ -43,10 +45,11 @@ from typing import Callable
 import torch
 
 from ...errors import CheckpointMismatchError, UnsupportedConversionError
+from ...families import FAMILIES, MoEFamily, TensorPair
 from .version import megatron_version
 
 __all__ = [
-    "CONVERTIBLE_FAMILIES",
+    "convertible_families",
     "UnsupportedConversionError",
     "CheckpointMismatchError",
     "megatron_config_from_hf",
@@ -57,7 +60,16 @@ __all__ = [
     "megatron_state_dict_from_hf",
 ]
 
-CONVERTIBLE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+def convertible_families() -> tuple[str, ...]:
+    """model_types of the registered families with a Megatron conversion, in registration order."""
+    return tuple(t for t, f in FAMILIES.items() if f.megatron is not None and f.megatron.convertible)
+
+
+def __getattr__(name: str):
+    if name == "CONVERTIBLE_FAMILIES":          # the former constant, now live: follows register_family()
+        return convertible_families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,50 +101,59 @@ def _rope_theta(config) -> float:
     return float(theta)
 
 
+def _family(config) -> MoEFamily:
+    """The registered family of ``config``, if it has a Megatron conversion (else
+    :class:`UnsupportedConversionError` with the family's reason)."""
+    model_type = _get(config, "model_type")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    spec = family.megatron if family is not None else None
+    if spec is not None and not spec.convertible:
+        raise _unsupported(model_type, spec.refused)
+    if spec is None:
+        raise UnsupportedConversionError(f"model_type {model_type!r} has no Megatron conversion (supported: "
+                                         f"{list(convertible_families())})")
+    return family
+
+
 def _moe_layer_pattern(config) -> list[int]:
     """1 for a sparse (MoE) decoder layer, 0 for a dense MLP layer, as transformers decides it."""
-    n = int(config.num_hidden_layers)
-    if config.model_type == "mixtral":
-        return [1] * n
-    step = int(_get(config, "decoder_sparse_step", 1) or 1)
-    dense = set(_get(config, "mlp_only_layers", None) or [])
-    return [0 if (i in dense or (i + 1) % step != 0) else 1 for i in range(n)]
+    return [int(bool(s)) for s in _family(config).moe_layer_pattern(config)]
 
 
 def _num_experts(config) -> int:
-    return int(config.num_local_experts if config.model_type == "mixtral" else config.num_experts)
+    return int(_family(config).num_experts(config))
 
 
-def _check_expressible(config) -> None:
-    """Raise :class:`UnsupportedConversionError` naming the first feature the local spec cannot express."""
-    model_type = _get(config, "model_type")
-    if model_type == "olmoe":
-        raise _unsupported("olmoe", "full-width q_norm/k_norm (one RMSNorm over all heads; Megatron's "
-                                    "qk_layernorm normalises each head separately)")
-    if model_type not in CONVERTIBLE_FAMILIES:
-        raise UnsupportedConversionError(f"model_type {model_type!r} has no Megatron conversion (supported: "
-                                         f"{list(CONVERTIBLE_FAMILIES)})")
+def _renormalize(config) -> bool:
+    """Whether the family's router divides the top-k probabilities by their sum (``norm_topk_prob``)."""
+    scoring = _family(config).scoring(config)
+    if scoring.score != "softmax" or scoring.grouped or scoring.scaling_factor != 1.0:
+        raise _unsupported(config.model_type, f"router scoring {scoring} (only softmax -> top-k, optionally "
+                                              f"renormalised, is mapped)")
+    return scoring.renormalize
+
+
+def _check_expressible(config) -> MoEFamily:
+    """Raise :class:`UnsupportedConversionError` naming the first feature the local spec cannot express;
+    return the family."""
+    family = _family(config)
+    model_type = family.model_type
     if _get(config, "hidden_act", "silu") != "silu":
         raise _unsupported(model_type, f"hidden_act={config.hidden_act!r} (only SiLU-gated MLPs are mapped)")
-    if model_type == "mixtral" and _get(config, "sliding_window") is not None:
-        raise _unsupported(model_type, f"sliding_window={config.sliding_window} (sliding-window attention)")
-    if model_type == "qwen2_moe" and _get(config, "use_sliding_window", False):
-        raise _unsupported(model_type, "use_sliding_window=True (sliding-window attention)")
+    feature = family.megatron.unsupported(config)
+    if feature:
+        raise _unsupported(model_type, feature)
     layer_types = _get(config, "layer_types") or []
     if any(t != "full_attention" for t in layer_types):
         raise _unsupported(model_type, f"layer_types={sorted(set(layer_types))} (sliding-window attention)")
-    if _get(config, "attention_bias", False) and model_type != "qwen2_moe":
-        raise _unsupported(model_type, "attention_bias=True (bias on o_proj as well as q/k/v)")
-    if int(config.num_experts_per_tok) == 1 and _norm_topk(config):
+    renormalize = _renormalize(config)          # also refuses a scoring other than softmax -> top-k
+    if int(config.num_experts_per_tok) == 1 and renormalize:
         raise _unsupported(model_type, "top-1 routing with norm_topk_prob=True (a weight of exactly 1.0)")
     if _get(config, "num_key_value_heads") and config.num_attention_heads % config.num_key_value_heads:
         raise UnsupportedConversionError(f"{model_type}: num_attention_heads={config.num_attention_heads} is not a "
                                          f"multiple of num_key_value_heads={config.num_key_value_heads}")
     _rope_theta(config)
-
-
-def _norm_topk(config) -> bool:
-    return True if config.model_type == "mixtral" else bool(_get(config, "norm_topk_prob", False))
+    return family
 
 
 _CPU_SETTINGS = dict(
@@ -160,13 +181,13 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
     megatron_version()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _check_expressible(hf_config)
-    model_type = hf_config.model_type
+    family = _check_expressible(hf_config)
+    model_type = family.model_type
     cpu = (not torch.cuda.is_available()) if cpu is None else bool(cpu)
     pattern = _moe_layer_pattern(hf_config)
     if not any(pattern):
         raise UnsupportedConversionError(f"{model_type}: no sparse layer (mlp_only_layers / decoder_sparse_step)")
-    expert_ffn = hf_config.intermediate_size if model_type == "mixtral" else hf_config.moe_intermediate_size
+    expert_ffn = family.megatron.expert_ffn_size(hf_config)
     train_aux = bool(_get(hf_config, "output_router_logits", False))
     aux_coeff = float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if train_aux else 0.0
     kw = dict(
@@ -181,8 +202,8 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(model_type == "qwen2_moe" and _get(hf_config, "qkv_bias", False)),
-        qk_layernorm=model_type == "qwen3_moe",
+        add_qkv_bias=False,
+        qk_layernorm=False,
         hidden_dropout=0.0,
         attention_dropout=float(_get(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -196,16 +217,14 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
         moe_ffn_hidden_size=int(expert_ffn),
         moe_layer_freq=pattern,
         moe_router_score_function="softmax",
-        moe_router_pre_softmax=not _norm_topk(hf_config),
+        moe_router_pre_softmax=not _renormalize(hf_config),
         moe_router_load_balancing_type="aux_loss" if aux_coeff else "none",
         moe_aux_loss_coeff=aux_coeff,
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_enable_routing_replay=True,
     )
-    if model_type == "qwen2_moe" and _get(hf_config, "shared_expert_intermediate_size"):
-        kw.update(moe_shared_expert_intermediate_size=int(hf_config.shared_expert_intermediate_size),
-                  moe_shared_expert_gate=True)
+    kw.update(family.megatron.config_fields(hf_config))      # q/k norm, q/k/v bias, shared expert, ...
     jitter = float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0)
     if jitter:
         # training-only noise U(1-eps, 1+eps) on the router input (transformers also feeds it to the experts)
@@ -311,16 +330,27 @@ def _experts(hf_gate_up: str, hf_down: str, mc_prefix: str, num_experts: int) ->
     return [_Group((hf_gate_up,), fc1, unstack, stack), _Group((hf_down,), fc2, unstack, stack)]
 
 
+def _pair(hf_config, pair: TensorPair, hf: str, mc: str) -> _Group:
+    """A family's :class:`TensorPair` of decoder layer ``hf`` / ``mc`` as a mapping group."""
+    names = tuple(f"{hf}.{name}" for name in pair.hf)
+    target = f"{mc}.{pair.mcore}"
+    if pair.kind == "same":
+        return _same(*names, target)
+    if pair.kind == "glu":
+        return _glu(*names, target)
+    return _qkv(hf_config, *names, target)
+
+
 def _mapping(hf_config) -> list[_Group]:
     """Every tensor of the transformers model, grouped with the Megatron parameters it becomes."""
-    _check_expressible(hf_config)
-    model_type = hf_config.model_type
+    spec = _check_expressible(hf_config).megatron
     tied = bool(_get(hf_config, "tie_word_embeddings", False))
     groups = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
               _same("model.norm.weight", "decoder.final_layernorm.weight")]
     if not tied:
         groups.append(_same("lm_head.weight", "output_layer.weight"))
-    qkv_bias = model_type == "qwen2_moe" and _get(hf_config, "qkv_bias", False)
+    attention_extra = spec.attention_tensors(hf_config)
+    sparse_extra = spec.sparse_mlp_tensors(hf_config)
     for i, sparse in enumerate(_moe_layer_pattern(hf_config)):
         hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
         attn = f"{hf}.self_attn"
@@ -331,12 +361,7 @@ def _mapping(hf_config) -> list[_Group]:
                  f"{mc}.self_attention.linear_qkv.weight"),
             _same(f"{attn}.o_proj.weight", f"{mc}.self_attention.linear_proj.weight"),
         ]
-        if qkv_bias:
-            groups.append(_qkv(hf_config, f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias",
-                               f"{mc}.self_attention.linear_qkv.bias"))
-        if model_type == "qwen3_moe":
-            groups += [_same(f"{attn}.q_norm.weight", f"{mc}.self_attention.q_layernorm.weight"),
-                       _same(f"{attn}.k_norm.weight", f"{mc}.self_attention.k_layernorm.weight")]
+        groups += [_pair(hf_config, pair, hf, mc) for pair in attention_extra]
         if not sparse:
             groups += [_glu(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight", f"{mc}.mlp.linear_fc1.weight"),
                        _same(f"{hf}.mlp.down_proj.weight", f"{mc}.mlp.linear_fc2.weight")]
@@ -344,13 +369,7 @@ def _mapping(hf_config) -> list[_Group]:
         groups.append(_same(f"{hf}.mlp.gate.weight", f"{mc}.mlp.router.weight"))
         groups += _experts(f"{hf}.mlp.experts.gate_up_proj", f"{hf}.mlp.experts.down_proj", f"{mc}.mlp.experts",
                            _num_experts(hf_config))
-        if model_type == "qwen2_moe" and _get(hf_config, "shared_expert_intermediate_size"):
-            shared = f"{hf}.mlp.shared_expert"
-            groups += [
-                _glu(f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight", f"{mc}.mlp.shared_experts.linear_fc1.weight"),
-                _same(f"{shared}.down_proj.weight", f"{mc}.mlp.shared_experts.linear_fc2.weight"),
-                _same(f"{hf}.mlp.shared_expert_gate.weight", f"{mc}.mlp.shared_experts.gate_weight"),
-            ]
+        groups += [_pair(hf_config, pair, hf, mc) for pair in sparse_extra]
     return groups
 
 

@@ -1,0 +1,42 @@
+"""Mixtral (``model_type="mixtral"``, e.g. Mixtral-8x7B).
+
+Router ``MixtralTopKRouter``: softmax over all experts in float32, top-k, always renormalised (there is no
+``norm_topk_prob``), and the gate weights stay in float32 (``scores_in_fp32``). Experts:
+``num_local_experts``, intermediate size ``intermediate_size``. Every decoder layer is sparse. No q/k norm,
+no bias. Sliding-window attention (``sliding_window`` set) is not converted.
+"""
+
+from __future__ import annotations
+
+from . import ARCH_KEYS, MegatronSpec, MoEFamily, RouterScoring, every_layer_sparse
+
+
+def router_scoring(config) -> RouterScoring:
+    return RouterScoring(score="softmax", renormalize=True)
+
+
+def num_experts(config) -> int:
+    return int(config.num_local_experts)
+
+
+def _unsupported(config) -> str | None:
+    if getattr(config, "sliding_window", None) is not None:
+        return f"sliding_window={config.sliding_window} (sliding-window attention)"
+    if getattr(config, "attention_bias", False):
+        return "attention_bias=True (bias on o_proj as well as q/k/v)"
+    return None
+
+
+FAMILY = MoEFamily(
+    model_type="mixtral",
+    router_class="MixtralTopKRouter",
+    scoring=router_scoring,
+    num_experts=num_experts,
+    scores_in_fp32=True,
+    moe_layer_pattern=every_layer_sparse,
+    arch_keys=ARCH_KEYS,
+    megatron=MegatronSpec(
+        expert_ffn_size=lambda c: int(c.intermediate_size),
+        unsupported=_unsupported,
+    ),
+)
