@@ -336,15 +336,15 @@ class Sample:
 
 
 def _check_tokens_in_kept(sample: Sample, where: str) -> None:
-    offsets, ids = sample.kept_offsets, sample.kept_ids
-    counts = offsets[1:] - offsets[:-1]
-    row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    hit = ids.to(torch.int64) == sample.response_ids.to(torch.int64)[row]
-    found = torch.zeros(counts.numel(), dtype=torch.int64).index_add_(0, row, hit.to(torch.int64))
-    if not bool((found == 1).all()):
-        bad = int((found != 1).nonzero()[0, 0])
-        raise RecordError(f"{where}: sampled token {int(sample.response_ids[bad])} at response position {bad} "
-                          f"is not in its recorded kept set")
+    from .routing_replay.sampling_mask import check_tokens_in_kept   # the one membership check
+
+    try:
+        check_tokens_in_kept(sample.kept_offsets, sample.kept_ids, sample.response_ids)
+    except RouteError as exc:
+        if not hasattr(exc, "row"):
+            raise RecordError(f"{where}: {exc}") from None
+        raise RecordError(f"{where}: sampled token {exc.token} at response position {exc.row} "
+                          f"is not in its recorded kept set") from None
 
 
 # --------------------------------------------------------------------------------------------------

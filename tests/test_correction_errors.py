@@ -223,10 +223,27 @@ def test_batch_normalize_must_be_bool():
 
 
 def test_unknown_extended_keyword():
-    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['rollout_is_thresh'\]"):
+    # real keyword-only parameters: Python itself rejects a misspelt one, naming it
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rollout_is_thresh'"):
         call(rollout_is="token", rollout_is_thresh=2.0)
-    with pytest.raises(TypeError, match="unknown keyword argument"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rollout_rs_mode'"):
         call(rollout_rs_mode="token_k1")
+
+
+def test_extensions_are_keyword_only_with_verl_names():
+    import inspect
+
+    params = inspect.signature(correct).parameters
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword_only = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert positional == ["old_log_prob", "rollout_log_prob", "response_mask", "rollout_is", "rollout_is_threshold",
+                          "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold"]
+    assert keyword_only == {"rollout_is_mode": None, "rollout_is_threshold_lower": None,
+                            "rollout_rs_threshold_lower": None, "rollout_token_veto_threshold": None,
+                            "process_group": None, "agreement_metrics": False, "fused": None}
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+    with pytest.raises(TypeError, match="positional argument"):   # the extensions are not positional
+        correct(*([None] * 8), "clip")
 
 
 @pytest.mark.parametrize("mode", ["token_k1", "seq_max_k2", "token", "geometric"])

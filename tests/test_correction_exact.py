@@ -823,6 +823,18 @@ def test_to_floats():
     assert CorrectionMetrics({"a": torch.tensor(1.5, dtype=torch.float32), "b": 2}).to_floats() == {"a": 1.5, "b": 2.0}
 
 
+def test_is_mode_is_a_declared_field():
+    # a constructor keyword (None by default), kept by with_prefix and the slime view, set by the entry points
+    assert CorrectionMetrics().is_mode is None
+    m = CorrectionMetrics({"rollout_is_ratio_fraction_high": torch.tensor(0.25)}, is_mode="clip")
+    assert m.is_mode == "clip" and "is_mode" not in m
+    assert m.with_prefix(PREFIX).is_mode == "clip"
+    assert m.slime().is_mode == "clip" and "mis_clip_fraction_high" in m.slime()
+    assert "mis_truncate_fraction" in CorrectionMetrics(m, is_mode="truncate").slime()   # negative control
+    _, _, metrics, _ = run(BASE, rollout_rs="token_k1", rollout_rs_threshold="0.6_1.5")
+    assert metrics.is_mode is None
+
+
 def test_entry_point_metric_key_sets():
     """The key set for each configuration, spelled out."""
     offpolicy = set(OFFPOLICY_SLIME)

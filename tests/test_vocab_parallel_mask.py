@@ -1,5 +1,6 @@
-"""Kept-set log-prob on vocab-parallel logits: simulated shards in one process, and a real Megatron
-GPTModel with tensor_model_parallel_size=2 on CPU (gloo, eval mode) against the same model at TP=1."""
+"""Kept-set log-prob on vocab-parallel logits: without a group (bitwise the public kept_logprob), two gloo
+processes holding vocabulary slices of the same logits, and a real Megatron GPTModel with
+tensor_model_parallel_size=2 on CPU (gloo, eval mode) against the same model at TP=1."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from moealign.routing_replay.sampling_mask import (
     truncation_mask,
 )
 from moealign.routing_replay.vocab_parallel import (
-    _kept_logprob_from_shards,
     vocab_parallel_full_logprob,
     vocab_parallel_kept_logprob,
 )
@@ -50,67 +50,37 @@ def _case(seed: int = 0, boost_first: int = 0):
 
 
 # --------------------------------------------------------------------------------------------------
-# one process: simulated shards
+# one process (no tensor parallelism): the public kept_logprob's arithmetic, bitwise
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("widths", [[V], [V // 2, V // 2], [10, 40, 1, 45]])
 @pytest.mark.parametrize("masked", [True, False])
-def test_simulated_shards_match_unsharded(widths, masked):
-    logits, tokens, offsets, ids = _case()
-    kept = (offsets, ids) if masked else None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_group_is_the_public_function_bitwise(masked, dtype):
+    logits, tokens, offsets, ids = _case(seed=1)
+    logits = logits.to(dtype)
     leaf = logits.clone().requires_grad_()
     ref = kept_logprob(leaf, tokens, offsets, ids, temperature=TEMP) if masked else \
         full_logprob(leaf, tokens, temperature=TEMP)
     ref.sum().backward()
-    shards = [s.clone().requires_grad_() for s in logits.split(widths, dim=1)]
-    out = _kept_logprob_from_shards(shards, tokens, kept, temperature=TEMP)
+    shard = logits.clone().requires_grad_()
+    out = vocab_parallel_kept_logprob(shard, tokens, (offsets, ids) if masked else None, 0, temperature=TEMP)
     out.sum().backward()
     assert out.dtype == torch.float32 and out.shape == (N,)
-    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
-    torch.testing.assert_close(torch.cat([s.grad for s in shards], 1), leaf.grad, rtol=0, atol=2e-6)
-
-
-def test_gradient_is_local_part_of_onehot_minus_masked_softmax():
-    logits, tokens, offsets, ids = _case(seed=3)
-    shards = [s.clone().requires_grad_() for s in logits.split([30, 66], dim=1)]
-    _kept_logprob_from_shards(shards, tokens, (offsets, ids), temperature=TEMP).sum().backward()
-    mask = kept_mask(offsets, ids, V)
-    softmax = torch.where(mask, logits / TEMP, float("-inf")).softmax(-1)
-    want = (F.one_hot(tokens.long(), V).float() - softmax) / TEMP
-    torch.testing.assert_close(torch.cat([s.grad for s in shards], 1), want, rtol=0, atol=2e-6)
-    assert torch.equal(shards[0].grad[~mask[:, :30]], torch.zeros_like(shards[0].grad[~mask[:, :30]]))
-
-
-def test_a_slice_without_kept_ids_contributes_nothing():
-    logits, tokens, offsets, ids = _case(seed=5, boost_first=8)
-    assert int(ids.max()) < 48                                    # the second half keeps nothing
-    shards = [s.clone().requires_grad_() for s in logits.split([48, 48], dim=1)]
-    out = _kept_logprob_from_shards(shards, tokens, (offsets, ids), temperature=TEMP)
-    out.sum().backward()
-    torch.testing.assert_close(out, kept_logprob(logits, tokens, offsets, ids, temperature=TEMP), rtol=0, atol=2e-6)
-    assert torch.equal(shards[1].grad, torch.zeros_like(shards[1].grad))
-    assert bool(torch.isfinite(out).all())
+    assert torch.equal(out, ref)
+    assert torch.equal(shard.grad, leaf.grad)
 
 
 def test_public_function_without_group_matches_and_mask_matters():
     logits, tokens, offsets, ids = _case(seed=1)
     kept = vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, temperature=TEMP)
     full = vocab_parallel_full_logprob(logits, tokens, 0, temperature=TEMP)
-    torch.testing.assert_close(kept, kept_logprob(logits, tokens, offsets, ids, temperature=TEMP), rtol=0, atol=2e-6)
-    torch.testing.assert_close(full, full_logprob(logits, tokens, temperature=TEMP), rtol=0, atol=2e-6)
+    assert torch.equal(kept, kept_logprob(logits, tokens, offsets, ids, temperature=TEMP))
+    assert torch.equal(full, full_logprob(logits, tokens, temperature=TEMP))
     # negative control: the kept set drops probability mass, so the full-vocabulary log-prob is lower
     assert bool((kept - full > 1e-3).all())
     # temperature is applied: T = 1 gives another answer
     assert not torch.allclose(vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0), kept)
-
-
-def test_half_precision_logits_give_float32():
-    logits, tokens, offsets, ids = _case(seed=2)
-    out = vocab_parallel_kept_logprob(logits.bfloat16(), tokens, (offsets, ids), 0, temperature=TEMP)
-    assert out.dtype == torch.float32
-    ref = kept_logprob(logits.bfloat16(), tokens, offsets, ids, temperature=TEMP)
-    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
 
 
 def _bad_token_outside_kept():
@@ -150,10 +120,10 @@ def test_nonfinite_logits_name_row_and_vocab_id(value):
     logits, tokens, offsets, ids = _case(seed=6)
     bad = logits.clone()
     bad[5, 70] = value                 # outside most kept sets: still an error (a broken model)
-    with pytest.raises(RouteError, match=rf"logits row 5 holds {value} at vocabulary id 70"):
+    with pytest.raises(RouteError, match=rf"logits row 5 holds {value} at vocabulary id 70 \(logits_shard\[5, 70\]\)"):
         vocab_parallel_kept_logprob(bad, tokens, (offsets, ids), 0)
-    with pytest.raises(RouteError, match=r"logits row 5 .* vocabulary id 70 \(shard 1: logits_shard\[5, 22\]\)"):
-        _kept_logprob_from_shards(list(bad.split([48, 48], 1)), tokens, (offsets, ids))
+    with pytest.raises(RouteError, match=rf"logits row 5 holds {value} at vocabulary id 70$"):
+        kept_logprob(bad, tokens, offsets, ids)                  # the same check in the public function
 
 
 @pytest.mark.parametrize("temperature", [0, -1.0, float("nan"), True, "1"])
@@ -170,6 +140,143 @@ def test_group_needs_initialised_distributed(monkeypatch):
     logits, tokens, offsets, ids = _case()
     with pytest.raises(RouteError, match="not initialised"):
         vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, group=object())
+
+
+# --------------------------------------------------------------------------------------------------
+# gloo processes, pure torch: each rank holds its vocabulary slice of the same logits
+# --------------------------------------------------------------------------------------------------
+
+
+def _gloo_worker(rank: int, world: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        group = dist.group.WORLD
+        width = V // world
+        start = rank * width
+        out = {}
+
+        def sharded(logits, tokens, kept, dtype=None, **kw):
+            shard = logits[:, start:start + width].clone()
+            shard = (shard if dtype is None else shard.to(dtype)).requires_grad_()
+            lp = vocab_parallel_kept_logprob(shard, tokens, kept, start, group=group, **kw)
+            lp.sum().backward()
+            return lp.detach(), shard.grad
+
+        for masked in (True, False):
+            logits, tokens, offsets, ids = _case(seed=0)
+            leaf = logits.clone().requires_grad_()
+            ref = kept_logprob(leaf, tokens, offsets, ids, temperature=TEMP) if masked else \
+                full_logprob(leaf, tokens, temperature=TEMP)
+            ref.sum().backward()
+            lp, grad = sharded(logits, tokens, (offsets, ids) if masked else None, temperature=TEMP)
+            out[f"value_diff_{masked}"] = float((lp - ref.detach()).abs().max())
+            out[f"grad_diff_{masked}"] = float((grad - leaf.grad[:, start:start + width]).abs().max())
+            out[f"values_{masked}"] = lp.tolist()        # compared across ranks: the same bits everywhere
+            out[f"dtype_{masked}"] = str(lp.dtype)
+            if masked:   # the gradient is this rank's part of (onehot - softmax over the kept set) / T
+                softmax = torch.where(kept_mask(offsets, ids, V), logits / TEMP, float("-inf")).softmax(-1)
+                want = (F.one_hot(tokens.long(), V).float() - softmax) / TEMP
+                out["grad_formula_diff"] = float((grad - want[:, start:start + width]).abs().max())
+
+        # every kept set inside rank 0's slice: rank 1 contributes nothing, its gradient is zero
+        logits, tokens, offsets, ids = _case(seed=5, boost_first=8)
+        lp, grad = sharded(logits, tokens, (offsets, ids), temperature=TEMP)
+        out["empty_slice_max_id"] = int(ids.max())
+        out["empty_slice_diff"] = float((lp - kept_logprob(logits, tokens, offsets, ids, temperature=TEMP)).abs().max())
+        out["empty_slice_grad_zero"] = bool(torch.equal(grad, torch.zeros_like(grad))) if rank == 1 else None
+        out["empty_slice_finite"] = bool(torch.isfinite(lp).all())
+
+        # bf16 logits: float32 result, close to the unsharded one
+        logits, tokens, offsets, ids = _case(seed=2)
+        lp, _ = sharded(logits, tokens, (offsets, ids), dtype=torch.bfloat16, temperature=TEMP)
+        ref = kept_logprob(logits.bfloat16(), tokens, offsets, ids, temperature=TEMP)
+        out["bf16_dtype"], out["bf16_diff"] = str(lp.dtype), float((lp - ref).abs().max())
+
+        # a NaN in rank 1's slice and a wrong vocab_start on rank 1: every rank raises, none hangs
+        logits, tokens, offsets, ids = _case(seed=6)
+        bad = logits[:, start:start + width].clone()
+        if rank == 1:
+            bad[5, 7] = float("nan")
+        try:
+            vocab_parallel_kept_logprob(bad, tokens, (offsets, ids), start, group=group)
+        except RouteError as exc:
+            out["nan_error"] = str(exc)
+        try:
+            vocab_parallel_kept_logprob(logits[:, start:start + width], tokens, (offsets, ids), 0, group=group)
+        except RouteError as exc:
+            out["start_error"] = str(exc)
+        outside = tokens.clone()
+        row_ids = set(ids[offsets[3]:offsets[4]].tolist())
+        outside[3] = next(t for t in range(V) if t not in row_ids)
+        try:
+            vocab_parallel_kept_logprob(logits[:, start:start + width], outside, (offsets, ids), start, group=group)
+        except RouteError as exc:
+            out["outside_error"] = str(exc)
+        results.put((rank, out))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_workers(target, world: int, timeout: float = 180) -> dict:
+    """Start ``world`` spawned processes running ``target(rank, world, port, results)``; their results by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(got) < len(procs):
+            try:
+                rank, value = results.get(timeout=1)
+            except queue.Empty:
+                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if died or time.monotonic() > deadline:
+                    pytest.fail(f"workers died ({died}) or timed out; results so far: {got}")
+                continue
+            got[rank] = value
+            if isinstance(value, str):       # a traceback: the other ranks may be stuck, stop here
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, value in sorted(got.items()):
+        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    return got
+
+
+def test_gloo_tp2_equals_unsharded():
+    got = _run_workers(_gloo_worker, 2)
+    for rank, o in got.items():
+        for masked in (True, False):
+            assert o[f"dtype_{masked}"] == "torch.float32"
+            assert o[f"value_diff_{masked}"] < 2e-6, (rank, masked, o[f"value_diff_{masked}"])
+            assert o[f"grad_diff_{masked}"] < 2e-6, (rank, masked, o[f"grad_diff_{masked}"])
+        assert o["grad_formula_diff"] < 2e-6
+        assert o["empty_slice_max_id"] < V // 2                # the setup: rank 1's slice keeps nothing
+        assert o["empty_slice_diff"] < 2e-6 and o["empty_slice_finite"]
+        assert o["bf16_dtype"] == "torch.float32" and o["bf16_diff"] < 2e-6
+        assert "row 3: token" in o["outside_error"] and "not in its kept set" in o["outside_error"]
+    for masked in (True, False):                       # every rank returns the same bits
+        assert got[0][f"values_{masked}"] == got[1][f"values_{masked}"]
+    assert got[1]["empty_slice_grad_zero"]
+    assert f"logits row 5 holds nan at vocabulary id {V // 2 + 7}" in got[1]["nan_error"]
+    assert "tensor-parallel rank 1: logits_shard[5, 7]" in got[1]["nan_error"]
+    assert "row 5 holds NaN or Inf on another tensor-parallel rank" in got[0]["nan_error"]
+    assert f"vocab_start = 0 but this rank's slice starts at {V // 2}" in got[1]["start_error"]
+    assert "tensor-parallel rank 1 rejected its input" in got[0]["start_error"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,34 +420,7 @@ def _free_port() -> int:
 
 def test_megatron_tp2_kept_logprob_equals_tp1():
     pytest.importorskip("megatron.core")
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_megatron_worker, args=(r, 2, port, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    got, deadline = {}, time.monotonic() + 180
-    try:
-        while len(got) < len(procs):
-            try:
-                rank, value = results.get(timeout=1)
-            except queue.Empty:
-                died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if died or time.monotonic() > deadline:
-                    pytest.fail(f"Megatron TP=2 workers died ({died}) or timed out; results so far: {got}")
-                continue
-            got[rank] = value
-            if isinstance(value, str):       # a traceback: the other rank may be stuck, stop here
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, value in sorted(got.items()):
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+    got = _run_workers(_megatron_worker, 2)
     print({r: {k: v for k, v in o.items() if not k.endswith("error")} for r, o in got.items()})
     for rank, o in got.items():
         assert o["shard_shape"] == (MB, MT, MV // 2)        # vocab-parallel logits, not gathered

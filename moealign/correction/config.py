@@ -80,12 +80,17 @@ class RolloutCorrectionConfig:
             rollout_token_veto_threshold=self.rollout_token_veto_threshold,
         )
 
-    def compute(self, old_log_prob, rollout_log_prob, response_mask, **extended):
-        """Run the correction with this config: ``(weights or None, modified_mask, metrics)``."""
+    def compute(self, old_log_prob, rollout_log_prob, response_mask, *, process_group=None,
+                agreement_metrics: bool = False, fused: bool | None = None):
+        """Run the correction with this config: ``(weights or None, modified_mask, metrics)``.
+
+        The keywords are the entry point's run options (the config holds every other argument).
+        """
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # warned once, at construction
             return compute_rollout_correction_and_rejection_mask(
-                old_log_prob, rollout_log_prob, response_mask, **self.to_kwargs(), **extended
+                old_log_prob, rollout_log_prob, response_mask, **self.to_kwargs(),
+                process_group=process_group, agreement_metrics=agreement_metrics, fused=fused,
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -53,7 +53,18 @@ PREFIX = "rollout_corr/"
 
 
 class CorrectionMetrics(dict):
-    """``name -> 0-d tensor``. Values stay on the device until :meth:`to_floats`."""
+    """``name -> 0-d tensor``. Values stay on the device until :meth:`to_floats`.
+
+    ``is_mode``: the IS mode that produced the weights (``"truncate"``, ``"clip"``, ``"mask"``; None without
+    IS), which the slime view needs to name its fraction metrics. Keyword-only in the constructor, kept
+    by :meth:`with_prefix`.
+    """
+
+    is_mode: str | None
+
+    def __init__(self, *args, is_mode: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.is_mode = is_mode
 
     def to_floats(self) -> dict[str, float]:
         """All metrics as Python floats, with a single device-to-host transfer."""
@@ -73,7 +84,7 @@ class CorrectionMetrics(dict):
         return to_slime_names(self)
 
     def with_prefix(self, prefix: str) -> "CorrectionMetrics":
-        return CorrectionMetrics({prefix + k: v for k, v in self.items()})
+        return CorrectionMetrics({prefix + k: v for k, v in self.items()}, is_mode=self.is_mode)
 
 
 def offpolicy_pass(view: TokenView) -> dict[str, torch.Tensor]:
@@ -252,7 +263,7 @@ def to_slime_names(metrics: Mapping[str, torch.Tensor], is_mode: str | None = No
         is_mode = getattr(metrics, "is_mode", None)
     table = dict(SLIME_NAMES)
     table.update(_SLIME_MODE_FRACTIONS.get(is_mode or "", {}))
-    out = CorrectionMetrics()
+    out = CorrectionMetrics(is_mode=is_mode)
     for key, value in metrics.items():
         bare = key[len(PREFIX):] if key.startswith(PREFIX) else key
         out[table.get(bare, bare)] = value

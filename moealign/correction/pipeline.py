@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._tensor_checks import compute_dtype
 from ..errors import EngineError, InputError, InputTypeError
 from ._masked import RowAgg, safe_div
 from .is_weights import batch_norm_terms, is_metrics, is_weights_pass
@@ -99,10 +100,6 @@ def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
         raise InputError(
             f"inputs on different devices: old {old.device}, rollout {rollout.device}, mask {mask.device}"
         )
-
-
-def _compute_dtype(old: torch.Tensor, rollout: torch.Tensor) -> torch.dtype:
-    return torch.float64 if torch.float64 in (old.dtype, rollout.dtype) else torch.float32
 
 
 def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> int | None:
@@ -266,7 +263,7 @@ def run_plan(
 ):
     """Execute a plan. Returns ``(weights or None, modified_mask, metrics)``; metrics carry no prefix."""
     _check_shapes(old_log_prob, rollout_log_prob, response_mask, names)
-    dtype = _compute_dtype(old_log_prob, rollout_log_prob)
+    dtype = compute_dtype(old_log_prob, rollout_log_prob)
     if fused is None:
         fused = _fused_default()
     with torch.no_grad():
@@ -310,9 +307,8 @@ def run_plan(
         modified = token_keep if row_keep is _APPLIED else _apply_keep(args[2], token_keep, row_keep)
     if weights is not None and weights.dtype != old_log_prob.dtype and old_log_prob.dtype == torch.float64:
         weights = weights.to(torch.float64)
-    out = CorrectionMetrics(metrics)
-    out.is_mode = plan.is_spec.mode if plan.is_spec is not None else None
-    return weights, modified, out
+    is_mode = plan.is_spec.mode if plan.is_spec is not None else None
+    return weights, modified, CorrectionMetrics(metrics, is_mode=is_mode)
 
 
 def _apply_keep(mask: torch.Tensor, token_keep, row_keep) -> torch.Tensor:
@@ -331,17 +327,6 @@ def _apply_keep(mask: torch.Tensor, token_keep, row_keep) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- entry points
-
-_EXTENDED = {
-    "rollout_is_mode",
-    "rollout_is_threshold_lower",
-    "rollout_rs_threshold_lower",
-    "rollout_token_veto_threshold",
-    "process_group",
-    "agreement_metrics",
-    "fused",
-}
-
 
 def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower):
     """Map the earlier ``token`` / ``sequence`` / ``geometric`` spelling onto the current modes."""
@@ -439,7 +424,14 @@ def compute_rollout_correction_and_rejection_mask(
     rollout_is_batch_normalize: bool = False,
     rollout_rs=None,
     rollout_rs_threshold=None,
-    **extended,
+    *,
+    rollout_is_mode=None,
+    rollout_is_threshold_lower=None,
+    rollout_rs_threshold_lower=None,
+    rollout_token_veto_threshold=None,
+    process_group=None,
+    agreement_metrics: bool = False,
+    fused: bool | None = None,
 ):
     """IS weights, rejection mask and metrics for one batch (verl's entry point and semantics).
 
@@ -455,7 +447,8 @@ def compute_rollout_correction_and_rejection_mask(
         rollout_rs: a rejection mode or a comma-separated chain (see ``rejection.py``).
         rollout_rs_threshold: one threshold for all modes, or one per mode.
 
-    Extended keywords: ``rollout_is_mode`` ("truncate" | "clip" | "mask"), ``rollout_is_threshold_lower``,
+    Keyword-only extensions (verl's positional arguments come first, with verl's names):
+    ``rollout_is_mode`` ("truncate" | "clip" | "mask"), ``rollout_is_threshold_lower``,
     ``process_group`` (batch-normalisation mean over that group; never an implicit world all-reduce),
     ``agreement_metrics`` (add the probability-agreement metrics and the p99 |delta log-prob|),
     ``fused`` (compile the pass with torch.compile), and the earlier API ``rollout_rs`` =
@@ -467,34 +460,29 @@ def compute_rollout_correction_and_rejection_mask(
         padding), the mask with rejected tokens zeroed (dtype of ``response_mask``), and a
         :class:`CorrectionMetrics` of 0-d tensors keyed ``rollout_corr/<name>``.
     """
-    unknown = set(extended) - _EXTENDED
-    if unknown:
-        raise InputTypeError(f"unknown keyword argument(s) {sorted(unknown)}; accepted extras: {sorted(_EXTENDED)}")
     plan = build_plan(
         rollout_is,
         rollout_is_threshold,
         rollout_is_batch_normalize,
         rollout_rs,
         rollout_rs_threshold,
-        rollout_is_mode=extended.get("rollout_is_mode"),
-        rollout_is_threshold_lower=extended.get("rollout_is_threshold_lower"),
-        rollout_rs_threshold_lower=extended.get("rollout_rs_threshold_lower"),
-        rollout_token_veto_threshold=extended.get("rollout_token_veto_threshold"),
-        agreement_metrics=extended.get("agreement_metrics", False),
+        rollout_is_mode=rollout_is_mode,
+        rollout_is_threshold_lower=rollout_is_threshold_lower,
+        rollout_rs_threshold_lower=rollout_rs_threshold_lower,
+        rollout_token_veto_threshold=rollout_token_veto_threshold,
+        agreement_metrics=agreement_metrics,
     )
     weights, modified, metrics = run_plan(
         old_log_prob,
         rollout_log_prob,
         response_mask,
         plan,
-        process_group=extended.get("process_group"),
-        fused=extended.get("fused"),
+        process_group=process_group,
+        fused=fused,
     )
     if weights is not None and weights.dtype != old_log_prob.dtype:
         weights = weights.to(old_log_prob.dtype)
-    prefixed = metrics.with_prefix(PREFIX)
-    prefixed.is_mode = metrics.is_mode
-    return weights, modified, prefixed
+    return weights, modified, metrics.with_prefix(PREFIX)
 
 
 _LOG_RATIO_NAMES = ("log_ratio", "log_ratio")
@@ -549,6 +537,4 @@ def compute_agreement_metrics(old_log_prob, rollout_log_prob, response_mask) -> 
 
 
 def _only(metrics: CorrectionMetrics, prefix: str) -> CorrectionMetrics:
-    out = CorrectionMetrics({k: v for k, v in metrics.items() if k.startswith(prefix)})
-    out.is_mode = metrics.is_mode
-    return out
+    return CorrectionMetrics({k: v for k, v in metrics.items() if k.startswith(prefix)}, is_mode=metrics.is_mode)

@@ -15,10 +15,12 @@ Conventions:
   the replayed ids.
 * **Kept sets (CSR).** The sampler's support per generated token is stored as ``offsets`` int64
   ``[N + 1]`` and ``ids`` int32 ``[nnz]``; row ``i`` is ``ids[offsets[i]:offsets[i + 1]]``.
-  :func:`kept_logprob` is the log-prob over that support; :func:`truncation_mask` the trainer's own
-  support with transformers ``generate()`` semantics; :func:`support_mismatch` compares the two.
+  :func:`kept_logprob` is the log-prob over that support (``log_softmax`` over the whole vocabulary row,
+  -inf outside the kept set: the rollout side's formula, bitwise); :func:`check_tokens_in_kept` the
+  check that each token lies in its kept set; :func:`truncation_mask` the trainer's own support with
+  transformers ``generate()`` semantics; :func:`support_mismatch` compares the two.
   :func:`vocab_parallel_kept_logprob` computes it on tensor-parallel vocabulary shards (each rank
-  masks its own slice; max and sum-exp reduced over the TP group).
+  masks its own slice; max and sum-exp reduced over the TP group; bitwise :func:`kept_logprob` at TP 1).
 
 Every bad input raises :class:`RouteError` (a ``ValueError``) naming the tensor, row and value.
 """
@@ -40,6 +42,7 @@ from .routes import (
     validate_routes,
 )
 from .sampling_mask import (
+    check_tokens_in_kept,
     full_logprob,
     kept_logprob,
     kept_mask,
@@ -56,6 +59,7 @@ __all__ = [
     "RouteError",
     "RouteFlipMetrics",
     "RouterScoring",
+    "check_tokens_in_kept",
     "compact_routes",
     "expand_routes",
     "full_logprob",

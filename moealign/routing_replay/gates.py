@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .._tensor_checks import check_float_matrix
 from .routes import (
     RouteError,
     check_integer_tensor,
@@ -131,16 +132,8 @@ class RouterScoring:
 # ----------------------------------------------------------------------------------------- shared ops
 
 
-def _check_logits(logits, name: str = "logits") -> torch.Tensor:
-    if not isinstance(logits, torch.Tensor):
-        raise RouteError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2:
-        raise RouteError(f"{name} must have shape [tokens, num_experts], got {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise RouteError(f"{name} must be a floating tensor, got dtype {logits.dtype}")
-    if logits.shape[1] == 0:
-        raise RouteError(f"{name} has no experts (shape {tuple(logits.shape)})")
-    return logits
+def _check_router_logits(logits, name: str = "logits") -> torch.Tensor:
+    return check_float_matrix(logits, name, RouteError, shape="[tokens, num_experts]", empty="has no experts")
 
 
 def _check_scoring(scoring) -> RouterScoring:
@@ -149,13 +142,9 @@ def _check_scoring(scoring) -> RouterScoring:
     return scoring
 
 
-def _compute_dtype(logits: torch.Tensor, scoring: RouterScoring) -> torch.dtype:
-    return torch.float32 if scoring.weights_in_fp32 else logits.dtype
-
-
 def _scores(logits: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
     """The per-expert score the family ranks (before bias): probs, logits or sigmoid scores."""
-    dtype = _compute_dtype(logits, scoring)
+    dtype = torch.float32 if scoring.weights_in_fp32 else logits.dtype  # the router's own score dtype
     if scoring.score == "softmax":
         return F.softmax(logits, dim=-1, dtype=dtype)
     if scoring.score == "softmax_topk":
@@ -211,7 +200,7 @@ def select_topk(
     selection only. ``out_dtype`` defaults to the logits' dtype. For ``RouterScoring()`` this is
     transformers' ``Qwen3MoeTopKRouter`` (softmax in float32, topk, optional renorm, cast back).
     """
-    _check_logits(logits)
+    _check_router_logits(logits)
     _check_scoring(scoring)
     num_experts = logits.shape[1]
     k = _check_pos_int(k, "k")
@@ -250,7 +239,7 @@ def replay_gate_weights(
     ids are taken as they are. ``validate`` checks the ids (range, distinct per row; a host sync);
     shapes are always checked.
     """
-    _check_logits(logits)
+    _check_router_logits(logits)
     _check_scoring(scoring)
     check_integer_tensor(ids, "ids")
     if ids.dim() != 2 or ids.shape[0] != logits.shape[0]:
@@ -341,7 +330,7 @@ def load_balancing_loss(
             raise RouteError(f"attention_mask must have shape [batch, seq], got {describe(attention_mask)}")
         flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
     for layer, (logits, chosen) in enumerate(zip(router_logits, ids)):
-        _check_logits(logits, f"router_logits[{layer}]")
+        _check_router_logits(logits, f"router_logits[{layer}]")
         check_integer_tensor(chosen, f"ids[{layer}]")
         if logits.shape[1] != num_experts:
             raise RouteError(f"router_logits[{layer}] has {logits.shape[1]} experts, num_experts={num_experts}")

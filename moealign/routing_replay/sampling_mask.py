@@ -12,8 +12,13 @@ Storage is CSR, one row per generated token:
   do not rely on the order.
 
 Log-probs are computed in float32 (float64 stays float64) after dividing the logits by the
-temperature, as the sampler does. :func:`truncation_mask` is the trainer's own truncated support with
-transformers ``generate()`` semantics, for measuring how often it differs from the recorded one.
+temperature, as the sampler does. :func:`kept_logprob` is the one kept-set log-prob: ``log_softmax`` over
+the whole vocabulary row with the entries outside the kept set at ``-inf``, the formula and row length the
+rollout side records its log-probs with, so the two agree bitwise on equal logits (the vocab-parallel
+:func:`~moealign.routing_replay.vocab_parallel.vocab_parallel_kept_logprob` is the same function on TP
+shards). :func:`check_tokens_in_kept` is the one "each token lies in its kept set" check.
+:func:`truncation_mask` is the trainer's own truncated support with transformers ``generate()``
+semantics, for measuring how often it differs from the recorded one.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from .._tensor_checks import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 
 __all__ = [
+    "CHUNK_ELEMENTS",
+    "check_tokens_in_kept",
     "full_logprob",
     "kept_logprob",
     "kept_mask",
@@ -57,13 +64,7 @@ def _check_temperature(temperature) -> float:
 
 
 def _check_logits(logits, name: str = "logits") -> torch.Tensor:
-    if not isinstance(logits, torch.Tensor):
-        raise RouteError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise RouteError(f"{name} must have shape [N, V] with V >= 1, got {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise RouteError(f"{name} must be a floating tensor, got dtype {logits.dtype}")
-    return logits
+    return check_float_matrix(logits, name, RouteError, shape="[N, V] with V >= 1")
 
 
 def _check_no_nan(logits: torch.Tensor, name: str) -> None:
@@ -86,10 +87,6 @@ def _check_tokens(tokens, logits: torch.Tensor) -> torch.Tensor:
         row = int(bad.nonzero()[0, 0])
         raise RouteError(f"tokens[{row}] = {int(tokens[row])} is not a token id in [0, {vocab})")
     return tokens.to(device=logits.device, dtype=torch.int64)
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def validate_kept_sets(
@@ -150,6 +147,38 @@ def _row_index(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tenso
     counts = offsets.to(device=device, dtype=torch.int64).diff()
     rows = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
     return rows, counts
+
+
+def check_tokens_in_kept(offsets: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor, *,
+                         vocab_size: int | None = None) -> None:
+    """Raise :class:`RouteError` naming the first row whose token is not in its own kept set.
+
+    ``tokens`` ``[N]`` (any integer dtype), one per CSR row of ``(offsets, ids)``. A token outside its
+    kept set has log-prob -inf under the Keep Sampling Mask: the record and the logits disagree. With
+    ``vocab_size`` the CSR is validated first (:func:`validate_kept_sets`); without it the caller has
+    done so. The error carries ``.row`` and ``.token`` (ints) for callers that word it their own way.
+    Vectorised over the ``nnz`` entries (no ``[N, V]`` mask), one host sync.
+    """
+    check_integer_tensor(tokens, "tokens")
+    check_integer_tensor(offsets, "offsets")
+    check_integer_tensor(ids, "ids")
+    if tokens.dim() != 1 or offsets.dim() != 1 or offsets.numel() != tokens.numel() + 1:
+        raise RouteError(f"tokens {tuple(tokens.shape)} and kept-set offsets {tuple(offsets.shape)} disagree: "
+                         f"offsets needs one entry more than there are tokens")
+    if vocab_size is not None:
+        validate_kept_sets(offsets, ids, vocab_size, num_rows=tokens.numel())
+    device = ids.device
+    rows, counts = _row_index(offsets, device)
+    hit = ids.to(torch.int64) == tokens.to(device=device, dtype=torch.int64)[rows]
+    found = torch.zeros(counts.numel(), dtype=torch.int64, device=device).index_add_(0, rows, hit.to(torch.int64))
+    missing = found == 0
+    if bool(missing.any()):
+        row = int(missing.nonzero()[0, 0])
+        token = int(tokens[row])
+        error = RouteError(f"row {row}: token {token} is not in its kept set ({int(counts[row])} ids); "
+                           f"its log-prob would be -inf")
+        error.row, error.token = row, token
+        raise error
 
 
 # ----------------------------------------------------------------------------------------- kept sets
@@ -221,7 +250,7 @@ def truncation_mask(
     _check_no_nan(logits, "logits")
 
     neg_inf = float("-inf")
-    scores = logits.to(_compute_dtype(logits))
+    scores = logits.to(compute_dtype(logits))
     if temperature != 1.0:
         scores = scores / temperature
     if top_k:
@@ -244,6 +273,75 @@ def truncation_mask(
 
 # ----------------------------------------------------------------------------------------- log-probs
 
+#: Row chunks of the dense formula hold at most this many ``[rows, V]`` entries (256 MiB in float32), so the
+#: kept-set mask and the masked copy stay bounded for any batch; smaller inputs are one chunk.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _row_chunks(num_rows: int, width: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)] or [(0, 0)]
+
+
+class _KeptMasks:
+    """Dense ``[rows, width]`` bool masks of CSR kept sets, one row chunk at a time, over the vocabulary slice
+    ``[vocab_start, vocab_start + width)`` (the whole vocabulary: ``vocab_start=0, width=V``)."""
+
+    def __init__(self, offsets: torch.Tensor, ids: torch.Tensor, device: torch.device, width: int,
+                 vocab_start: int = 0, whole: bool = True):
+        self.bounds = offsets.detach().to(device="cpu", dtype=torch.int64)   # chunk bounds as host ints
+        self.rows, _ = _row_index(offsets, device)
+        self.cols = ids.to(device=device, dtype=torch.int64) - vocab_start
+        self.width, self.whole, self.device = width, whole, device
+
+    def __call__(self, r0: int, r1: int) -> torch.Tensor:
+        lo, hi = int(self.bounds[r0]), int(self.bounds[r1])
+        rows, cols = self.rows[lo:hi] - r0, self.cols[lo:hi]
+        if not self.whole:                       # a vocabulary slice: keep the ids that fall in it
+            here = (cols >= 0) & (cols < self.width)
+            rows, cols = rows[here], cols[here]
+        mask = torch.zeros(r1 - r0, self.width, dtype=torch.bool, device=self.device)
+        mask[rows, cols] = True
+        return mask
+
+
+def _scaled(logits: torch.Tensor, r0: int, r1: int, temperature: float, masks: _KeptMasks | None) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``logits / T`` in the compute dtype, ``-inf`` outside the kept sets."""
+    scores = logits[r0:r1].to(compute_dtype(logits)) / temperature
+    return scores if masks is None else scores.masked_fill(~masks(r0, r1), float("-inf"))
+
+
+def _dense_logprob(logits: torch.Tensor, tokens: torch.Tensor, kept, temperature: float) -> torch.Tensor:
+    """THE kept-set log-prob: ``log_softmax`` over the whole row of ``logits / T`` with -inf outside the kept set.
+
+    ``kept``: checked CSR ``(offsets, ids)``, or None for the full vocabulary. ``tokens`` int64 on the logits'
+    device. Row chunks (:data:`CHUNK_ELEMENTS`) give the same bits as one call: every op is per row.
+    """
+    num_rows, vocab = logits.shape
+    masks = None if kept is None else _KeptMasks(kept[0], kept[1], logits.device, vocab)
+    out = [torch.log_softmax(_scaled(logits, r0, r1, temperature, masks), dim=-1)
+           .gather(1, tokens[r0:r1, None]).squeeze(1) for r0, r1 in _row_chunks(num_rows, vocab)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the row holds NaN or +-inf (row chunks, no ``[N, V]`` temporary)."""
+    return torch.cat([~torch.isfinite(x[r0:r1]).all(dim=-1) for r0, r1 in _row_chunks(x.shape[0], x.shape[1])])
+
+
+def _nonfinite_message(x: torch.Tensor, row: int, vocab_start: int = 0, shard: str | None = None) -> str:
+    """Names the first non-finite entry of ``x[row]`` by its vocabulary id (and its place in the shard, with
+    ``shard`` the prefix naming the rank: ``""`` or ``"tensor-parallel rank 1: "``)."""
+    col = int((~torch.isfinite(x[row])).nonzero()[0, 0])
+    where = "" if shard is None else f" ({shard}logits_shard[{row}, {col}])"
+    return f"logits row {row} holds {float(x[row, col])} at vocabulary id {vocab_start + col}{where}"
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    bad = _nonfinite_rows(logits)
+    if bool(bad.any()):
+        raise RouteError(_nonfinite_message(logits, int(bad.nonzero()[0, 0])))
+
 
 def kept_logprob(
     logits: torch.Tensor,
@@ -256,9 +354,20 @@ def kept_logprob(
 ) -> torch.Tensor:
     """Log-prob ``[N]`` of each token under ``logits / T`` restricted to its recorded kept set.
 
-    ``(logit / T)[token] - logsumexp_{j in kept}(logit / T)[j]``, float32 (float64 stays float64),
-    differentiable w.r.t. ``logits``. Only ``[N, max kept]`` logits are gathered, never an [N, V] copy.
-    A token outside its kept set is an error naming the row. ``validate`` checks the CSR first.
+    Exactly ``log_softmax((logits.float() / T).masked_fill(~kept, -inf), dim=-1)[token]``, with ``kept`` the
+    ``[N, V]`` mask of the CSR kept sets ``(offsets, ids)``: the reduction runs over the whole vocabulary
+    row (length V whatever the kept set's size), the formula and row length the rollout side uses for its
+    recorded log-probs (``patches.hf.rollout``). So the two agree bitwise on equal logits, and a row's value
+    does not depend on its batch mates (a fixed tree under ``batch_invariant_mode``). float32 (float64
+    logits stay float64), differentiable w.r.t. ``logits`` (the gradient is 0 outside the kept set).
+
+    Memory: the mask and the masked copy are built in row chunks of at most :data:`CHUNK_ELEMENTS`
+    entries; with autograd ``log_softmax`` keeps its ``[N, V]`` output, as a full-vocabulary log-prob does.
+
+    Errors (:class:`RouteError`): a token outside its kept set (naming the row), NaN or +-inf logits
+    (naming row and vocabulary id), shapes that disagree, bad CSR (``validate`` checks it first; without
+    it only the row count is checked). On tensor-parallel vocabulary shards use
+    :func:`~moealign.routing_replay.vocab_parallel.vocab_parallel_kept_logprob` (bitwise this at TP = 1).
     """
     _check_logits(logits)
     temperature = _check_temperature(temperature)
@@ -268,36 +377,21 @@ def kept_logprob(
         validate_kept_sets(offsets, ids, vocab, num_rows=num_rows)
     elif offsets.numel() != num_rows + 1:
         raise RouteError(f"kept sets have {offsets.numel() - 1} rows but logits {tuple(logits.shape)} has {num_rows}")
-    dtype = _compute_dtype(logits)
-    if num_rows == 0:
-        return logits.new_zeros(0, dtype=dtype)
-    device = logits.device
-    offsets = offsets.to(device=device, dtype=torch.int64)
-    counts = offsets.diff()
-    width = int(counts.max())
-    slot = torch.arange(width, device=device)
-    present = slot < counts[:, None]  # [N, width]
-    flat = torch.where(present, offsets[:-1, None] + slot, 0)
-    index = ids.to(device=device, dtype=torch.int64)[flat]  # padding slots point at ids[0], then masked
-    contains = ((index == tokens[:, None]) & present).any(dim=-1)
-    if not bool(contains.all()):
-        row = int((~contains).nonzero()[0, 0])
-        raise RouteError(
-            f"row {row}: token {int(tokens[row])} is not in its kept set ({int(counts[row])} ids)"
-        )
-    kept = logits.gather(1, index).to(dtype) / temperature
-    kept = kept.masked_fill(~present, float("-inf"))
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1).to(dtype) / temperature
-    return chosen - kept.logsumexp(dim=-1)
+    check_tokens_in_kept(offsets, ids, tokens)
+    _check_finite(logits)
+    return _dense_logprob(logits, tokens, (offsets, ids), temperature)
 
 
 def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Log-prob ``[N]`` of each token under ``log_softmax(logits / T)`` over the whole vocabulary (fp32)."""
+    """Log-prob ``[N]`` of each token under ``log_softmax(logits / T)`` over the whole vocabulary (fp32).
+
+    :func:`kept_logprob` with every token kept (no mask); NaN or +-inf logits are an error.
+    """
     _check_logits(logits)
     temperature = _check_temperature(temperature)
     tokens = _check_tokens(tokens, logits)
-    scaled = logits.to(_compute_dtype(logits)) / temperature
-    return F.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    _check_finite(logits)
+    return _dense_logprob(logits, tokens, None, temperature)
 
 
 # ----------------------------------------------------------------------------------------- mismatch

@@ -6,8 +6,9 @@ Under tensor parallelism (TP) Megatron's output layer leaves each rank with a sl
 Keep Sampling Mask would cost TP times the memory; instead each rank masks its own slice and the
 softmax normaliser is reduced over the TP group, as Megatron's ``vocab_parallel_cross_entropy`` does:
 
-1. each rank keeps only the recorded kept ids that fall in its slice, and divides by the temperature
-   (the rollout computed its kept set and log-prob on ``logits / T``);
+1. each rank divides its slice by the temperature (the rollout computed its kept set and log-prob on
+   ``logits / T``) and sets the entries outside the recorded kept sets to ``-inf``: the formula of
+   :func:`~moealign.routing_replay.sampling_mask.kept_logprob`, on ``[N, V/TP]`` in row chunks;
 2. all-reduce MAX of the per-row maximum over the kept entries (a shift for numerical safety; no
    gradient flows through it, the result does not depend on it);
 3. all-reduce SUM of ``(logit[token] - max)`` (non-zero only on the rank owning the token) and of
@@ -36,19 +37,28 @@ Usage with Megatron-core (a GPTModel built with ``parallel_output=True``, the de
     logp = vocab_parallel_kept_logprob(local, tokens, (offsets, ids), start,
                                        group=ps.get_tensor_model_parallel_group(), temperature=T)
 
-``group=None`` means no tensor parallelism: the shard is the whole vocabulary (``vocab_start`` 0) and
-``torch.distributed`` need not be initialised. Pure torch and ``torch.distributed``; no engine import.
+``group=None`` (or a group of one) means no tensor parallelism: the shard is the whole vocabulary
+(``vocab_start`` 0), ``torch.distributed`` need not be initialised, and the result is
+:func:`~moealign.routing_replay.sampling_mask.kept_logprob`'s, bitwise (the same code runs). Pure torch and ``torch.distributed``; no engine import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from .._tensor_checks import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
-from .sampling_mask import _check_temperature, validate_kept_sets
+from .sampling_mask import (
+    _check_temperature,
+    _dense_logprob,
+    _KeptMasks,
+    _nonfinite_message,
+    _nonfinite_rows,
+    _row_chunks,
+    _scaled,
+    check_tokens_in_kept,
+)
 
 __all__ = ["vocab_parallel_full_logprob", "vocab_parallel_kept_logprob"]
 
@@ -99,10 +109,6 @@ class _GroupReduce:
 # ----------------------------------------------------------------------------------------- input checks
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _check_shared_inputs(tokens, kept) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Checks that need no vocabulary size (tokens, CSR structure); same outcome on every rank."""
     check_integer_tensor(tokens, "tokens")
@@ -124,12 +130,7 @@ def _check_shared_inputs(tokens, kept) -> tuple[torch.Tensor, tuple[torch.Tensor
 
 
 def _check_shard(logits_shard, num_rows: int, vocab_start, expected_start: int | None) -> None:
-    if not isinstance(logits_shard, torch.Tensor):
-        raise RouteError(f"logits_shard must be a torch.Tensor, got {type(logits_shard).__name__}")
-    if logits_shard.dim() != 2 or logits_shard.shape[1] == 0:
-        raise RouteError(f"logits_shard must have shape [N, V/TP] with V/TP >= 1, got {tuple(logits_shard.shape)}")
-    if not logits_shard.is_floating_point():
-        raise RouteError(f"logits_shard must be a floating tensor, got dtype {logits_shard.dtype}")
+    check_float_matrix(logits_shard, "logits_shard", RouteError, shape="[N, V/TP] with V/TP >= 1")
     if logits_shard.shape[0] != num_rows:
         raise RouteError(f"logits_shard has {logits_shard.shape[0]} rows but tokens has {num_rows}")
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
@@ -147,126 +148,8 @@ def _check_kept_ids(tokens: torch.Tensor, kept, vocab_size: int) -> None:
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise RouteError(f"tokens[{row}] = {int(tokens[row])} is not a token id in [0, {vocab_size})")
-    if kept is None:
-        return
-    offsets, ids = kept
-    validate_kept_sets(offsets, ids, vocab_size, num_rows=tokens.numel())
-    device = offsets.device
-    counts = offsets.to(torch.int64).diff()
-    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
-    hit = ids.to(device=device, dtype=torch.int64) == tokens.to(device=device, dtype=torch.int64)[rows]
-    found = torch.zeros(counts.numel(), dtype=torch.int64, device=device).index_add_(0, rows, hit.to(torch.int64))
-    missing = found == 0
-    if bool(missing.any()):
-        row = int(missing.nonzero()[0, 0])
-        raise RouteError(
-            f"row {row}: token {int(tokens[row])} is not in its kept set ({int(counts[row])} ids); "
-            f"its log-prob would be -inf"
-        )
-
-
-# ----------------------------------------------------------------------------------------- one shard
-
-
-@dataclass
-class _Shard:
-    """One rank's contribution: its kept logits (padded with -inf) and the token's logit if it owns it."""
-
-    values: torch.Tensor      # [N, W] kept logits / T of this slice, -inf in padding slots (differentiable)
-    chosen: torch.Tensor      # [N] token logit / T where this slice owns the token, else 0 (differentiable)
-    owns: torch.Tensor        # [N] bool: the token lies in this slice
-    nonfinite: torch.Tensor   # [N] bool: the row of this slice holds NaN or +-inf
-    vocab_start: int
-    logits: torch.Tensor      # the raw shard, for error messages
-
-
-def _shard_terms(logits_shard: torch.Tensor, tokens: torch.Tensor, kept, vocab_start: int,
-                 temperature: float) -> _Shard:
-    """Gather this slice's kept logits and the token's logit, scaled by 1/T (no [N, V/TP] copy when masked)."""
-    num_rows, width = logits_shard.shape
-    device = logits_shard.device
-    dtype = _compute_dtype(logits_shard)
-    tokens = tokens.to(device=device, dtype=torch.int64)
-    local_token = tokens - vocab_start
-    owns = (local_token >= 0) & (local_token < width)
-    chosen = logits_shard.gather(1, torch.where(owns, local_token, 0)[:, None]).squeeze(1).to(dtype) / temperature
-    chosen = torch.where(owns, chosen, torch.zeros((), dtype=dtype, device=device))
-    nonfinite = ~torch.isfinite(logits_shard).all(dim=-1)
-
-    if kept is None:
-        values = logits_shard.to(dtype) / temperature
-    else:
-        offsets, ids = kept
-        counts = offsets.to(device=device, dtype=torch.int64).diff()
-        rows = torch.repeat_interleave(torch.arange(num_rows, device=device), counts)
-        cols = ids.to(device=device, dtype=torch.int64) - vocab_start
-        here = (cols >= 0) & (cols < width)
-        rows, cols = rows[here], cols[here]                  # still grouped by row (CSR order)
-        local_counts = torch.bincount(rows, minlength=num_rows)
-        starts = local_counts.cumsum(0) - local_counts
-        slot = torch.arange(rows.numel(), device=device) - starts[rows]
-        slots = max(1, int(local_counts.max())) if num_rows else 1
-        index = torch.zeros(num_rows, slots, dtype=torch.int64, device=device)
-        present = torch.zeros(num_rows, slots, dtype=torch.bool, device=device)
-        index[rows, slot] = cols
-        present[rows, slot] = True
-        values = logits_shard.gather(1, index).to(dtype) / temperature
-        values = values.masked_fill(~present, float("-inf"))
-    return _Shard(values, chosen, owns, nonfinite, vocab_start, logits_shard)
-
-
-def _nonfinite_message(shard: _Shard, row: int, where: str) -> str:
-    bad = ~torch.isfinite(shard.logits[row])
-    col = int(bad.nonzero()[0, 0])
-    value = float(shard.logits[row, col])
-    return (f"logits row {row} holds {value} at vocabulary id {shard.vocab_start + col} "
-            f"({where}logits_shard[{row}, {col}])")
-
-
-# ----------------------------------------------------------------------------------------- combining
-
-
-def _finish(shards: list[_Shard], row_max: torch.Tensor, reduce_sum) -> torch.Tensor:
-    """``log p = (logit[token] - max) - log(sum_exp(kept - max))`` from the per-shard terms.
-
-    ``row_max`` is the MAX-reduced row maximum (no gradient); ``reduce_sum`` maps the list of per-shard
-    ``[2, N]`` pieces to their sum over the TP group (an all-reduce, or a plain sum of simulated shards).
-    """
-    pieces = []
-    for s in shards:
-        sum_exp = (s.values - row_max[:, None]).exp().sum(dim=-1)
-        picked = torch.where(s.owns, s.chosen - row_max, torch.zeros((), dtype=row_max.dtype, device=row_max.device))
-        pieces.append(torch.stack([picked, sum_exp]))
-    picked, sum_exp = reduce_sum(pieces).unbind(0)
-    return picked - sum_exp.log()
-
-
-def _kept_logprob_from_shards(shards: list[torch.Tensor], tokens: torch.Tensor, kept, *,
-                              temperature: float = 1.0) -> torch.Tensor:
-    """One-process reference: the same per-shard math, reduced over a list of vocabulary slices.
-
-    ``shards`` are consecutive slices of ``[N, V]`` logits (any widths). Used by the tests to check
-    the sharded arithmetic without spawning processes; gradients flow to every shard.
-    """
-    temperature = _check_temperature(temperature)
-    tokens, kept = _check_shared_inputs(tokens, kept)
-    if not shards:
-        raise RouteError("no logits shards given")
-    starts, start = [], 0
-    for i, shard in enumerate(shards):
-        _check_shard(shard, tokens.numel(), start, None)
-        starts.append(start)
-        start += shard.shape[1]
-    _check_kept_ids(tokens, kept, start)
-    terms = [_shard_terms(s, tokens, kept, v0, temperature) for s, v0 in zip(shards, starts)]
-    row_max = torch.stack([torch.where(t.nonfinite, float("inf"), t.values.detach().amax(dim=-1))
-                           for t in terms]).amax(dim=0)
-    bad = torch.isinf(row_max) & (row_max > 0)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        owner = next(i for i, t in enumerate(terms) if bool(t.nonfinite[row]))
-        raise RouteError(_nonfinite_message(terms[owner], row, f"shard {owner}: "))
-    return _finish(terms, row_max, lambda pieces: sum(pieces[1:], pieces[0]))
+    if kept is not None:
+        check_tokens_in_kept(kept[0], kept[1], tokens, vocab_size=vocab_size)
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -290,9 +173,11 @@ def vocab_parallel_kept_logprob(
     support. ``group``: the tensor-parallel process group (None: no TP, nothing is communicated).
 
     Returns float32 (float64 for float64 logits), the same values on every rank, differentiable
-    w.r.t. ``logits_shard``. Equal to :func:`~moealign.routing_replay.sampling_mask.kept_logprob` on
-    the gathered logits up to floating-point rounding (the reduction is split over ranks).
-    Two collectives: a MAX all-reduce of ``[N + 1]`` and a SUM all-reduce of ``[2, N]``.
+    w.r.t. ``logits_shard``. The formula of :func:`~moealign.routing_replay.sampling_mask.kept_logprob`
+    (``log_softmax`` over the whole row, -inf outside the kept set): with one rank (``group=None`` or a
+    group of one) it IS that function's arithmetic, bitwise; with TP > 1 the row's max and sum-exp are
+    reduced over the ranks, equal up to floating-point rounding. Two collectives: a MAX all-reduce of
+    ``[N + 1]`` (row max and error flag) and a SUM all-reduce of ``[2, N]``.
     """
     temperature = _check_temperature(temperature)
     reduce = _GroupReduce(group)
@@ -301,22 +186,35 @@ def vocab_parallel_kept_logprob(
     expected_start = reduce.rank * logits_shard.shape[1] if (
         isinstance(logits_shard, torch.Tensor) and logits_shard.dim() == 2) else None
 
+    if reduce.size == 1:
+        _check_shard(logits_shard, num_rows, vocab_start, expected_start)
+        _check_kept_ids(tokens, kept, logits_shard.shape[1])
+        bad = _nonfinite_rows(logits_shard)
+        if bool(bad.any()):
+            raise RouteError(_nonfinite_message(logits_shard, int(bad.nonzero()[0, 0]), 0, ""))
+        tokens = tokens.to(device=logits_shard.device, dtype=torch.int64)
+        return _dense_logprob(logits_shard, tokens, kept, temperature)
+
     # Every check that could fail on one rank only is caught here and raised after the MAX
     # all-reduce, which carries an error flag: no rank is left waiting in a collective.
-    error, shard = None, None
+    error, local_max, nonfinite, masks = None, None, None, None
     try:
         _check_shard(logits_shard, num_rows, vocab_start, expected_start)
-        _check_kept_ids(tokens, kept, logits_shard.shape[1] * reduce.size)
-        shard = _shard_terms(logits_shard, tokens, kept, vocab_start, temperature)
+        width = logits_shard.shape[1]
+        _check_kept_ids(tokens, kept, width * reduce.size)
+        if kept is not None:
+            masks = _KeptMasks(kept[0], kept[1], logits_shard.device, width, vocab_start, whole=False)
+        nonfinite = _nonfinite_rows(logits_shard)
+        with torch.no_grad():      # the shift: -inf where this slice keeps nothing of the row
+            local_max = torch.cat([_scaled(logits_shard, r0, r1, temperature, masks).amax(dim=-1)
+                                   for r0, r1 in _row_chunks(num_rows, width)])
+        local_max = torch.where(nonfinite, float("inf"), local_max)
     except RouteError as exc:
-        if reduce.size == 1:
-            raise
         error = exc
-    if shard is not None:
-        local_max = torch.where(shard.nonfinite, float("inf"), shard.values.detach().amax(dim=-1))
+    if local_max is not None:
         dtype, device = local_max.dtype, local_max.device
     else:
-        dtype = _compute_dtype(logits_shard) if isinstance(logits_shard, torch.Tensor) else torch.float32
+        dtype = compute_dtype(logits_shard) if isinstance(logits_shard, torch.Tensor) else torch.float32
         device = logits_shard.device if isinstance(logits_shard, torch.Tensor) else torch.device("cpu")
         local_max = torch.full((num_rows,), float("-inf"), dtype=dtype, device=device)
     flag = torch.tensor([0.0 if error is None else reduce.rank + 1.0], dtype=dtype, device=device)
@@ -330,11 +228,20 @@ def vocab_parallel_kept_logprob(
     bad = torch.isinf(row_max) & (row_max > 0)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        if bool(shard.nonfinite[row]):
-            where = f"tensor-parallel rank {reduce.rank}: " if reduce.size > 1 else ""
-            raise RouteError(_nonfinite_message(shard, row, where))
+        if bool(nonfinite[row]):
+            raise RouteError(_nonfinite_message(logits_shard, row, vocab_start,
+                                                f"tensor-parallel rank {reduce.rank}: "))
         raise RouteError(f"logits row {row} holds NaN or Inf on another tensor-parallel rank's vocabulary slice")
-    return _finish([shard], row_max, lambda pieces: reduce.sum(pieces[0]))
+
+    # log p = (logit[token] / T - max) - log(sum over the kept set of exp(logit / T - max)), summed over ranks
+    sum_exp = torch.cat([(_scaled(logits_shard, r0, r1, temperature, masks) - row_max[r0:r1, None]).exp().sum(dim=-1)
+                         for r0, r1 in _row_chunks(num_rows, width)])
+    local_token = tokens.to(device=device, dtype=torch.int64) - vocab_start
+    owns = (local_token >= 0) & (local_token < width)
+    chosen = logits_shard.gather(1, torch.where(owns, local_token, 0)[:, None]).squeeze(1).to(dtype) / temperature
+    picked = torch.where(owns, chosen - row_max, torch.zeros((), dtype=dtype, device=device))
+    picked, sum_exp = reduce.sum(torch.stack([picked, sum_exp])).unbind(0)
+    return picked - sum_exp.log()
 
 
 def vocab_parallel_full_logprob(

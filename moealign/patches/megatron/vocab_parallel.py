@@ -19,6 +19,8 @@ def kept_logprob(logits_shard: torch.Tensor, tokens: torch.Tensor, kept, *, temp
     ``tokens`` ``[N]``, ``kept`` the CSR ``(offsets, ids)`` of the rows (``None``: full vocabulary). Each rank
     masks its own vocabulary slice ``[rank*V/TP, (rank+1)*V/TP)``; max and sum-exp are all-reduced over the
     tensor-parallel group (``parallel_state``'s unless given). Differentiable; equal on every TP rank.
+    :func:`moealign.routing_replay.vocab_parallel.vocab_parallel_kept_logprob` does the work: at TP = 1 the
+    result is :func:`moealign.routing_replay.kept_logprob`'s, bitwise.
     """
     megatron_version()
     from megatron.core import parallel_state as ps
