@@ -4,6 +4,10 @@ It is the formula the mismatch test's exact-zero result rests on (``log_softmax`
 row of ``logits.float() / T`` with the entries outside the kept set at -inf), bitwise; the vocab-parallel
 variant is the same arithmetic at TP = 1; a row's value does not depend on its batch mates under
 ``batch_invariant_mode``; bad input names the problem.
+
+The negative controls differ by construction, not by what a stock kernel happens to do on this machine: a
+reduction whose split point is set by the batch's widest kept set, and a fixed-tree reduction over the
+compacted kept set instead of the full row (other terms paired, on data built so the pairing shows).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 import torch
 
 from moealign.errors import MoealignError, ReplayError, RouteError
-from moealign.precision.batch_invariant import batch_invariant_mode
+from moealign.precision.batch_invariant import batch_invariant_mode, fixed_tree_sum
 from moealign.routing_replay import (
     check_tokens_in_kept,
     full_logprob,
@@ -36,16 +40,23 @@ def dense_reference(logits: torch.Tensor, tokens: torch.Tensor, kept: torch.Tens
 
 def widest_gather_reference(logits: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor,
                             temperature: float):
-    """The earlier public kept_logprob: gather the kept logits into [N, widest kept set of the batch], pad
-    with -inf, ``logit[token] - logsumexp``. Its reduction length is the batch's widest kept set."""
+    """The earlier public kept_logprob's shape: the kept logits gathered into ``[N, W]`` with ``W`` the batch's
+    widest kept set (-inf padding), then ``logit[token] - logsumexp``, with the sum reduced the way a kernel
+    tiled over that width reduces it: two halves of the width (each a fixed tree), added. The split point
+    ``ceil(W / 2)`` is set by the batch's widest row: batch-dependent by construction (a row alone is split
+    in the middle of its own kept set; beside a wider row all of it lies in the first half)."""
     counts = offsets.diff()
     width = int(counts.max())
     slot = torch.arange(width)
     present = slot < counts[:, None]
     index = ids.long()[torch.where(present, offsets[:-1, None] + slot, 0)]
     kept = (logits.gather(1, index).float() / temperature).masked_fill(~present, NEG)
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1).float() / temperature
-    return chosen - kept.logsumexp(dim=-1)
+    top = kept.amax(dim=-1, keepdim=True)
+    e = torch.exp(kept - top)
+    half = (width + 1) // 2
+    total = fixed_tree_sum(e[:, :half]) + fixed_tree_sum(e[:, half:])
+    chosen = logits.gather(1, tokens[:, None]).float() / temperature
+    return (chosen - top - torch.log(total)[:, None]).squeeze(1)
 
 
 def make_case(rows: int = 40, vocab: int = 300, seed: int = 0, dtype=torch.float32, sizes=None):
@@ -210,8 +221,9 @@ def test_row_alone_equals_row_in_batch_under_batch_invariant_mode():
 
 
 def test_negative_control_widest_kept_set_gather_depends_on_the_batch():
-    # The earlier public kept_logprob reduced over the batch's widest kept set: alone a row's reduction has
-    # its own length (5-12), in this batch 256. Same data, same mode as the test above: rows change.
+    # A reduction over the batch's widest kept set: alone a row's reduction has its own length (5-12) and is
+    # split inside the kept set, in this batch it has length 256 and is not. Same data, same mode and the same
+    # comparison as the test above: rows change.
     logits, tokens, offsets, ids, _ = _short_rows_and_one_wide()
     with batch_invariant_mode():
         batch = widest_gather_reference(logits, tokens, offsets, ids, 0.9)
