@@ -416,7 +416,7 @@ EXEMPT = {
     "moealign.patches.hf.attention.register_bi_attention":
         "apply_bi_attention for the process's lifetime; returns the attn_implementation name the engines load with",
     "moealign.precision.policy.register_policy": "adds a named policy to moealign's own policy table",
-    "moealign.patches.hf.model.register_family": "adds a model family to moealign's own family table",
+    "moealign.families.register_family": "adds a model family to moealign's own family table",
     "moealign.mismatch.engines.register_rollout_engine": "adds an engine factory to moealign's own engine table",
     "moealign.mismatch.engines.register_train_engine": "adds an engine factory to moealign's own engine table",
     "moealign.correction.is_weights.apply_is_mode": "arithmetic (applies an IS mode to weights), patches nothing",
