@@ -1,6 +1,15 @@
-"""TP-invariant tree reductions: the canonical tree, simulated TP in one process, and real gloo processes."""
+"""TP-invariant tree reductions: the canonical tree, simulated TP in one process, and real gloo processes.
+
+Negative controls differ by construction, never by hoping that the machine's BLAS or thread split orders a
+stock sum differently: the naive TP path rounds each rank's partial to the output dtype before the ranks'
+partials are added (what an all-reduce of per-rank outputs does), and every partial is the exact sum of its
+share (``math.fsum`` of exact fp64 products), rounded once. Its bits are therefore the same on every
+machine, and the seeded data below show the split in them.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -20,6 +29,27 @@ def _rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
 
 def _shards(t, world):
     return list(t.chunk(world, dim=-1))
+
+
+def _exact_sum(t, dtype):
+    """Sum over the last dim exactly (``math.fsum`` of the fp64 values), rounded to ``dtype``: no dependence on
+    any library's summation order, so the same bits on every machine."""
+    rows = t.double().reshape(-1, t.shape[-1]).tolist()
+    return torch.tensor([math.fsum(r) for r in rows], dtype=torch.float64).reshape(t.shape[:-1]).to(dtype)
+
+
+def _exact_linear(x, w):
+    """``F.linear(x, w)`` from exact products (fp32 / bf16 products are exact in fp64) and an exact sum,
+    rounded once to the input dtype: one rank's partial of the naive TP path, or the naive TP = 1 result."""
+    return _exact_sum(x.double().unsqueeze(-2) * w.double(), x.dtype)
+
+
+def _naive_tp(partials):
+    """The ranks' partials (each already rounded to the output dtype) added in rank order, in that dtype."""
+    total = partials[0]
+    for p in partials[1:]:
+        total = total + p
+    return total
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,18 +77,17 @@ def test_tree_reduce_any_dim_matches_dim0():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_simulated_tp_matmul_is_invariant_and_stock_is_not(dtype):
+def test_simulated_tp_matmul_is_invariant_and_naive_split_is_not(dtype):
     x, w = _rand(8, 1024, seed=2, dtype=dtype), _rand(48, 1024, seed=3, dtype=dtype, scale=0.05)
     full = T.tree_matmul(x, w, leaf_width=LEAF)
     assert full.dtype == torch.float32  # fp32 nodes for both fp32 and bf16 inputs
-    stock_full = F.linear(x, w)
-    stock_differs = False
+    naive_full = _exact_linear(x, w)
     for tp in (2, 4, 8, 16):
         roots = [T.tree_matmul(xs, ws, leaf_width=LEAF) for xs, ws in zip(_shards(x, tp), _shards(w, tp))]
         assert torch.equal(T.tree_reduce(torch.stack(roots), 0), full), tp
-        stock = sum(F.linear(xs, ws) for xs, ws in zip(_shards(x, tp), _shards(w, tp)))
-        stock_differs |= not torch.equal(stock, stock_full)
-    assert stock_differs  # negative control
+        # negative control, by construction: rank partials rounded to the dtype, then added, differ from TP = 1
+        naive = _naive_tp([_exact_linear(xs, ws) for xs, ws in zip(_shards(x, tp), _shards(w, tp))])
+        assert not torch.equal(naive, naive_full), tp
 
 
 def test_simulated_tp_tree_sum_with_odd_leaf_count():
@@ -67,7 +96,8 @@ def test_simulated_tp_tree_sum_with_odd_leaf_count():
     for tp in (2, 4, 8):
         roots = [T.tree_sum(s, -1, leaf_width=LEAF) for s in _shards(x, tp)]
         assert torch.equal(T.tree_reduce(torch.stack(roots), 0), full), tp
-    assert not torch.equal(sum(s.sum(-1) for s in _shards(x, 8)), x.sum(-1))  # negative control
+    for tp in (2, 4, 8):   # negative control, by construction (exact partials rounded to fp32, then added)
+        assert not torch.equal(_naive_tp([_exact_sum(s, x.dtype) for s in _shards(x, tp)]), _exact_sum(x, x.dtype))
     with pytest.raises(T.TreeReductionError, match="whole subtrees"):
         T.check_tree_world_size(16, num_leaves=24)
 
@@ -155,9 +185,9 @@ def _gloo_worker(rank, world):
         "linear_ag": T.row_parallel_linear_tree(xs, ws, leaf_width=LEAF, algorithm="all_gather"),
         "linear_bf16": T.row_parallel_linear_tree(xbs, ws.to(torch.bfloat16), leaf_width=LEAF),
         "logprob": T.vocab_parallel_logprob_tree(ls, target, leaf_width=LEAF),
-        "stock_linear": F.linear(xs, ws),
+        "naive_linear": _exact_linear(xs, ws),   # this rank's partial, rounded to fp32 (negative control)
     }
-    dist.all_reduce(out["stock_linear"])
+    dist.all_reduce(out["naive_linear"])        # the stock all-reduce adds the rounded partials
     # tree reduce-scatter of the per-rank partials: this rank's rows of the tree sum
     out["rs"] = T.tree_reduce_scatter(T.tree_matmul(xs, ws, leaf_width=LEAF), dim=0)
     # backward through the tree all-reduce (identity) gives this rank's slice of the input gradient
@@ -185,5 +215,8 @@ def test_gloo_tree_ops_equal_tp1_on_every_rank(world):
         xg = x.clone().requires_grad_()
         F.linear(xg, w).square().sum().backward()
         torch.testing.assert_close(out["grad_x"], xg.grad.chunk(world, -1)[rank], rtol=1e-4, atol=1e-5)
-    # negative control: the stock path (per-shard matmul + all_reduce SUM) differs from TP = 1
-    assert not torch.equal(results[0]["stock_linear"], F.linear(x, w))
+    # negative control, by construction: per-rank partials rounded to fp32 and summed by all_reduce differ
+    # from TP = 1 (the rank partials are exact sums rounded once, so this does not depend on the BLAS)
+    naive_tp1 = _exact_linear(x, w)
+    for rank, out in enumerate(results):
+        assert not torch.equal(out["naive_linear"], naive_tp1), rank

@@ -1,4 +1,5 @@
-"""``moealign tp-check``: real gloo processes, the JSON schema, the negative control, errors."""
+"""``moealign tp-check``: real gloo processes, the JSON schema, the negative control (one that differs by
+construction, not by the machine's BLAS), errors."""
 
 from __future__ import annotations
 
@@ -29,10 +30,16 @@ def test_cli_tp_check_json(tmp_path, capsys):
         assert isinstance(row["max_abs_diff"], float) and isinstance(row["time_ms"], float) and row["time_ms"] > 0
         if row["path"] == "tree" or row["world_size"] == 1:
             assert row["bitwise_equal"] and row["max_abs_diff"] == 0.0, row
-    # negative control: at TP = 2 the stock path differs from TP = 1 for every op
-    for row in rows:
-        if row["path"] == "stock" and row["world_size"] == 2:
-            assert not row["bitwise_equal"] and row["max_abs_diff"] > 0.0, row
+    # negative control, by construction: for bf16 inputs the stock path's F.linear hands each rank's partial
+    # back rounded to bf16 and the all-reduce adds the rounded partials, a second rounding that TP = 1 does
+    # not have (on these inputs 1514 of 4096 outputs change). The fp32 ops' stock rows differ from TP = 1 only
+    # if the BLAS / sum kernel associates the reduction differently from the shard split, which depends on
+    # the machine, so those rows are reported, not asserted.
+    controls = [row for row in rows if row["path"] == "stock" and row["world_size"] == 2
+                and row["op"] == "row_parallel_linear_bf16"]
+    assert len(controls) == 1
+    for row in controls:
+        assert not row["bitwise_equal"] and row["max_abs_diff"] > 0.0, row
     assert "row_parallel_linear_fp32" in out and "stock" in out
 
 
