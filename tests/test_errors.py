@@ -20,7 +20,8 @@ ROOT = pathlib.Path(moealign.__file__).parent
 BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
                       if isinstance(obj, type) and issubclass(obj, BaseException)}
 # raised on purpose and not an error of the package: control flow / protocol exceptions
-ALLOWED_BUILTINS = {"StopIteration", "NotImplementedError", "KeyboardInterrupt", "SystemExit"}
+ALLOWED_BUILTINS = {"StopIteration", "NotImplementedError", "KeyboardInterrupt", "SystemExit",
+                    "AttributeError"}   # a module-level __getattr__ must raise AttributeError
 
 
 def _sources():
