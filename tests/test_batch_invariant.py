@@ -2,9 +2,12 @@
 
 Each bitwise claim (``torch.equal``) sits next to a negative control that differs *by construction*: a
 naive op whose reduction order depends on the batch explicitly (a row alone is reduced in one piece, rows
-inside a batch in two halves, each rounded to the output dtype) run through the same comparison must show
-differing rows, so the comparison can fail. Whether the *stock* ops are batch-variant depends on the BLAS,
-its kernels and thread split on the machine, so no test relies on it.
+inside a batch in two pieces, split where no kernel's blocking splits; for matmuls each piece rounded to the
+output dtype from an exact fp64 product, so no BLAS enters the bits) run through the same comparison must
+show differing rows, so the comparison can fail. Whether the *stock* ops are batch-variant depends on the
+BLAS, its kernels and thread split on the machine, so no test relies on it. That the mode's kernels (not the
+stock ones) computed a result is shown by recording their calls (:func:`override_calls`), not by comparing
+bits with the stock op (on some machines the two agree).
 """
 
 import threading
@@ -65,6 +68,24 @@ def assert_invariant_and_control(ours, naive, datasets):
     assert stock_bad > 0, "negative control: the split reduction was not caught by the comparison"
 
 
+@pytest.fixture
+def override_calls(monkeypatch):
+    """``[(aten op, thread name)]`` for every call of the mode's kernels while the test runs: the direct
+    evidence that the mode's kernel, not the stock one, produced a value. (The mode registers the functions
+    of ``_OVERRIDES`` when it is first entered, so the recording wrappers go in there.)"""
+    from moealign.precision import batch_invariant as bi
+
+    assert not is_batch_invariant_mode_enabled()
+    calls = []
+    for op, fn in list(bi._OVERRIDES.items()):
+        def recording(*args, _op=op, _fn=fn, **kwargs):
+            calls.append((_op, threading.current_thread().name))
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setitem(bi._OVERRIDES, op, recording)
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def at_least_two_threads():
     """Stock CPU reductions split a long row across threads only when there are several threads."""
@@ -77,9 +98,27 @@ def at_least_two_threads():
 # ---------------------------------------------------------------------------------------------- matmul
 
 
-def naive_matmul(w):
-    h = w.shape[0] // 2
-    return split_when_batched(lambda x: x @ w, lambda x: x[:, :h] @ w[:h] + x[:, h:] @ w[h:])
+def whole_and_pieces(w, bias=None):
+    """``x @ w (+ bias)`` two ways, both independent of the BLAS: ``whole`` rounds the fp64 product (exact
+    fp32 / bf16 products, an fp64 sum ~2^-29 of an fp32 ulp from exact) once to the dtype; ``pieces`` splits K
+    at a third, rounds each piece's product to the dtype and adds them (and the bias) in the dtype: a second
+    rounding, by construction. ``w`` is ``[K, N]`` or batched ``[B, K, N]``."""
+    w64 = w.double()
+    h = w.shape[-2] // 3
+
+    def whole(x):
+        out = x.double() @ w64
+        return (out if bias is None else out + bias.double()).to(x.dtype)
+
+    def pieces(x):
+        out = (x[..., :h].double() @ w64[..., :h, :]).to(x.dtype) + (x[..., h:].double() @ w64[..., h:, :]).to(x.dtype)
+        return out if bias is None else out + bias
+
+    return whole, pieces
+
+
+def naive_matmul(w, bias=None):
+    return split_when_batched(*whole_and_pieces(w, bias))
 
 
 @pytest.mark.parametrize("dtype,k,n,n_sets", [(torch.float32, 256, 200, 1), (torch.bfloat16, 4096, 1024, 1)])
@@ -120,7 +159,7 @@ def test_matmul_shapes_noncontiguous_and_misaligned_inputs():
     assert bi_matmul(torch.randn(0, 64), w).shape == (0, 48)
 
 
-def test_linear_with_bias_invariant_and_equals_mode_linear():
+def test_linear_with_bias_invariant_and_equals_mode_linear(override_calls):
     gen = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(128, 80)
     with torch.no_grad():
@@ -128,13 +167,15 @@ def test_linear_with_bias_invariant_and_equals_mode_linear():
         lin.bias.copy_(torch.randn(80, generator=gen))
     xb = torch.randn(128, 128, generator=gen)
     with torch.no_grad():
-        assert_invariant_and_control(lambda x: bi_linear(x, lin.weight, lin.bias), lin, xb)
+        assert_invariant_and_control(lambda x: bi_linear(x, lin.weight, lin.bias),
+                                     naive_matmul(lin.weight.t(), lin.bias), xb)
         assert (bi_linear(xb, lin.weight, lin.bias) - lin(xb)).abs().max() < 1e-4
         with batch_invariant_mode():
             moded = lin(xb)
             moded_3d = lin(xb.reshape(4, 32, 128))
     assert torch.equal(moded, bi_linear(xb, lin.weight, lin.bias))
     assert torch.equal(moded_3d.reshape(128, 80), moded)
+    assert [op for op, _ in override_calls] == ["addmm", "addmm"]     # the mode's kernel computed both
 
 
 def test_bmm_rows_invariant_across_rows_and_batch_entries():
@@ -143,8 +184,10 @@ def test_bmm_rows_invariant_across_rows_and_batch_entries():
     b = torch.randn(4, 96, 72, generator=gen)
     # rows of every batch entry: the row axis goes first for row_mismatches
     rows_first = a.transpose(0, 1)
+    whole, pieces = whole_and_pieces(b)
     assert_invariant_and_control(lambda x: bi_matmul(x.transpose(0, 1).contiguous(), b).transpose(0, 1),
-                                 lambda x: torch.bmm(x.transpose(0, 1).contiguous(), b).transpose(0, 1),
+                                 split_when_batched(lambda x: whole(x.transpose(0, 1)).transpose(0, 1),
+                                                    lambda x: pieces(x.transpose(0, 1)).transpose(0, 1)),
                                  rows_first)
     # the number of batch entries does not matter either
     assert torch.equal(bi_matmul(a[:1], b[:1]), bi_matmul(a, b)[:1])
@@ -298,7 +341,7 @@ def test_mode_makes_a_model_batch_invariant(monkeypatch):
     assert naive_bad > 0, "negative control: a batch-dependent linear was not caught by the comparison"
 
 
-def test_mode_ops_equal_direct_functions():
+def test_mode_ops_equal_direct_functions(override_calls):
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(37, 300, generator=gen)
     w = torch.randn(300, 50, generator=gen)
@@ -308,6 +351,8 @@ def test_mode_ops_equal_direct_functions():
         mean_keep = torch.mean(x, dim=(0, 1), keepdim=True)
         normed = norm(x)
         addmm = torch.addmm(torch.randn(37, 50, generator=gen), x, w, beta=0.5, alpha=2.0)
+    # each value came from the mode's kernel (RMSNorm through mean.dim)
+    assert [op for op, _ in override_calls] == ["mm", "_log_softmax", "mean.dim", "mean.dim", "mean.dim", "addmm"]
     assert torch.equal(mm, bi_matmul(x, w))
     assert torch.equal(lsm, bi_log_softmax(x))
     assert torch.equal(mean, bi_mean(x, -1))
@@ -319,7 +364,7 @@ def test_mode_ops_equal_direct_functions():
     assert (addmm - (0.5 * bias + 2.0 * (x @ w))).abs().max() < 1e-4
 
 
-def test_mode_is_reversible_nested_and_exception_safe():
+def test_mode_is_reversible_nested_and_exception_safe(override_calls):
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(1, 512, generator=gen)
     w = torch.randn(512, 512, generator=gen)
@@ -332,9 +377,12 @@ def test_mode_is_reversible_nested_and_exception_safe():
         assert is_batch_invariant_mode_enabled()
         assert torch.equal(x @ w, inside)  # the inner exit kept the outer registration
     assert not is_batch_invariant_mode_enabled()
-    # the override was really active (the fixed-tile matmul's bits) and is now gone
+    # the override was really active (its kernel computed the three products, with the fixed-tile matmul's
+    # bits) and is now gone (no further call, the stock bits again)
+    assert [op for op, _ in override_calls] == ["mm"] * 3
     assert torch.equal(inside, bi_matmul(x, w))
     assert torch.equal(x @ w, stock)
+    assert len(override_calls) == 3
     with pytest.raises(RuntimeError, match="boom"):
         with batch_invariant_mode():
             raise RuntimeError("boom")
@@ -342,9 +390,11 @@ def test_mode_is_reversible_nested_and_exception_safe():
     assert torch.equal(x @ w, stock)
     with batch_invariant_mode(enabled=False):
         assert not is_batch_invariant_mode_enabled()
+        x @ w
+    assert len(override_calls) == 3
 
 
-def test_mode_is_process_wide_across_threads():
+def test_mode_is_process_wide_across_threads(override_calls):
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(1, 256, generator=gen)
     w = torch.randn(256, 256, generator=gen)
@@ -354,9 +404,10 @@ def test_mode_is_process_wide_across_threads():
         results["thread"] = x @ w
 
     with batch_invariant_mode():
-        t = threading.Thread(target=worker)
+        t = threading.Thread(target=worker, name="other-thread")
         t.start()
         t.join(timeout=30)
+    assert override_calls == [("mm", "other-thread")]    # the mode's kernel ran in the other thread
     assert torch.equal(results["thread"], bi_matmul(x, w))
 
 
