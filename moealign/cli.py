@@ -22,11 +22,12 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     from .mismatch import (
         MismatchConfig,
         check_fail_above,
+        format_sweep,
         format_table,
         parse_fail_above,
         run_mismatch,
+        run_sweep,
     )
-    from .mismatch.run import format_sweep, run_sweep
 
     bounds = parse_fail_above(args.fail_above)
     cfg = MismatchConfig(
@@ -63,8 +64,8 @@ def _finish(command: str, table: str, report: dict, json_path: str | None, failu
 
 
 def _add_mismatch(sub) -> None:
+    from .mismatch import METRIC_NAMES
     from .mismatch.engines import DTYPES, ROLLOUT_ENGINES, TRAIN_ENGINES
-    from .mismatch.run import METRIC_NAMES
     from .precision.policy import POLICIES
 
     p = sub.add_parser(

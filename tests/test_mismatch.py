@@ -153,3 +153,102 @@ def test_routes_recorded_are_compact(small_report):
     record = RolloutRecord.load(path)
     assert record.meta.num_experts <= 256
     assert all(s.routes.dtype == torch.uint8 for s in record.samples)
+
+
+# ----------------------------------------------------------------------------------------- the module map
+
+
+def test_the_steps_are_importable_from_the_package_and_from_run():
+    import moealign.mismatch as mm
+    from moealign.mismatch import report, rollout, run, scoring
+
+    assert mm.MismatchConfig is rollout.MismatchConfig is run.MismatchConfig
+    for name in ("RUN_NAMES", "METRIC_NAMES", "format_table", "format_sweep", "parse_fail_above", "check_fail_above"):
+        assert getattr(mm, name) is getattr(report, name) is getattr(run, name), name
+    for name in ("run_mismatch", "run_sweep", "SWEEP"):
+        assert getattr(mm, name) is getattr(run, name), name
+    assert callable(scoring.score_record) and not hasattr(scoring, "kept_logprob_dense")   # one kept_logprob
+
+
+class _Counting:
+    """An engine wrapper that counts close() calls (and can fail its forward)."""
+
+    def __init__(self, inner, closed: list, fail: bool = False):
+        self._inner, self._closed, self._fail = inner, closed, fail
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def forward(self, *args, **kwargs):
+        if self._fail:
+            raise RuntimeError("forward failed on purpose")
+        return self._inner.forward(*args, **kwargs)
+
+    def close(self):
+        self._closed.append(self._inner.name)
+        self._inner.close()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_run_mismatch_closes_both_engines(monkeypatch, fail):
+    """run_mismatch closes the rollout engine after the rollout and the trainer after scoring, also when
+    the trainer fails."""
+    from moealign.mismatch import engines
+
+    closed: list = []
+    monkeypatch.setitem(engines.ROLLOUT_ENGINES, "counting",
+                        lambda *a, **k: _Counting(engines.HFRolloutEngine(*a, **k), closed))
+    monkeypatch.setitem(engines.TRAIN_ENGINES, "counting",
+                        lambda *a, **k: _Counting(engines.HFTrainEngine(*a, **k), closed, fail=fail))
+    cfg = MismatchConfig(rollout_engine="counting", train_engine="counting", num_prompts=2, max_new_tokens=4,
+                         batch_size=2)
+    if fail:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            run_mismatch(cfg)
+    else:
+        report = run_mismatch(cfg)
+        assert [r["name"] for r in report["runs"]] == list(RUN_NAMES)
+    assert closed == ["transformers", "transformers"]          # rollout, then trainer, each once
+
+
+def test_hf_engines_close_releases_the_model():
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.engines import HFRolloutEngine, HFTrainEngine
+
+    for cls in (HFRolloutEngine, HFTrainEngine):
+        engine = cls(str(embedded_model_path()), "bf16")
+        assert engine.model is not None
+        engine.close()
+        engine.close()                                          # a second close does nothing
+        assert engine.model is None
+
+
+# ----------------------------------------------------------------------------------------- the loading path
+
+
+def test_load_model_applies_the_policy_and_restores_the_progress_bar():
+    import transformers
+
+    from moealign.embedded import embedded_model_path
+    from moealign.patches.hf.loading import load_model, load_tokenizer
+    from moealign.patches.hf.precision import module_roles
+
+    logging = transformers.utils.logging
+    was = logging.is_progress_bar_enabled()
+    try:
+        for enabled in (True, False):
+            (logging.enable_progress_bar if enabled else logging.disable_progress_bar)()
+            model, handle = load_model(embedded_model_path(), "fp16-fp32-router-head")
+            assert logging.is_progress_bar_enabled() is enabled          # the user's setting, as it was
+    finally:
+        (logging.enable_progress_bar if was else logging.disable_progress_bar)()
+    assert not model.training and handle.active and handle.policy.name == "fp16-fp32-router-head"
+    modules = dict(model.named_modules())
+    assert all(modules[name].weight.dtype == torch.float32 for name in module_roles(model))
+    assert model.model.embed_tokens.weight.dtype == torch.float16
+    handle.undo()
+    assert model.model.embed_tokens.weight.dtype == torch.float32          # loaded in fp32, then cast
+    bi, _ = load_model(embedded_model_path(), "fp32", attention="bi")
+    assert bi.config._attn_implementation == "moealign_bi"
+    tok = load_tokenizer(embedded_model_path(), padding_side="right")
+    assert tok.padding_side == "right" and tok.pad_token_id is not None

@@ -106,3 +106,56 @@ def test_training_step_with_replay_and_recompute(record):
         opt.step()
         assert all(not torch.equal(w, r.weight) for w, (_, r) in zip(before, routers))
         assert torch.isfinite(loss)
+
+
+def test_capture_routes_gives_record_row_order(record):
+    """The Megatron adapter's route capture: [B*T, n_layers, k] int64 ids ascending per row, in the record's
+    batch-major row order (under replay exactly the recorded experts), hooks gone on exit."""
+    from moealign.errors import ReplayError
+    from moealign.patches.megatron import moe_routers
+    from moealign.patches.megatron.capture import capture_routes
+
+    mg = MegatronTrainEngine(str(embedded_model_path()), "fp32")
+    try:
+        batch = record.to_padded("right", mg.pad_token_id)
+        B, T = batch.input_ids.shape
+        assert B != T                                           # a swapped B / T would not go unnoticed
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None] | (batch.attention_mask == 0)[:, None, None, :]
+        routers = [r for _, r in moe_routers(mg.model)]
+        hooks_before = [len(r._forward_hooks) for r in routers]
+        with capture_routes(mg.model) as capture:
+            with pytest.raises(ReplayError, match="no model forward"):
+                capture.last_forward()
+            assert [len(r._forward_hooks) for r in routers] == [n + 1 for n in hooks_before]
+            mg.driver.set_routes(batch.replay_batch())
+            with torch.no_grad(), mg.driver.forward():
+                mg.model(batch.input_ids, batch.position_ids, mask)
+            mg.driver.check(calls=1)
+        mg.driver.clear()
+        mg.driver.reset_counters()
+        assert [len(r._forward_hooks) for r in routers] == hooks_before and not capture.active
+        used = capture.last_forward()                            # still readable after the hooks are gone
+        k = int(routers[0].topk)
+        assert used.dtype == torch.int64 and used.shape == (B * T, len(record.meta.moe_layers), k)
+        assert bool((used.diff(dim=-1) > 0).all())                # ascending, distinct
+        recorded = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+        got = used[batch.route_mask.reshape(-1)]
+        assert torch.equal(got, recorded.sort(-1).values)
+    finally:
+        mg.close()
+
+
+def test_megatron_precision_comes_from_the_translators():
+    """What the engine can express is decided by moealign.precision.policy: megatron_gaps lists the fp32
+    router / LM head, to_megatron_config_fields refuses FP8 without transformer-engine layers."""
+    from moealign.precision.policy import POLICIES, megatron_gaps
+
+    assert {name for name in POLICIES if megatron_gaps(name)} == {"fp16-fp32-router-head"}
+    gaps = megatron_gaps("fp16-fp32-router-head")
+    assert len(gaps) == 2 and "router" in gaps[0] and "LM head" in gaps[1]
+    path = str(embedded_model_path())
+    with pytest.raises(ValueError, match="cannot express precision policy 'fp16-fp32-router-head'.*moe_router_dtype"):
+        MegatronTrainEngine(path, "fp16-fp32-router-head")
+    with pytest.raises(ValueError, match="cannot run precision policy 'fp8-e4m3-tensor'") as info:
+        MegatronTrainEngine(path, "fp8-e4m3-tensor")
+    assert isinstance(info.value.__cause__, RuntimeError)        # the translator's refusal, chained

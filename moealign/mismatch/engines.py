@@ -4,7 +4,14 @@ A rollout engine turns prompts into a :class:`~moealign.record.RolloutRecord` (l
 kept sets). A training engine recomputes, for a slice of a record, the logits that score each response
 token and the routes it actually used, with or without routing replay. ``ROLLOUT_ENGINES`` /
 ``TRAIN_ENGINES`` map the names the CLI accepts to factories; later adapters (Megatron, vLLM) register
-themselves here.
+themselves here. ``close()`` releases an engine (its model, its process group); the harness closes both sides.
+
+The engines hold no engine code of their own: loading, route capture and replay go through the adapters
+(:func:`moealign.patches.hf.loading.load_model`, :mod:`moealign.patches.hf`,
+:func:`moealign.patches.megatron.capture.capture_routes`, :mod:`moealign.patches.megatron`), and what a
+precision policy becomes in each engine comes from the translators of :mod:`moealign.precision.policy`
+(:func:`~moealign.precision.policy.to_transformers`, :func:`~moealign.precision.policy.to_megatron_config_fields`,
+:func:`~moealign.precision.policy.megatron_gaps`).
 
 Every factory is called as ``factory(model_path, precision, device, batch_invariant=..., attention=...)``.
 ``precision`` is a :mod:`moealign.precision.policy` name (``fp32``, ``bf16``, ``fp16``,
@@ -29,7 +36,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineError
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.policy import (
     POLICIES,
@@ -37,6 +44,9 @@ from ..precision.policy import (
     UnknownPolicyError,
     dtype_name,
     get_policy,
+    megatron_gaps,
+    to_megatron_config_fields,
+    to_transformers,
 )
 from ..record import RecordMeta, RolloutRecord, SamplingParams
 
@@ -46,6 +56,7 @@ __all__ = [
     "parse_dtype",
     "resolve_precision",
     "short_dtype",
+    "describe_engine",
     "TrainForward",
     "RolloutEngine",
     "TrainEngine",
@@ -106,6 +117,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str], *, sampling: SamplingParams, max_new_tokens: int, seed: int,
                  batch_size: int, progress: Callable[[int], None] | None = None) -> RolloutRecord: ...
 
+    def close(self) -> None:
+        """Release the engine (model, process group); calling it again does nothing."""
+
 
 class TrainEngine(Protocol):
     name: str
@@ -115,6 +129,18 @@ class TrainEngine(Protocol):
     def meta(self) -> RecordMeta: ...
 
     def forward(self, record: RolloutRecord, indices: Sequence[int], *, replay: bool) -> TrainForward: ...
+
+    def close(self) -> None:
+        """Release the engine (model, process group); calling it again does nothing."""
+
+
+def describe_engine(engine: RolloutEngine | TrainEngine) -> dict:
+    """The report's description of one side: engine, precision policy, compute dtype (+ attention)."""
+    desc = {"engine": engine.name, "precision": engine.precision, "dtype": engine.dtype}
+    attention = getattr(engine, "attention", None)
+    if attention is not None:
+        desc["attention"] = attention
+    return desc
 
 
 ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
@@ -127,32 +153,6 @@ def register_rollout_engine(name: str, factory: Callable[..., RolloutEngine]) ->
 
 def register_train_engine(name: str, factory: Callable[..., TrainEngine]) -> None:
     TRAIN_ENGINES[name] = factory
-
-
-def _load_hf(model_path: str, policy: PrecisionPolicy, device: str, attention: str | None = None):
-    """Load the checkpoint in float32, then apply ``policy`` (dtype, per-module dtypes, FP8 fake
-    quantisation) with :func:`moealign.patches.hf.precision.apply_precision`; ``attention`` picks the
-    transformers attention implementation (``None``: its default)."""
-    from .._optional import require
-    from ..patches.hf.precision import apply_precision
-
-    transformers = require("transformers", "the 'hf' engine needs transformers (pip install 'moealign[hf]')")
-    logging = transformers.utils.logging
-    was_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()   # the harness draws its own progress; restore the user's setting after
-    if attention == "bi":
-        from ..patches.hf.attention import register_bi_attention
-
-        attention = register_bi_attention()
-    extra = {} if attention is None else {"attn_implementation": attention}
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, **extra)
-    finally:
-        if was_enabled:
-            logging.enable_progress_bar()
-    handle = apply_precision(model, policy)
-    model.to(device).eval()
-    return transformers, model, handle
 
 
 ATTENTION = ("sdpa", "eager", "bi")
@@ -178,15 +178,14 @@ class HFRolloutEngine:
 
     def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
                  batch_invariant: bool = False, attention: str | None = None):
+        from ..patches.hf.loading import load_model, load_tokenizer
+
         policy = resolve_precision(precision)
         self.batch_invariant = bool(batch_invariant)
         self.attention = _attention(attention, self.batch_invariant)
-        transformers, self.model, self.precision_handle = _load_hf(model_path, policy, device, self.attention)
-        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_path))
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model, self.precision_handle = load_model(model_path, policy, device, self.attention)
+        self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
+        self.tokenizer = load_tokenizer(model_path, padding_side="left")
 
     def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
         from ..patches import hf
@@ -206,6 +205,9 @@ class HFRolloutEngine:
                 progress(len(chunk))
         return RolloutRecord(meta, samples)
 
+    def close(self) -> None:
+        self.model = self.precision_handle = self.tokenizer = None
+
 
 class HFTrainEngine:
     """transformers full-sequence forward (no KV cache), optionally with routing replay."""
@@ -214,11 +216,13 @@ class HFTrainEngine:
 
     def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
                  batch_invariant: bool = False, attention: str | None = None):
+        from ..patches.hf.loading import load_model
+
         policy = resolve_precision(precision)
         self.batch_invariant = bool(batch_invariant)
         self.attention = _attention(attention, self.batch_invariant)
-        _, self.model, self.precision_handle = _load_hf(model_path, policy, device, self.attention)
-        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
+        self.model, self.precision_handle = load_model(model_path, policy, device, self.attention)
+        self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
         pad = self.model.generation_config.pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
 
@@ -251,17 +255,21 @@ class HFTrainEngine:
         logits = out.logits[b.to(dev), (p - 1).to(dev)].float()
         return TrainForward(logits=logits, tokens=batch.input_ids[b, p].to(dev), routes=used[route_mask])
 
+    def close(self) -> None:
+        self.model = self.precision_handle = None
+
 
 class MegatronTrainEngine:
     """Megatron-core ``GPTModel`` (local spec) converted from the transformers checkpoint, in a one-process
     world (CPU: gloo and :func:`~moealign.patches.megatron.enable_megatron_cpu`); routing replay through
     Megatron's own RouterReplay (:class:`~moealign.patches.megatron.RouterReplayDriver`).
 
-    Precision: the policy's dtype becomes ``params_dtype`` / ``bf16`` / ``fp16`` of the Megatron config.
-    Policies with per-module dtypes (an fp32 router or LM head in an fp16 model) or FP8 are refused:
-    Megatron's ``moe_router_dtype`` computes the router in fp32 from *fp16-rounded* weights, which is
-    not the policy's fp32 router, it has no fp32 output-layer option, and its FP8 needs
-    transformer-engine (no CPU build). Use ``--train hf`` for those policies.
+    Precision: the Megatron config gets :func:`~moealign.precision.policy.to_megatron_config_fields`
+    (``params_dtype`` / ``bf16`` / ``fp16``). Policies with a :func:`~moealign.precision.policy.megatron_gaps`
+    entry (an fp32 router or LM head in an fp16 model) or FP8 are refused: Megatron's ``moe_router_dtype``
+    computes the router in fp32 from *fp16-rounded* weights, which is not the policy's fp32 router, it has
+    no fp32 output-layer option, and its FP8 needs transformer-engine layers (the engine builds the local
+    spec; no CPU build). Use ``--train hf`` for those policies.
     """
 
     name = "megatron"
@@ -270,57 +278,58 @@ class MegatronTrainEngine:
                  batch_invariant: bool = False, attention: str | None = None):
         from ..patches import hf
         from ..patches import megatron as mg
+        from ..patches.hf.loading import load_model
         from ..patches.megatron import checkpoint as mc
 
         if attention is not None:
             raise ConfigError(f"the megatron engine has one attention (the local spec's unfused "
                              f"DotProductAttention); attention={attention!r} applies to transformers engines only")
         policy = resolve_precision(precision)
-        if policy.overrides:
-            raise ConfigError(f"the megatron engine cannot express precision policy {policy.name!r}: it keeps "
-                             f"{sorted(policy.overrides)} in a dtype other than the model's "
-                             f"{dtype_name(policy.dtype)} (Megatron's moe_router_dtype computes from rounded "
-                             f"weights and there is no fp32 output layer); use --train hf")
-        if policy.fp8 is not None:
+        gaps = megatron_gaps(policy)
+        if gaps:
+            raise ConfigError(f"the megatron engine cannot express precision policy {policy.name!r}: "
+                              f"{'; '.join(gaps)}; use --train hf")
+        try:
+            # the local (transformer-engine-free) spec: no FP8 layers, whether transformer-engine is installed or not
+            fields = to_megatron_config_fields(policy, te_available=False)
+        except EngineError as exc:
             raise ConfigError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
-                             f"needs transformer-engine, which is not installed here; use --train hf (simulated "
-                             f"FP8)")
+                              f"needs transformer-engine layers, which the engine's local spec does not use; use "
+                              f"--train hf (simulated FP8)") from exc
         if device.startswith("cuda") != torch.cuda.is_available():
             raise ConfigError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
                              f"not on {device!r}")
-        self.precision, self.dtype, self.device = policy.name, short_dtype(policy.dtype), device
+        self.precision, self.dtype, self.device = policy.name, short_dtype(fields["params_dtype"]), device
         self.batch_invariant = bool(batch_invariant)
         self._world = mg.init_single_process()
         try:
-            _, hf_model, _ = _load_hf(model_path, resolve_precision("fp32"), "cpu")
+            hf_model, _ = load_model(model_path, "fp32", "cpu")
             self._meta = hf.record_meta(hf_model)
             pad = hf_model.generation_config.pad_token_id
             self.pad_token_id = int(pad) if isinstance(pad, int) else 0
-            self.model = mc.build_megatron_from_hf(hf_model, params_dtype=policy.dtype)
+            self.model = mc.build_megatron_from_hf(hf_model, **fields)
             del hf_model
             self.model.to(device).eval()
             self.driver = mg.RouterReplayDriver(self.model, aux_loss="own")
         except BaseException:
             self._world.close()
             raise
-        self._k = int(self.driver.routers[0][1].topk)
 
     def meta(self) -> RecordMeta:
         return self._meta
 
     def forward(self, record: RolloutRecord, indices, *, replay: bool) -> TrainForward:
+        from ..patches.megatron.capture import capture_routes
+
         sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
         batch = sub.to_padded("right", self.pad_token_id)
-        B, T = batch.input_ids.shape
+        T = batch.input_ids.shape[1]
         dev = self.device
         # bool mask, True = masked: causal, and padded keys
         causal = torch.ones(T, T, dtype=torch.bool).triu(1)
         mask = (causal[None, None] | (batch.attention_mask == 0)[:, None, None, :]).to(dev)
-        maps = []
-        handles = [router.register_forward_hook(lambda m, a, out: maps.append(out[1].detach()))
-                   for _, router in self.driver.routers]
         try:
-            with torch.no_grad(), _bi_context(self.batch_invariant):
+            with torch.no_grad(), _bi_context(self.batch_invariant), capture_routes(self.model) as capture:
                 if replay:
                     self.driver.set_routes(batch.replay_batch())
                     with self.driver.forward():
@@ -329,13 +338,9 @@ class MegatronTrainEngine:
                 else:
                     logits = self.model(batch.input_ids.to(dev), batch.position_ids.to(dev), mask)
         finally:
-            for h in handles:
-                h.remove()
             self.driver.clear()
             self.driver.reset_counters()
-        # routing maps [T*B, E] (sequence-first) -> expert ids [B*T, n_layers, k], ascending per row
-        used = torch.stack([m.reshape(T, B, -1).transpose(0, 1).reshape(B * T, -1)
-                            .nonzero()[:, 1].reshape(B * T, self._k) for m in maps], dim=1)
+        used = capture.last_forward()                   # [B*T, n_layers, k], record row order
         used = used[batch.route_mask.reshape(-1).to(used.device)]
         b, p = batch.response_mask.nonzero(as_tuple=True)
         out = logits[b.to(dev), (p - 1).to(dev)].float()
@@ -345,6 +350,7 @@ class MegatronTrainEngine:
         if getattr(self, "driver", None) is not None:
             self.driver.undo()
             self.driver = None
+        self.model = None
         if getattr(self, "_world", None) is not None:
             self._world.close()
             self._world = None

@@ -29,7 +29,8 @@ Translators (all pure; none imports an engine):
 * :func:`to_transformers` -> ``{"dtype", "module_dtypes", "fp32_buffers", "fp8"}``, applied to a live
   transformers model by :func:`moealign.patches.hf.precision.apply_precision`.
 * :func:`to_megatron_config_fields` -> ``TransformerConfig`` fields; :func:`to_megatron_optimizer_fields`
-  -> ``OptimizerConfig`` fields (Megatron keeps loss scaling in the optimizer config).
+  -> ``OptimizerConfig`` fields (Megatron keeps loss scaling in the optimizer config); :func:`megatron_gaps`
+  lists what the config fields cannot express.
 * :func:`to_vllm_engine_args` -> ``vllm.LLM`` / ``EngineArgs`` keyword arguments; :func:`vllm_gaps` lists
   what those arguments cannot express.
 """
@@ -58,6 +59,7 @@ __all__ = [
     "to_transformers",
     "to_megatron_config_fields",
     "to_megatron_optimizer_fields",
+    "megatron_gaps",
     "to_vllm_engine_args",
     "vllm_gaps",
     "dtype_name",
@@ -283,6 +285,23 @@ def to_megatron_optimizer_fields(policy: str | PrecisionPolicy) -> dict[str, Any
         fields.update(loss_scale=None, initial_loss_scale=ls.initial_scale, min_loss_scale=ls.min_scale,
                       loss_scale_window=ls.growth_interval, hysteresis=ls.hysteresis)
     return fields
+
+
+def megatron_gaps(policy: str | PrecisionPolicy) -> list[str]:
+    """What the fields of :func:`to_megatron_config_fields` cannot express for ``policy`` (empty when
+    nothing); a Megatron model built from those fields alone runs something else where a gap is listed.
+    (FP8 without transformer-engine is not a gap: the translator refuses it, or simulates it when asked.)"""
+    policy = get_policy(policy)
+    gaps = []
+    if policy.router_dtype is not None and policy.router_dtype != policy.dtype:
+        gaps.append(f"router in {dtype_name(policy.router_dtype)}: Megatron's moe_router_dtype computes the router "
+                    f"in fp32 from its weights stored (rounded) in {dtype_name(policy.dtype)}, not a "
+                    f"{dtype_name(policy.router_dtype)} router; the Megatron adapter must keep the router weights in "
+                    f"{dtype_name(policy.router_dtype)} itself")
+    if policy.lm_head_dtype is not None and policy.lm_head_dtype != policy.dtype:
+        gaps.append(f"LM head in {dtype_name(policy.lm_head_dtype)}: TransformerConfig has no output-layer dtype; "
+                    f"the Megatron adapter must cast the output layer")
+    return gaps
 
 
 _VLLM_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

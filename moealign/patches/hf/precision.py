@@ -26,7 +26,6 @@ which the experts multiply into their fp16 outputs before casting back (as Megat
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
@@ -35,7 +34,7 @@ from ...handle import PatchHandle
 from ...precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
 from ...precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
-__all__ = ["module_roles", "apply_precision", "PrecisionHandle", "load_with_policy"]
+__all__ = ["module_roles", "apply_precision", "PrecisionHandle"]
 
 
 def module_roles(model: torch.nn.Module) -> dict[str, str]:
@@ -164,13 +163,3 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
     if policy.fp8 is not None:
         handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, roles)))
     return handle
-
-
-def load_with_policy(path: Any, policy: str | PrecisionPolicy, **from_pretrained: Any):
-    """``AutoModelForCausalLM.from_pretrained(path)`` (in its stored dtype) with ``policy`` applied:
-    ``(model, handle)``."""
-    from ..._optional import require
-
-    transformers = require("transformers", "moealign.patches.hf.precision.load_with_policy needs transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **from_pretrained)
-    return model, apply_precision(model, policy)

@@ -1,0 +1,258 @@
+"""The mismatch test, step 3: the metrics of each run, the report, its tables, and ``--fail-above``.
+
+From the scores of :mod:`moealign.mismatch.scoring` come four runs (:data:`RUN_NAMES`): the trainer's
+routing (its own top-k, or the recorded experts replayed) crossed with its log-prob (over the vocabulary,
+or restricted to the recorded kept set). :func:`run_metrics` gives each run's metrics (:data:`METRIC_NAMES`:
+router flips, the off-policy and agreement metrics of :mod:`moealign.correction`, the support mismatch, the
+fractions an IcePop band [0.5, 5] and a geometric RS band 0.999_1.001 would mask); :func:`build_report`
+assembles the JSON-ready report; :func:`format_table` / :func:`format_sweep` print it;
+:func:`parse_fail_above` / :func:`check_fail_above` are ``--fail-above``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..correction import (
+    compute_agreement_metrics,
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+)
+from ..errors import ConfigError
+from ..record import RolloutRecord, SamplingParams
+from .scoring import SideScores
+
+__all__ = ["RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "ICEPOP_BAND", "GEO_RS_BAND", "parse_fail_above",
+           "check_fail_above", "run_metrics", "build_report", "format_table", "format_sweep"]
+
+RUN_NAMES = ("baseline", "routing_replay", "sampling_mask", "routing_replay+sampling_mask")
+ALIGNED_RUN = RUN_NAMES[-1]
+METRIC_NAMES = (
+    "router_flip_rate", "token_flip_rate", "kl_k1", "kl_k3", "max_abs_logp_diff", "p99_abs_logp_diff",
+    "mean_abs_logp_diff", "chi2_token", "chi2_seq", "pearson_prob", "ppl_ratio", "support_mismatch_rate",
+    "icepop_masked_fraction", "geo_rs_masked_fraction",
+)
+ICEPOP_BAND = "0.5_5.0"
+GEO_RS_BAND = "0.999_1.001"
+
+
+# --------------------------------------------------------------------------------------------------
+# --fail-above
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_fail_above(items: list[str] | None) -> dict[str, float]:
+    """``["kl_k1=1e-3", ...]`` -> ``{"kl_k1": 0.001}``; unknown metrics and bad numbers are errors."""
+    bounds: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not value.strip():
+            raise ConfigError(f"--fail-above expects METRIC=VALUE, got {item!r}")
+        if name not in METRIC_NAMES:
+            raise ConfigError(f"--fail-above: unknown metric {name!r}; choose one of {', '.join(METRIC_NAMES)}")
+        try:
+            bound = float(value)
+        except ValueError:
+            raise ConfigError(f"--fail-above {name}: {value!r} is not a number") from None
+        if not math.isfinite(bound):
+            raise ConfigError(f"--fail-above {name}: the bound must be finite, got {value!r}")
+        bounds[name] = bound
+    return bounds
+
+
+def check_fail_above(report: dict, bounds: dict[str, float]) -> list[str]:
+    """Violations (messages) of ``bounds`` by the fully aligned run of ``report``."""
+    run = next(r for r in report["runs"] if r["name"] == ALIGNED_RUN)
+    failures = []
+    for name, bound in bounds.items():
+        value = run["metrics"][name]
+        if not (value <= bound):   # NaN fails too
+            failures.append(f"{ALIGNED_RUN}: {name} = {value:.6g} > {bound:.6g}")
+    return failures
+
+
+# --------------------------------------------------------------------------------------------------
+# the runs
+# --------------------------------------------------------------------------------------------------
+
+
+def _padded(values: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, R = len(lengths), max(lengths)
+    out = torch.zeros(B, R, dtype=torch.float32)
+    mask = torch.zeros(B, R, dtype=torch.float32)
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = values[start:start + n]
+        mask[b, :n] = 1.0
+        start += n
+    return out, mask
+
+
+def _logprob_metrics(train_lp: torch.Tensor, rollout_lp: torch.Tensor, lengths: list[int]) -> dict[str, float]:
+    old, mask = _padded(train_lp, lengths)
+    rollout, _ = _padded(rollout_lp, lengths)
+    off = compute_offpolicy_metrics(old, rollout, mask).to_floats()
+    agree = compute_agreement_metrics(old, rollout, mask).to_floats()
+    _, _, icepop = compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="token", rollout_is_threshold=ICEPOP_BAND)
+    _, _, geo = compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_rs="seq_mean_k1", rollout_rs_threshold=GEO_RS_BAND)
+    icepop, geo = icepop.to_floats(), geo.to_floats()
+    return {
+        "kl_k1": off["kl"],
+        "kl_k3": off["k3_kl"],
+        "max_abs_logp_diff": agree["logprob_abs_diff_max"],
+        "p99_abs_logp_diff": agree["logprob_abs_diff_p99"],
+        "mean_abs_logp_diff": agree["logprob_abs_diff_mean"],
+        "chi2_token": off["chi2_token"],
+        "chi2_seq": off["chi2_seq"],
+        "pearson_prob": agree["rollout_actor_probs_pearson_corr"],
+        "ppl_ratio": off["ppl_ratio"],
+        "icepop_masked_fraction": icepop["rollout_corr/rollout_is_oob_ratio"],
+        "geo_rs_masked_fraction": geo["rollout_corr/rollout_rs_masked_fraction"],
+    }
+
+
+def run_metrics(record: RolloutRecord, sides: dict[bool, SideScores]) -> list[dict]:
+    """``[{"name", "metrics"}]``, one entry per run of :data:`RUN_NAMES` (the kept-set runs only when the
+    record has kept sets), from the trainer's scores without (``sides[False]``) and with routing replay."""
+    rollout_lp = torch.cat([s.logprobs.float() for s in record.samples])
+    lengths = [s.response_len for s in record.samples]
+    runs = []
+    for name in RUN_NAMES:
+        replay = name.startswith("routing_replay")
+        masked = name.endswith("sampling_mask")
+        side = sides[replay]
+        if masked and not record.has_kept_sets:
+            continue
+        flips = side.flips
+        metrics = {"router_flip_rate": flips.router_flip_rate, "token_flip_rate": flips.token_flip_rate}
+        metrics.update(_logprob_metrics(side.logprobs(masked), rollout_lp, lengths))
+        if record.has_kept_sets:
+            metrics["support_mismatch_rate"] = float(side.support_mismatch(masked).double().mean())
+        else:
+            metrics["support_mismatch_rate"] = float("nan")
+        metrics["per_layer_flip_rate"] = list(flips.per_layer_flip_rate)
+        metrics["mean_jaccard"] = flips.mean_jaccard
+        runs.append({"name": name, "metrics": metrics})
+    return runs
+
+
+def build_report(*, model: str, record: RolloutRecord, sides: dict[bool, SideScores], rollout: dict, train: dict,
+                 sampling: SamplingParams, batch_invariant: bool, device: str, started: float) -> dict:
+    """The JSON-ready report: the two sides' descriptions (``rollout`` / ``train``, see
+    :func:`moealign.mismatch.engines.describe_engine`), the record's size, the sampling parameters, the runs
+    (:func:`run_metrics`) and ``elapsed_s`` since ``started`` (a :func:`time.perf_counter` value)."""
+    runs = run_metrics(record, sides)
+    return {
+        "model": model,
+        "rollout": rollout,
+        "train": train,
+        "batch_invariant": batch_invariant,
+        "num_tokens": int(record.num_response_tokens),
+        "num_route_rows": int(sum(int(s.routes.shape[0]) for s in record.samples)),
+        "moe_layers": list(record.meta.moe_layers),
+        "sampling": asdict(sampling),
+        "device": device,
+        "elapsed_s": round(time.perf_counter() - started, 3),
+        "runs": runs,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------------------
+
+_COLUMNS = (
+    ("run", None, "{}"),
+    ("router flip", "router_flip_rate", "{:.4f}"),
+    ("token flip", "token_flip_rate", "{:.4f}"),
+    ("kl k1", "kl_k1", "{:+.2e}"),
+    ("kl k3", "kl_k3", "{:.2e}"),
+    ("mean|dlogp|", "mean_abs_logp_diff", "{:.2e}"),
+    ("p99|dlogp|", "p99_abs_logp_diff", "{:.2e}"),
+    ("max|dlogp|", "max_abs_logp_diff", "{:.2e}"),
+    ("chi2 tok", "chi2_token", "{:.2e}"),
+    ("pearson", "pearson_prob", "{:.6f}"),
+    ("support mm", "support_mismatch_rate", "{:.4f}"),
+    ("icepop", "icepop_masked_fraction", "{:.4f}"),
+    ("geo RS", "geo_rs_masked_fraction", "{:.4f}"),
+    ("gap removed", "_gap_removed", "{:>6.1%}"),
+)
+
+
+def _side_label(side: dict) -> str:
+    return f"{side['engine']} {side.get('precision') or side['dtype']}"
+
+
+def format_table(report: dict) -> str:
+    """One row per run; "gap removed" = 1 - mean|delta log p| / the baseline's."""
+    base = next((r["metrics"]["mean_abs_logp_diff"] for r in report["runs"] if r["name"] == "baseline"), None)
+    rows = []
+    for run in report["runs"]:
+        m = dict(run["metrics"])
+        m["_gap_removed"] = (1 - m["mean_abs_logp_diff"] / base) if base else float("nan")
+        rows.append([run["name"] if key is None else fmt.format(m[key]) for _, key, fmt in _COLUMNS])
+    header = [title for title, _, _ in _COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    head = (f"model {report['model']}: rollout {_side_label(report['rollout'])} vs train "
+            f"{_side_label(report['train'])}{', batch-invariant' if report.get('batch_invariant') else ''}, "
+            f"{report['num_tokens']} response tokens, MoE layers {report['moe_layers']}, {report['elapsed_s']:.1f} s")
+    per_layer = "; ".join(f"{r['name']}: {[round(x, 4) for x in r['metrics']['per_layer_flip_rate']]}"
+                          for r in report["runs"])
+    return "\n".join([head, ""] + lines + ["", f"per-layer router flip rate: {per_layer}"])
+
+
+# --------------------------------------------------------------------------------------------------
+# --sweep
+# --------------------------------------------------------------------------------------------------
+
+_SWEEP_COLUMNS = (
+    ("config", None, "{}"),
+    ("rollout", "rollout_precision", "{}"),
+    ("train", "train_precision", "{}"),
+    ("BI", "batch_invariant", "{}"),
+    ("tokens", "num_tokens", "{}"),
+    ("base flip", "base:router_flip_rate", "{:.4f}"),
+    ("base mean|dlogp|", "base:mean_abs_logp_diff", "{:.2e}"),
+    ("base max|dlogp|", "base:max_abs_logp_diff", "{:.2e}"),
+    ("aligned mean|dlogp|", "aligned:mean_abs_logp_diff", "{:.2e}"),
+    ("aligned max|dlogp|", "aligned:max_abs_logp_diff", "{:.2e}"),
+    ("aligned kl k3", "aligned:kl_k3", "{:.2e}"),
+    ("s", "elapsed_s", "{:.1f}"),
+)
+
+
+def format_sweep(sweep: dict) -> str:
+    """One row per configuration: the baseline run and the fully aligned run
+    (``routing_replay+sampling_mask``) of each."""
+    rows = []
+    for entry in sweep["configs"]:
+        report = entry["report"]
+        runs = {r["name"]: r["metrics"] for r in report["runs"]}
+        values = {"rollout_precision": entry["rollout_precision"], "train_precision": entry["train_precision"],
+                  "batch_invariant": "yes" if entry["batch_invariant"] else "no",
+                  "num_tokens": report["num_tokens"], "elapsed_s": report["elapsed_s"]}
+        for prefix, run in (("base", "baseline"), ("aligned", ALIGNED_RUN)):
+            for name, value in runs.get(run, {}).items():
+                values[f"{prefix}:{name}"] = value
+        rows.append([entry["label"] if key is None else
+                     (fmt.format(values[key]) if key in values else "-") for _, key, fmt in _SWEEP_COLUMNS])
+    header = [title for title, _, _ in _SWEEP_COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    align = lambda cells: "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    first = sweep["configs"][0]["report"] if sweep["configs"] else {"model": "?", "device": "?"}
+    lines = [f"model {first['model']} on {first['device']}: baseline (own routes, full softmax) and fully aligned "
+             f"(routing replay + sampling mask) gap per precision configuration", "",
+             align(header), "  ".join("-" * w for w in widths)]
+    lines += [align(r) for r in rows]
+    return "\n".join(lines)
