@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 
 from . import __version__
 from .errors import ConfigError, MoealignError
@@ -40,6 +42,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         device=args.device, save_record=args.save_record, load_record=args.load_record)
     if args.sweep and (args.load_record or args.save_record):
         raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
+    _check_json_path(args.json, args.load_record, args.save_record)
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.sweep:
@@ -51,13 +54,39 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds))
 
 
-def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str]) -> int:
-    """Print the table, write the JSON report if asked, name each failure on stderr; exit 3 on failure."""
-    print(table)
-    if json_path:
-        with open(json_path, "w") as fh:
+def _check_json_path(json_path: str | None, *others: str | None) -> None:
+    """``--json`` is checked before any work starts and may not name another file of the same command."""
+    if json_path is None:
+        return
+    from .mismatch.rollout import check_output_path
+
+    check_output_path(json_path, "--json")
+    for other in others:
+        if other is not None and os.path.abspath(other) == os.path.abspath(json_path):
+            raise ConfigError(f"--json {json_path} is also the record path: refusing to overwrite the record")
+
+
+def _write_json_atomically(path: str, report: dict) -> None:
+    """Write to a temporary file next to ``path``, then rename: a killed write never leaves half a report."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.moealign-tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
             json.dump(report, fh, indent=2)
             fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str]) -> int:
+    """Print the table, write the JSON report if asked (atomically), name each failure on stderr; exit 3 on
+    failure."""
+    print(table)
+    if json_path:
+        _write_json_atomically(json_path, report)
     for line in failures:
         print(f"moealign {command}: FAIL {line}", file=sys.stderr)
     return 3 if failures else 0
@@ -120,6 +149,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
     from .tp_check import format_results, parse_world_sizes, run_tp_check, tree_failures
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    _check_json_path(args.json)
     report = run_tp_check(parse_world_sizes(args.world_sizes), seed=args.seed, repeats=args.repeats, log=log)
     return _finish("tp-check", format_results(report), report, args.json, tree_failures(report))
 

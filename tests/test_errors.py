@@ -92,7 +92,10 @@ def test_unknown_policy_message_is_not_quoted():
     ["mismatch", "--num-prompts", "x"], ["mismatch", "--num-prompts", "0"], ["mismatch", "--top-p", "2"],
     ["mismatch", "--fail-above", "nope"], ["mismatch", "--train-precision", "fp4"], ["tp-check", "--world-sizes", "3"],
     ["tp-check", "--world-sizes", "a,b"], ["nope"], ["mismatch", "--sweep", "--save-record", "x"],
-    ["mismatch", "--load-record", "/nonexistent/record.safetensors"],
+    ["mismatch", "--load-record", "/nonexistent/record.safetensors"], ["mismatch", "--device", "foo"],
+    ["mismatch", "--device", "meta"], ["mismatch", "--model", "/nonexistent/checkpoint"], ["mismatch", "--seed", "-1"],
+    ["mismatch", "--json", "/nonexistent/dir/report.json"], ["mismatch", "--json", "/"],
+    ["mismatch", "--prompts", "/nonexistent/prompts.json"], ["tp-check", "--json", "/nonexistent/dir/tp.json"],
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
     from moealign.cli import main
@@ -101,3 +104,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, capsys):
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     assert captured.err.count("\n") == 1 and captured.err.startswith("moealign"), captured.err
+
+
+def test_cli_refuses_json_onto_the_record(tmp_path, capsys):
+    from moealign.cli import main
+
+    record = tmp_path / "r.safetensors"
+    record.write_bytes(b"not touched")
+    assert main(["mismatch", "--load-record", str(record), "--json", str(record)]) == 2
+    assert "refusing to overwrite the record" in capsys.readouterr().err
+    assert record.read_bytes() == b"not touched"
+
+
+def test_cli_cuda_without_cuda_is_a_clear_error(capsys, monkeypatch):
+    import torch
+
+    from moealign.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["mismatch", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err

@@ -10,6 +10,8 @@ the record when asked and checks that it can measure routing replay. The caller
 
 from __future__ import annotations
 
+import os
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,19 @@ from .engines import (
 
 __all__ = ["MismatchConfig", "progress_bar", "make_rollout_engine", "rollout_prompts", "rollout_message",
            "generate_record", "load_record", "finish_record"]
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """Refuse an output path before any work starts: a directory, a special file (FIFO, device), or a
+    missing or unwritable parent directory."""
+    target = pathlib.Path(path)
+    if target.exists() and not target.is_file():
+        raise ConfigError(f"{flag} {path}: exists and is not a regular file (refusing to replace it)")
+    parent = target.parent if str(target.parent) else pathlib.Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: the directory {parent} is not writable")
 
 
 @dataclass
@@ -77,6 +92,34 @@ class MismatchConfig:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.sampling  # validates temperature / top-k / top-p / min-p
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
+        self._check_device()
+        if self.model is not None:
+            path = pathlib.Path(self.model)
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise ConfigError(f"--model {self.model}: not a local checkpoint directory with a config.json (the "
+                                  f"mismatch test loads local checkpoints only, never from the network)")
+        for flag, value in (("--load-record", self.load_record), ("--prompts", self.prompts_file)):
+            if value is not None and not pathlib.Path(value).is_file():
+                raise ConfigError(f"{flag} {value}: no such file")
+        if self.save_record is not None:
+            check_output_path(self.save_record, "--save-record")
+
+    def _check_device(self) -> None:
+        if self.device == "auto":
+            return
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"--device {self.device!r}: not a device (cpu, cuda, cuda:N or auto)") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: the mismatch test runs on cpu or cuda")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device!r}: CUDA is not available on this machine (use cpu)")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError(f"--device {self.device!r}: this machine has {torch.cuda.device_count()} GPUs")
 
     @property
     def sampling(self) -> SamplingParams:
