@@ -100,9 +100,10 @@ class MismatchConfig:
             if not path.is_dir() or not (path / "config.json").is_file():
                 raise ConfigError(f"--model {self.model}: not a local checkpoint directory with a config.json (the "
                                   f"mismatch test loads local checkpoints only, never from the network)")
-        for flag, value in (("--load-record", self.load_record), ("--prompts", self.prompts_file)):
-            if value is not None and not pathlib.Path(value).is_file():
-                raise ConfigError(f"{flag} {value}: no such file")
+        if self.load_record is not None and not pathlib.Path(self.load_record).is_file():
+            raise ConfigError(f"--load-record: no record file at {self.load_record}")
+        if self.prompts_file is not None and not pathlib.Path(self.prompts_file).is_file():
+            raise ConfigError(f"--prompts: cannot read prompts from {self.prompts_file}: no such file")
         if self.save_record is not None:
             check_output_path(self.save_record, "--save-record")
 
