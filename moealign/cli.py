@@ -32,6 +32,8 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     )
 
     bounds = parse_fail_above(args.fail_above)
+    if args.sweep and (args.load_record or args.save_record):
+        raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
     cfg = MismatchConfig(
         model=args.model, rollout_engine=args.rollout, rollout_precision=args.rollout_precision,
         train_engine=args.train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
@@ -40,8 +42,6 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
         device=args.device, save_record=args.save_record, load_record=args.load_record)
-    if args.sweep and (args.load_record or args.save_record):
-        raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
     _check_json_path(args.json, args.load_record, args.save_record)
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

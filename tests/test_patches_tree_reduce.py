@@ -160,7 +160,9 @@ def test_megatron_patches_in_a_tp2_gloo_group():
 def test_megatron_patch_fails_loudly(monkeypatch):
     with pytest.raises(ValueError, match="no megatron RowParallelLinear"):
         tr.patch_megatron_row_parallel(torch.nn.Linear(4, 4))
-    monkeypatch.setattr(tr, "SUPPORTED_MEGATRON", "<0.1")
+    import moealign.patches.megatron.version as mversion
+
+    monkeypatch.setattr(mversion, "SUPPORTED_MEGATRON", "<0.1")
     with pytest.raises(UnsupportedEngineError, match="not supported"):
         tr.patch_megatron_vocab_parallel_cross_entropy()
     monkeypatch.undo()

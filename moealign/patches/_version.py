@@ -8,7 +8,7 @@ from packaging.version import Version
 from .._optional import require
 from ..errors import UnsupportedEngineError
 
-__all__ = ["UnsupportedEngineError", "check_engine_version", "engine_version"]
+__all__ = ["UnsupportedEngineError", "check_engine_version", "engine_version", "require_attr"]
 
 
 def engine_version(module_name: str, why: str) -> tuple[object, Version]:
@@ -29,3 +29,12 @@ def check_engine_version(name: str, version: Version, supported: str) -> None:
         raise UnsupportedEngineError(
             f"{name} {version} is not supported by this moealign adapter (supported: {name}{supported}); "
             f"the patch points it targets may differ, so nothing was patched")
+
+
+def require_attr(owner, name: str, where: str):
+    """``getattr(owner, name)``, or :class:`UnsupportedEngineError` naming what is missing: a patch point this
+    engine version does not have, so nothing is patched."""
+    if not hasattr(owner, name):
+        raise UnsupportedEngineError(f"{where} has no attribute {name!r}; this engine version's layout differs "
+                                     f"from what moealign patches, nothing was patched")
+    return getattr(owner, name)

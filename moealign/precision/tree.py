@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .._validate import check_positive_int
 from ..errors import EngineError, InputError, InputTypeError, TreeReductionError
+from ..handle import PatchHandle
 
 __all__ = [
     "DEFAULT_LEAF_WIDTH",
@@ -61,6 +62,12 @@ __all__ = [
 DEFAULT_LEAF_WIDTH = 64
 ALGORITHMS = ("auto", "all_gather", "reduce_scatter", "pair")
 AUTO_REDUCE_SCATTER_NUMEL = 1 << 16  # "auto": below this, one all-gather (latency); above, RS + AG (bandwidth)
+
+
+
+class TreeReducePatch(PatchHandle):
+    """Undo handle of the patches that swap these tree reductions into an engine (Megatron-core's
+    ``moealign.patches.megatron.tree_reduce``, vLLM's ``moealign.patches.vllm.tree_reduce``)."""
 
 
 # --------------------------------------------------------------------------------------------------

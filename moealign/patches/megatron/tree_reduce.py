@@ -11,40 +11,23 @@ import torch
 from ...errors import ConfigError
 from ...precision.tree import (
     DEFAULT_LEAF_WIDTH,
+    TreeReducePatch,
     TreeReductionError,
     tree_all_reduce,
     tree_matmul,
     tree_reduce_scatter,
     vocab_parallel_logprob_tree,
 )
-from ...handle import PatchHandle
-from .._version import UnsupportedEngineError, check_engine_version, engine_version
-
-SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
-SUPPORTED_VLLM = ">=0.8,<0.34"
-
-
-class TreeReducePatch(PatchHandle):
-    """Undo handle of the patches in this module (a :class:`~moealign.handle.PatchHandle`); ``patched`` names
-    what was swapped."""
-
-
-def _require_attr(owner, name: str, where: str):
-    if not hasattr(owner, name):
-        raise UnsupportedEngineError(f"{where} has no attribute {name!r}; this engine version's layout differs "
-                                     f"from what moealign.patches.tree_reduce targets, nothing was patched")
-    return getattr(owner, name)
-
+from .._version import (
+    require_attr,
+)
+from .version import megatron_version
 
 # --------------------------------------------------------------------------------------------------
 # Megatron-core
 # --------------------------------------------------------------------------------------------------
 
 
-def _megatron():
-    _, version = engine_version("megatron.core", "moealign.patches.tree_reduce needs megatron-core")
-    check_engine_version("megatron-core", version, SUPPORTED_MEGATRON)
-    return version
 
 
 def _row_parallel_tree_forward(layer, leaf_width: int, algorithm: str):
@@ -80,10 +63,10 @@ def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DE
     layers whose reduction happens elsewhere (MoE experts with explicit expert communication) or that rely on
     fused weight-gradient accumulation (``gradient_accumulation_fusion``).
     """
-    _megatron()
+    megatron_version()
     from megatron.core.tensor_parallel import layers as mlayers
 
-    row_cls = _require_attr(mlayers, "RowParallelLinear", "megatron.core.tensor_parallel.layers")
+    row_cls = require_attr(mlayers, "RowParallelLinear", "megatron.core.tensor_parallel.layers")
     targets = [(name, mod) for name, mod in module.named_modules() if isinstance(mod, row_cls)]
     if not targets:
         raise ConfigError(f"no megatron RowParallelLinear found in {type(module).__name__}")
@@ -91,7 +74,7 @@ def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DE
         label = name or type(layer).__name__
         for attr in ("tp_group", "input_size_per_partition", "input_is_parallel", "sequence_parallel",
                      "skip_bias_add", "weight"):
-            _require_attr(layer, attr, f"RowParallelLinear {label!r}")
+            require_attr(layer, attr, f"RowParallelLinear {label!r}")
         if getattr(layer, "explicit_expert_comm", False):
             raise ConfigError(f"RowParallelLinear {label!r} is an expert layer with explicit expert communication; "
                              "its reduction is not done by the layer, so the tree patch does not apply")
@@ -115,14 +98,14 @@ def patch_megatron_row_parallel(module: torch.nn.Module, *, leaf_width: int = DE
 def patch_megatron_vocab_parallel_cross_entropy(*, leaf_width: int = DEFAULT_LEAF_WIDTH) -> TreeReducePatch:
     """Replace Megatron's ``vocab_parallel_cross_entropy`` with the tree version (loss = -log-prob of the
     target, fp32, bitwise the same for every TP size whose vocab shard is a whole number of leaves)."""
-    _megatron()
+    megatron_version()
     import megatron.core.tensor_parallel as tp_pkg
     import megatron.core.tensor_parallel.cross_entropy as ce_mod
     from megatron.core import parallel_state
 
-    _require_attr(ce_mod, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel.cross_entropy")
-    _require_attr(tp_pkg, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel")
-    get_group = _require_attr(parallel_state, "get_tensor_model_parallel_group", "megatron.core.parallel_state")
+    require_attr(ce_mod, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel.cross_entropy")
+    require_attr(tp_pkg, "vocab_parallel_cross_entropy", "megatron.core.tensor_parallel")
+    get_group = require_attr(parallel_state, "get_tensor_model_parallel_group", "megatron.core.parallel_state")
 
     def tree_vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0):
         """moealign tree version of Megatron's vocab_parallel_cross_entropy (no label smoothing)."""

@@ -8,25 +8,17 @@ import torch
 
 from ...errors import InputTypeError
 from ...precision.tree import (
+    TreeReducePatch,
     tree_all_reduce,
 )
-from ...handle import PatchHandle
-from .._version import UnsupportedEngineError, check_engine_version, engine_version
+from .._version import (
+    UnsupportedEngineError,
+    check_engine_version,
+    engine_version,
+    require_attr,
+)
 
-SUPPORTED_MEGATRON = ">=0.16.1,<0.20"
 SUPPORTED_VLLM = ">=0.8,<0.34"
-
-
-class TreeReducePatch(PatchHandle):
-    """Undo handle of the patches in this module (a :class:`~moealign.handle.PatchHandle`); ``patched`` names
-    what was swapped."""
-
-
-def _require_attr(owner, name: str, where: str):
-    if not hasattr(owner, name):
-        raise UnsupportedEngineError(f"{where} has no attribute {name!r}; this engine version's layout differs "
-                                     f"from what moealign.patches.tree_reduce targets, nothing was patched")
-    return getattr(owner, name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -51,8 +43,8 @@ def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
     check_engine_version("vllm", version, SUPPORTED_VLLM)
     from vllm.distributed import parallel_state
 
-    cls = _require_attr(parallel_state, "GroupCoordinator", "vllm.distributed.parallel_state")
-    original = _require_attr(cls, "_all_reduce_out_place", "vllm GroupCoordinator")
+    cls = require_attr(parallel_state, "GroupCoordinator", "vllm.distributed.parallel_state")
+    original = require_attr(cls, "_all_reduce_out_place", "vllm GroupCoordinator")
     params = list(inspect.signature(original).parameters)
     if params != ["self", "input_"]:
         raise UnsupportedEngineError(f"vllm GroupCoordinator._all_reduce_out_place{tuple(params)} has a signature "
@@ -64,7 +56,7 @@ def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
     else:
         if not isinstance(group_coordinator, cls):
             raise InputTypeError(f"expected a vllm GroupCoordinator, got {type(group_coordinator).__name__}")
-        _require_attr(group_coordinator, "device_group", "vllm GroupCoordinator instance")
+        require_attr(group_coordinator, "device_group", "vllm GroupCoordinator instance")
         handle = TreeReducePatch(f"vLLM all-reduce -> tree all-reduce on GroupCoordinator "
                                  f"{getattr(group_coordinator, 'unique_name', '?')!r}", "instance")
         handle.set_attr(group_coordinator, "_all_reduce_out_place",
