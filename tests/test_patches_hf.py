@@ -254,18 +254,28 @@ def test_record_shapes_and_prompts(recorded):
 def test_recorded_routes_match_full_forward(recorded):
     """The KV-cached, left-padded generate() routes every row as one unpadded full forward would.
 
-    Numerics differ slightly (cache, padding, sdpa shapes), so a route could in principle flip at a
-    top-2 near-tie; with fp32 and peaked routers we measure a flip rate of exactly 0 on this data.
+    Numerics differ slightly (cache, padding, sdpa shapes, and the machine's kernels), so a route may flip
+    only at a near-tie: every flipped (token, layer) must have a gap below 1e-4 between the router's k-th
+    and (k+1)-th logit in the full forward (on the developers' machine there are none). A flip anywhere
+    else is a recording bug (a row mapped to the wrong token or step).
     """
     model, _, _, _, record = recorded
     flips = rows = 0
     for s in record.samples:
-        routes, _ = full_forward(model, s.token_ids[:-1])
+        with hf.capture_routes(model, keep_logits=True) as cap, torch.no_grad():
+            model(input_ids=s.token_ids[:-1][None], use_cache=False)
+        routes = cap.last_forward()
         assert routes.shape == s.routes.shape
-        flips += int((as_sets(routes) != as_sets(s.routes)).any(-1).sum())
+        flipped = (as_sets(routes) != as_sets(s.routes)).any(-1)                # [rows, layers]
+        for layer in range(routes.shape[1]):
+            top = cap.logits[layer][-1].float().topk(K + 1, dim=-1).values      # [rows, K + 1]
+            gap = top[:, K - 1] - top[:, K]
+            near_tie = gap < 1e-4
+            assert not bool((flipped[:, layer] & ~near_tie).any()), f"layer {layer}: a flip away from a near-tie"
+        flips += int(flipped.sum())
         rows += routes.shape[0] * routes.shape[1]
     assert rows > 0
-    assert flips == 0, f"{flips} / {rows} (token, layer) routes flipped"
+    assert flips <= rows // 1000, f"{flips} / {rows} (token, layer) routes flipped"
     # negative control: the same comparison catches a shifted route table
     s = record.samples[0]
     routes, _ = full_forward(model, s.token_ids[:-1])
