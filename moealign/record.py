@@ -336,7 +336,9 @@ class Sample:
 
 
 def _check_tokens_in_kept(sample: Sample, where: str) -> None:
-    from .routing_replay.sampling_mask import check_tokens_in_kept   # the one membership check
+    from .routing_replay.sampling_mask import (
+        check_tokens_in_kept,  # the one membership check
+    )
 
     try:
         check_tokens_in_kept(sample.kept_offsets, sample.kept_ids, sample.response_ids)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._tensor_checks import compute_dtype
+from .._validate import compute_dtype
 from ..errors import EngineError, InputError, InputTypeError
 from ._masked import RowAgg, safe_div
 from .is_weights import batch_norm_terms, is_metrics, is_weights_pass

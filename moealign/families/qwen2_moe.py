@@ -9,7 +9,14 @@ dtype. Sparse layers: every ``decoder_sparse_step``-th layer not in ``mlp_only_l
 
 from __future__ import annotations
 
-from . import ARCH_KEYS, MegatronSpec, MoEFamily, RouterScoring, TensorPair, sparse_by_step
+from . import (
+    ARCH_KEYS,
+    MegatronSpec,
+    MoEFamily,
+    RouterScoring,
+    TensorPair,
+    sparse_by_step,
+)
 
 
 def router_scoring(config) -> RouterScoring:

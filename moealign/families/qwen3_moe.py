@@ -8,7 +8,14 @@ is Megatron's ``qk_layernorm``.
 
 from __future__ import annotations
 
-from . import ARCH_KEYS, MegatronSpec, MoEFamily, RouterScoring, TensorPair, sparse_by_step
+from . import (
+    ARCH_KEYS,
+    MegatronSpec,
+    MoEFamily,
+    RouterScoring,
+    TensorPair,
+    sparse_by_step,
+)
 
 
 def router_scoring(config) -> RouterScoring:

@@ -312,7 +312,7 @@ class MegatronTrainEngine:
             self.model.to(device).eval()
             self.driver = mg.RouterReplayDriver(self.model, aux_loss="own")
         except BaseException:
-            self._world.close()
+            self._world.undo()
             raise
 
     def meta(self) -> RecordMeta:
@@ -352,7 +352,7 @@ class MegatronTrainEngine:
             self.driver = None
         self.model = None
         if getattr(self, "_world", None) is not None:
-            self._world.close()
+            self._world.undo()
             self._world = None
 
 

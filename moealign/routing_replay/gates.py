@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .._tensor_checks import check_float_matrix
+from .._validate import check_float_matrix
 from .routes import (
     RouteError,
     check_integer_tensor,

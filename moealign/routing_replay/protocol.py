@@ -45,6 +45,7 @@ __all__ = [
     "RoutingReplayAdapter",
     "check_aux_loss_mode",
     "check_row_tokens",
+    "model_routes",
 ]
 
 AUX_LOSS_MODES = ("replayed", "warn", "own")
@@ -207,6 +208,19 @@ class ReplayBatch:
         side = f", {self.padding_side} padding" if self.layout == "padded" else ""
         return (f"ReplayBatch({self.layout} {shape}{side}, {self.num_replayed_rows}/{self.rows} rows replayed, "
                 f"layers {list(self.moe_layers)}, k={self.routes.shape[2]})")
+
+
+def model_routes(batch: ReplayBatch, moe_layers: Sequence[int], top_k: int) -> torch.Tensor:
+    """What every adapter's ``set_routes`` starts with: ``batch`` must be a :class:`ReplayBatch` with routes for
+    each of the model's ``moe_layers`` and ``top_k`` ids per row; returns its int64 ``[rows, len(moe_layers),
+    top_k]`` columns for those layers, in the model's layer order."""
+    if not isinstance(batch, ReplayBatch):
+        raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
+                         f".packed), got {type(batch).__name__}")
+    cols = batch.layer_columns(moe_layers)
+    if batch.routes.shape[2] != top_k:
+        raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{top_k}")
+    return batch.routes[:, cols]
 
 
 def check_row_tokens(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor | None = None, *,

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from .._tensor_checks import check_float_matrix, compute_dtype
+from .._validate import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 
 __all__ = [

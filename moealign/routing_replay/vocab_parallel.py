@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._tensor_checks import check_float_matrix, compute_dtype
+from .._validate import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 from .sampling_mask import (
     _check_temperature,

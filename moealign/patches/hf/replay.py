@@ -42,6 +42,7 @@ from ...routing_replay.protocol import (
     ReplayCounters,
     check_aux_loss_mode,
     check_row_tokens,
+    model_routes,
 )
 from ...routing_replay.routes import validate_routes
 from .model import MoEModelInfo, describe_model
@@ -90,16 +91,11 @@ class RoutingReplay(PatchHandle):
         ``check_tokens=False`` lets routers be called directly (unit tests of a router module): the model's
         forward then does not have to run, and nothing checks that the rows belong to the batch's tokens.
         """
-        if not isinstance(batch, ReplayBatch):
-            raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
-                             f".packed), got {type(batch).__name__}")
+        k, E = self.info.top_k, self.info.num_experts
+        routes = model_routes(batch, self.moe_layers, k)
         if not self.active:
             raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
         cols = batch.layer_columns(self.moe_layers)
-        k, E = self.info.top_k, self.info.num_experts
-        if batch.routes.shape[2] != k:
-            raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{k}")
-        routes = batch.routes[:, cols]
         mask = batch.route_mask
         # unrouted rows may hold anything: check a copy with valid ids there, so errors name the batch row
         filler = torch.arange(k, dtype=routes.dtype, device=routes.device)

@@ -33,6 +33,7 @@ from ...routing_replay.protocol import (
     ReplayCounters,
     check_aux_loss_mode,
     check_row_tokens,
+    model_routes,
 )
 from ...routing_replay.routes import RouteError, validate_routes
 from .._version import UnsupportedEngineError
@@ -237,20 +238,15 @@ class RouterReplayDriver(PatchHandle):
         ``(row + arange(k)) % E``: Megatron's dispatcher counts ``k`` distinct experts per token, so a
         duplicate id is an error here, never silently deduplicated. Only this driver's routers are touched.
         """
-        if not isinstance(batch, ReplayBatch):
-            raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
-                             f".packed), got {type(batch).__name__}")
+        k = int(self.routers[0][1].topk)
+        routes = model_routes(batch, self.moe_layers, k)
         if not self.active:
             raise ReplayError("this driver was undone; build a new one with replay_routing(model)")
-        cols = batch.layer_columns(self.moe_layers)
-        k = int(self.routers[0][1].topk)
-        if batch.routes.shape[2] != k:
-            raise RouteError(f"routes have k={batch.routes.shape[2]}, the model routes top-{k}")
         model_E = int(self.routers[0][1].config.num_moe_experts)
         E = model_E if num_experts is None else int(num_experts)
         if not 0 < E <= model_E:
             raise RouteError(f"num_experts={num_experts} is outside 1..{model_E} (the model's expert count)")
-        ids = batch.routes[:, cols].cpu()
+        ids = routes.cpu()
         mask = batch.route_mask.cpu()
         tokens = batch.row_tokens.cpu()
         if cu_seqlens_padded is not None:
