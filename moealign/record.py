@@ -47,7 +47,7 @@ from .routing_replay.routes import (
     route_dtype,
     validate_routes,
 )
-from .routing_replay.sampling_mask import validate_kept_sets
+from .routing_replay.sampling_mask import check_tokens_in_kept, validate_kept_sets
 
 __all__ = [
     "FORMAT_VERSION",
@@ -336,10 +336,6 @@ class Sample:
 
 
 def _check_tokens_in_kept(sample: Sample, where: str) -> None:
-    from .routing_replay.sampling_mask import (
-        check_tokens_in_kept,  # the one membership check
-    )
-
     try:
         check_tokens_in_kept(sample.kept_offsets, sample.kept_ids, sample.response_ids)
     except RouteError as exc:
