@@ -30,6 +30,9 @@ TreeReductionError             ValueError             inputs the TP-invariant tr
 MissingFileError               FileNotFoundError      a file the call needs is not there
 MissingDependencyError         ImportError            an optional dependency that does not import
 =============================  =====================  =========================================================
+
+Warnings (``warnings.warn``) are :class:`MoealignWarning`, a ``UserWarning``: something the call accepted for
+compatibility (verl / slime parity) but that a user should know about, such as an option that has no effect.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ __all__ = [
     "TreeReductionError",
     "MissingFileError",
     "MissingDependencyError",
+    "MoealignWarning",
 ]
 
 
@@ -157,3 +161,8 @@ class MissingFileError(MoealignError, FileNotFoundError):
 
 class MissingDependencyError(MoealignError, ImportError):
     """An optional dependency (an engine, safetensors, ...) that does not import; the message says what for."""
+
+
+class MoealignWarning(UserWarning):
+    """A call that was accepted (verl / slime parity, a compatible spelling) but does something a user should
+    know about: an option without effect, an unrecognised flag that looks like one of ours."""

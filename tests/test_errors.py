@@ -60,7 +60,9 @@ def test_every_error_class_derives_from_the_base():
     seen = set()
     for module in _modules():
         for _, obj in inspect.getmembers(module, inspect.isclass):
-            if issubclass(obj, BaseException) and obj.__module__.startswith("moealign"):
+            if issubclass(obj, Warning) and obj.__module__.startswith("moealign"):
+                assert issubclass(obj, errors.MoealignWarning), f"{obj.__module__}.{obj.__qualname__}"
+            elif issubclass(obj, BaseException) and obj.__module__.startswith("moealign"):
                 seen.add(obj)
                 assert issubclass(obj, MoealignError), f"{obj.__module__}.{obj.__qualname__}"
     assert errors.RouteError in seen and errors.RecordError in seen
