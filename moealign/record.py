@@ -19,7 +19,12 @@ Conventions (vLLM's, so its ``routed_experts`` drop in):
   generated token, ids ascending.
 
 Files are safetensors: flat concatenated tensors plus JSON metadata, a format version and a
-SHA-256 checksum over every tensor's name, dtype, shape and bytes.
+SHA-256 checksum over the format version, the metadata (every header field the record reads) and every
+tensor's name, dtype, shape and bytes: a changed byte anywhere in a file either fails to parse or fails the
+checksum. Every metadata field is type-checked on load and every index tensor (sequence offsets, prompt
+lengths, kept-set offsets) is checked before use. Files of format version 1 (whose checksum covered the
+tensors only) are still read, with a :class:`~moealign.errors.MoealignWarning` asking to re-save them.
+Saving is atomic (:func:`moealign._files.atomic_write`) and refuses a target that is not a regular file.
 """
 
 from __future__ import annotations
@@ -27,14 +32,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
+import operator
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Iterable, Sequence
 
 import torch
 
+from ._files import atomic_write
 from .errors import (
     MissingFileError,
+    MoealignWarning,
     RecordError,
     RecordFormatError,
     RecordMismatchError,
@@ -67,7 +77,8 @@ __all__ = [
     "concat_kept_sets",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_OLD_FORMAT_VERSION = 1   # read (checksum over the tensors only), with a warning asking to re-save
 _META_KEY = "moealign.meta"
 _VERSION_KEY = "moealign.format_version"
 _CHECKSUM_KEY = "moealign.checksum"
@@ -84,9 +95,13 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise RecordError(f"sampling {name} must be a number, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise RecordError(f"sampling temperature must be finite and > 0, got {self.temperature}")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        if not math.isfinite(self.top_k) or int(self.top_k) != self.top_k or self.top_k < 0:
             raise RecordError(f"sampling top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise RecordError(f"sampling top_p must be in (0, 1], got {self.top_p}")
@@ -100,7 +115,7 @@ class SamplingParams:
     @classmethod
     def from_tuple(cls, values: Sequence[float]) -> "SamplingParams":
         t, k, p, m = (float(v) for v in values)
-        return cls(temperature=t, top_k=int(k), top_p=p, min_p=m)
+        return cls(temperature=t, top_k=k, top_p=p, min_p=m)   # a fractional top_k is refused, not truncated
 
     @property
     def truncates(self) -> bool:
@@ -126,9 +141,28 @@ class RecordMeta:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
-        object.__setattr__(self, "moe_layers", tuple(int(x) for x in self.moe_layers))
-        object.__setattr__(self, "router_signature", tuple(float(x) for x in self.router_signature))
-        object.__setattr__(self, "router_samples", tuple(float(x) for x in self.router_samples))
+        # types first (a file's JSON, or a caller, may hold anything): ints are ints and not bools, sequences
+        # are sequences and not strings, strings are strings
+        for name in ("engine", "engine_version", "model_fingerprint", "dtype", "model_name"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise RecordError(f"meta: {name} must be a string, got {value!r}")
+        if not self.engine:
+            raise RecordError("meta: engine must be a non-empty string, got ''")
+        if self.dtype not in _DTYPE_NAMES:
+            raise RecordError(f"meta: dtype must be a torch dtype name (float32, bfloat16, ...), got {self.dtype!r}")
+        for name in ("num_layers", "num_experts", "top_k", "vocab_size", "format_version"):
+            object.__setattr__(self, name, _meta_int(name, getattr(self, name)))
+        if self.format_version != FORMAT_VERSION:
+            raise RecordError(f"meta: format_version must be {FORMAT_VERSION}, got {self.format_version}")
+        object.__setattr__(self, "moe_layers",
+                           tuple(_meta_int(f"moe_layers[{i}]", x) for i, x in enumerate(_meta_seq("moe_layers",
+                                                                                               self.moe_layers))))
+        for name in ("router_signature", "router_samples"):
+            values = _meta_seq(name, getattr(self, name))
+            object.__setattr__(self, name, tuple(_meta_float(f"{name}[{i}]", x) for i, x in enumerate(values)))
+        if self.num_layers < 1:
+            raise RecordError(f"meta: num_layers must be >= 1, got {self.num_layers}")
         if len(self.router_signature) % 2:
             raise RecordError(f"meta: router_signature holds (mean, rms) pairs, got "
                               f"{len(self.router_signature)} values")
@@ -155,22 +189,54 @@ class RecordMeta:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "RecordMeta":
-        data = json.loads(text)
+    def from_json(cls, text: str, *, file_version: int = FORMAT_VERSION) -> "RecordMeta":
+        """The metadata of a file of format ``file_version``; :class:`RecordFormatError` naming the first
+        problem (not JSON, not an object, unknown or missing fields, a field of the wrong type or value)."""
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise RecordFormatError(f"record metadata is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RecordFormatError(f"record metadata must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecordFormatError(f"record metadata has unknown fields {unknown}")
-        return cls(**data)
+        missing = sorted(f.name for f in fields(cls) if f.name not in data)
+        if missing:
+            raise RecordFormatError(f"record metadata lacks fields {missing}")
+        version = data["format_version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version != file_version:
+            raise RecordFormatError(f"record metadata has format_version {version!r} in a file of format version "
+                                    f"{file_version}")
+        data["format_version"] = FORMAT_VERSION   # read once, held in this version's form (saved as it)
+        try:
+            return cls(**data)
+        except RecordError as exc:
+            raise RecordFormatError(str(exc)) from None
 
-    def check_matches(self, other: "RecordMeta", *, what: str = "model") -> None:
-        """Raise :class:`RecordMismatchError` listing every field in which ``other`` is another model."""
+    def check_matches(self, other: "RecordMeta", *, what: str = "model", require_weights: bool = False) -> None:
+        """Raise :class:`RecordMismatchError` listing every field in which ``other`` is another model.
+
+        The router weights are compared through both sides' ``router_signature``. When either side has none,
+        the weights cannot be checked (a record of the same architecture with other weights would pass): a
+        :class:`MoealignWarning` says so, or, with ``require_weights=True``, a :class:`RecordMismatchError`.
+        """
         problems = []
         for name in ("num_layers", "moe_layers", "num_experts", "top_k", "vocab_size", "model_fingerprint"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 problems.append(f"{name}: record has {_short(a)}, {what} has {_short(b)}")
         sa, sb = self.router_signature, other.router_signature
+        if not (sa and sb):
+            lacking = [side for side, sig in (("the record", sa), (f"the {what}", sb)) if not sig]
+            message = (f"the router weights could not be checked: {' and '.join(lacking)} "
+                       f"{'have' if len(lacking) > 1 else 'has'} no router_signature (a record of the same "
+                       f"architecture with other weights would pass)")
+            if require_weights:
+                problems.append(message)
+            elif not problems:
+                warnings.warn(message, MoealignWarning, stacklevel=2)
         if sa and sb:
             if len(sa) != len(sb):
                 problems.append(f"router_signature: record has {len(sa) // 2} routers, {what} has {len(sb) // 2}")
@@ -191,6 +257,31 @@ class RecordMeta:
                     problems.append(f"router weights differ (routers {sorted(bad)[:8]}): other weights")
         if problems:
             raise RecordMismatchError(f"the record does not belong to this {what}: " + "; ".join(problems))
+
+
+#: Canonical torch dtype names (``str(dtype)`` without ``torch.``): what ``RecordMeta.dtype`` may hold.
+_DTYPE_NAMES = frozenset(str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype))
+
+
+def _meta_int(name: str, value) -> int:
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise RecordError(f"meta: {name} must be an integer, got {value!r}")
+
+
+def _meta_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RecordError(f"meta: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _meta_seq(name: str, value):
+    if isinstance(value, (str, bytes, dict, set, frozenset)) or not hasattr(value, "__iter__"):
+        raise RecordError(f"meta: {name} must be a list, got {value!r}")
+    return value
 
 
 def _short(value) -> str:
@@ -619,62 +710,94 @@ class RolloutRecord:
         return tensors
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the record as safetensors (atomic: a temporary file renamed into place)."""
+        """Write the record as safetensors, validated first and atomically
+        (:func:`moealign._files.atomic_write`): a temporary ``.NAME.moealign-tmp-XXXXXXXX`` next to ``path``,
+        fsynced, renamed into place; removed on any failure or interrupt, the old file left intact. A ``path``
+        that exists and is not a regular file (directory, FIFO, device) is refused (:class:`ConfigError`)."""
         from safetensors.torch import save_file
 
+        self.validate()
         tensors = {k: v.contiguous() for k, v in self._tensors().items()}
-        metadata = {_META_KEY: self.meta.to_json(), _VERSION_KEY: str(FORMAT_VERSION),
-                    _CHECKSUM_KEY: _checksum(tensors)}
-        path = os.fspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        metadata = {_META_KEY: self.meta.to_json(), _VERSION_KEY: str(FORMAT_VERSION)}
+        metadata[_CHECKSUM_KEY] = _checksum(tensors, metadata)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata), flag="record path")
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, expect: RecordMeta | None = None) -> "RolloutRecord":
-        """Read a record; verify format version, checksum and (with ``expect``) that it fits the model."""
+    def load(cls, path: str | os.PathLike, *, expect: RecordMeta | None = None,
+             require_weights: bool = False) -> "RolloutRecord":
+        """Read a record; verify format version, checksum (over metadata and tensors), every field's type and
+        every index, and (with ``expect``) that it fits the model (:meth:`RecordMeta.check_matches`: a record
+        or model without router signature warns that the router weights were not checked, or with
+        ``require_weights=True`` is refused)."""
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise MissingFileError(f"no record file at {path}")
+            kind = " (it is not a regular file)" if os.path.exists(path) else ""
+            raise MissingFileError(f"no record file at {path}{kind}")
         tensors, metadata = _read_safetensors(path)
-        version = metadata.get(_VERSION_KEY)
-        if version is None or _META_KEY not in metadata or _CHECKSUM_KEY not in metadata:
-            raise RecordFormatError(f"{path}: a safetensors file, but not a moealign rollout record "
-                                    f"(metadata keys {sorted(metadata)})")
-        if version != str(FORMAT_VERSION):
-            raise RecordFormatError(f"{path}: record format version {version}, this moealign reads "
-                                    f"version {FORMAT_VERSION}")
-        if _checksum(tensors) != metadata[_CHECKSUM_KEY]:
+        version = metadata[_VERSION_KEY]
+        if version not in (str(FORMAT_VERSION), str(_OLD_FORMAT_VERSION)):
+            raise RecordFormatError(f"{path}: record format version {_short(version)[1:-1]}, this moealign reads "
+                                    f"version {FORMAT_VERSION} (and {_OLD_FORMAT_VERSION})")
+        current = version == str(FORMAT_VERSION)
+        if _checksum(tensors, metadata if current else None) != metadata[_CHECKSUM_KEY]:
             raise RecordFormatError(f"{path}: checksum mismatch: the record file is corrupt")
+        if not current:
+            warnings.warn(f"{path}: record format version {version}, whose checksum does not cover the metadata; "
+                          f"re-save it (RolloutRecord.load(path).save(path)) to write version {FORMAT_VERSION}",
+                          MoealignWarning, stacklevel=2)
         try:
-            meta = RecordMeta.from_json(metadata[_META_KEY])
-        except (ValueError, TypeError) as exc:
+            meta = RecordMeta.from_json(metadata[_META_KEY], file_version=int(version))
+        except RecordError as exc:
             raise RecordFormatError(f"{path}: bad record metadata: {exc}") from None
         if expect is not None:
-            meta.check_matches(expect)
+            meta.check_matches(expect, require_weights=require_weights)
         return cls(meta, _samples_from_tensors(tensors, meta, path))
 
 
 def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file. safetensors bounds the header (100 MB) and checks every
+    tensor's byte range against the file size, so what is read is bounded by the file; anything it cannot
+    parse is a :class:`RecordFormatError`."""
     from safetensors import safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
             metadata = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if any(key not in metadata for key in (_VERSION_KEY, _META_KEY, _CHECKSUM_KEY)):
+                raise RecordFormatError(f"{path}: a safetensors file, but not a moealign rollout record "
+                                        f"(metadata keys {_short(sorted(metadata))})")
+            names = list(f.keys())
+            unknown = sorted(set(names) - set(_FILE_TENSORS))
+            if unknown:
+                raise RecordFormatError(f"{path}: record file has unknown tensors {_short(unknown)}")
+            tensors = {k: f.get_tensor(k) for k in names}
+    except RecordFormatError:
+        raise
     except Exception as exc:  # safetensors raises SafetensorError / OSError / others on bad bytes
         size = os.path.getsize(path)
         raise RecordFormatError(f"{path}: truncated or corrupt record file ({size} bytes): "
-                                f"{type(exc).__name__}: {exc}") from None
+                                f"{type(exc).__name__}: {_short(str(exc))}") from None
     return tensors, metadata
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+#: The tensors of a record file and their dtypes (``routes``: the metadata's route dtype).
+_FILE_TENSORS = {
+    "token_ids": torch.int64, "seq_offsets": torch.int64, "prompt_lens": torch.int64, "logprobs": torch.float32,
+    "sampling": torch.float64, "routes": None, "kept_offsets": torch.int64, "kept_ids": torch.int32,
+}
+
+
+def _checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """SHA-256 over every metadata entry but the checksum itself (format version 2; ``None``: version 1, the
+    tensors only), then every tensor's name, dtype, shape and bytes. Lengths prefix each metadata key and value."""
     h = hashlib.sha256()
+    if metadata is not None:
+        h.update(b"moealign-record\0")
+        for key in sorted(metadata):
+            if key != _CHECKSUM_KEY:
+                for part in (key, metadata[key]):
+                    data = part.encode("utf-8", "surrogatepass")
+                    h.update(len(data).to_bytes(8, "little") + data)
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -683,15 +806,39 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, path: str) -> list[Sample]:
+    """The samples of a file's tensors. Every index is checked before it is used: dtypes and ranks, sequence
+    offsets (0, increasing, ending at the token count), prompt lengths, the kept-set CSR as a whole (so no id
+    is dropped), the sampling parameters; each error names the tensor."""
     need = ("token_ids", "seq_offsets", "prompt_lens", "logprobs", "sampling")
     missing = [k for k in need if k not in tensors]
     if missing:
         raise RecordFormatError(f"{path}: record file lacks tensors {missing}")
-    off = [int(x) for x in tensors["seq_offsets"]]
+    for name, t in tensors.items():
+        want = _FILE_TENSORS[name] or meta.route_dtype
+        rank = {"sampling": 2, "routes": 3}.get(name, 1)
+        if t.dtype != want or t.dim() != rank:
+            raise RecordFormatError(f"{path}: tensor {name} is {t.dtype} with {t.dim()} dims, a record stores "
+                                    f"{want} with {rank}")
+    off = tensors["seq_offsets"].tolist()
     B = len(off) - 1
-    prompt_lens = [int(x) for x in tensors["prompt_lens"]]
-    if B < 1 or len(prompt_lens) != B or tensors["sampling"].shape != (B, 4) or off[-1] != tensors["token_ids"].numel():
-        raise RecordFormatError(f"{path}: inconsistent sample index (seq_offsets / prompt_lens / sampling)")
+    if B < 1:
+        raise RecordFormatError(f"{path}: the record holds no samples (seq_offsets has {len(off)} entries)")
+    n_tokens = tensors["token_ids"].numel()
+    if off[0] != 0 or off[-1] != n_tokens:
+        raise RecordFormatError(f"{path}: seq_offsets must run from 0 to {n_tokens} (the token count), got "
+                                f"{off[0]} .. {off[-1]}")
+    for b in range(B):
+        if off[b + 1] <= off[b]:
+            raise RecordFormatError(f"{path}: seq_offsets must increase, got seq_offsets[{b}] = {off[b]}, "
+                                    f"seq_offsets[{b + 1}] = {off[b + 1]}")
+    prompt_lens = tensors["prompt_lens"].tolist()
+    if len(prompt_lens) != B or tensors["sampling"].shape != (B, 4):
+        raise RecordFormatError(f"{path}: inconsistent sample index (seq_offsets has {B} samples, prompt_lens "
+                                f"{len(prompt_lens)}, sampling shape {tuple(tensors['sampling'].shape)})")
+    for b, P in enumerate(prompt_lens):
+        if not 1 <= P < off[b + 1] - off[b]:
+            raise RecordFormatError(f"{path}: prompt_lens[{b}] = {P}, need 1 <= prompt length < sample length "
+                                    f"{off[b + 1] - off[b]}")
     resp_lens = [off[b + 1] - off[b] - prompt_lens[b] for b in range(B)]
     if tensors["logprobs"].numel() != sum(resp_lens):
         raise RecordFormatError(f"{path}: {tensors['logprobs'].numel()} logprobs for {sum(resp_lens)} "
@@ -709,10 +856,18 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
         if tuple(tensors["kept_offsets"].shape) != (sum(resp_lens) + 1,):
             raise RecordFormatError(f"{path}: kept_offsets has shape {tuple(tensors['kept_offsets'].shape)}, "
                                     f"expected ({sum(resp_lens) + 1},) = response tokens + 1")
+        try:   # the whole CSR at once: offsets from 0, non-decreasing, ending at len(kept_ids); ids in the vocab
+            validate_kept_sets(tensors["kept_offsets"], tensors["kept_ids"], meta.vocab_size)
+        except RouteError as exc:
+            raise RecordFormatError(f"{path}: kept sets (kept_offsets / kept_ids): {exc}") from None
         kept = _split_kept(tensors["kept_offsets"], tensors["kept_ids"], resp_lens)
     samples, lp, rt = [], 0, 0
     for b in range(B):
         L = off[b + 1] - off[b]
+        try:
+            sampling = SamplingParams.from_tuple(tensors["sampling"][b].tolist())
+        except RecordError as exc:
+            raise RecordFormatError(f"{path}: sampling[{b}]: {exc}") from None
         samples.append(Sample(
             token_ids=tensors["token_ids"][off[b]:off[b + 1]],
             prompt_len=prompt_lens[b],
@@ -720,7 +875,7 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
             routes=None if routes is None else routes[rt:rt + L - 1],
             kept_offsets=None if kept is None else kept[b][0],
             kept_ids=None if kept is None else kept[b][1],
-            sampling=SamplingParams.from_tuple(tensors["sampling"][b].tolist())))
+            sampling=sampling))
         lp += resp_lens[b]
         rt += L - 1
     return samples

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moealign import record as rec_mod
+from moealign.errors import MoealignWarning
 from moealign.record import (
     FORMAT_VERSION,
     PackedBatch,
@@ -510,13 +512,16 @@ def test_meta_from_json_unknown_field():
 
 
 def write_raw(path, tensors, *, meta_json=None, version=str(FORMAT_VERSION), checksum=None):
-    """Write a record-like safetensors file by hand (to forge headers)."""
+    """Write a record-like safetensors file by hand (to forge headers) with a valid checksum: over metadata and
+    tensors (format version 2), over the tensors only for version "1"."""
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     metadata = {
         "moealign.meta": META.to_json() if meta_json is None else meta_json,
         "moealign.format_version": version,
-        "moealign.checksum": rec_mod._checksum(tensors) if checksum is None else checksum,
     }
+    if checksum is None:
+        checksum = rec_mod._checksum(tensors, None if version == "1" else metadata)
+    metadata["moealign.checksum"] = checksum
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -596,11 +601,11 @@ def test_non_record_safetensors_file(tmp_path):
         RolloutRecord.load(path)
 
 
-@pytest.mark.parametrize("version", ["2", "0", "1.0"])
+@pytest.mark.parametrize("version", ["3", "0", "1.0", "2 ", "02"])
 def test_wrong_format_version(record, tmp_path, version):
     path = tmp_path / "r.safetensors"
     write_raw(path, record._tensors(), version=version)
-    with pytest.raises(RecordFormatError, match=f"record format version {version}, this moealign reads version 1"):
+    with pytest.raises(RecordFormatError, match=f"record format version {version}, this moealign reads version 2"):
         RolloutRecord.load(path)
 
 
@@ -730,13 +735,33 @@ def test_one_router_differing(saved):
 @pytest.mark.parametrize("changes", [
     {"router_signature": tuple(1.001 * x for x in SIGNATURE)},       # a dtype cast
     {"router_signature": tuple(x * (1 - 1e-3) for x in SIGNATURE)},
-    {"router_signature": ()},                                       # unknown on one side: not compared
     {"dtype": "float32"},                                           # dtype is no model property
     {"engine": "hf", "engine_version": "5.0", "model_name": "other-name"},
 ])
 def test_load_expect_same_model_accepted(saved, record, changes):
     back = RolloutRecord.load(saved, expect=dataclasses.replace(META, **changes))
     assert_records_equal(record, back)
+
+
+def test_load_expect_without_router_signature_warns_or_refuses(saved, record, tmp_path):
+    """Router weights that cannot be compared (no signature on one side) are said, not silently accepted."""
+    no_sig = dataclasses.replace(META, router_signature=())
+    with pytest.warns(MoealignWarning, match="router weights could not be checked: the model has no router_sig"):
+        assert_records_equal(record, RolloutRecord.load(saved, expect=no_sig))
+    with pytest.raises(RecordMismatchError, match="router weights could not be checked"):
+        RolloutRecord.load(saved, expect=no_sig, require_weights=True)
+    # the record without a signature, the model with one (the issue's case: a record for other weights)
+    bare = tmp_path / "bare.safetensors"
+    with_meta(record, router_signature=()).save(bare)
+    with pytest.warns(MoealignWarning, match="the record has no router_signature"):
+        RolloutRecord.load(bare, expect=META)
+    with pytest.raises(RecordMismatchError, match="the record has no router_signature"):
+        RolloutRecord.load(bare, expect=META, require_weights=True)
+    with pytest.warns(MoealignWarning, match="the record and the trainer have no router_signature"):
+        no_sig.check_matches(no_sig, what="trainer")
+    with warnings.catch_warnings():   # negative control: both signatures present, nothing to say
+        warnings.simplefilter("error")
+        RolloutRecord.load(saved, expect=META, require_weights=True)
 
 
 def test_check_matches_names_what():
@@ -1192,7 +1217,11 @@ def test_property_round_trips(record, pad):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "r.safetensors")
         record.save(path)
-        back = RolloutRecord.load(path, expect=record.meta)
+        if record.meta.router_signature:
+            back = RolloutRecord.load(path, expect=record.meta)
+        else:   # nothing to compare the router weights with: said, not silent
+            with pytest.warns(MoealignWarning, match="router weights could not be checked"):
+                back = RolloutRecord.load(path, expect=record.meta)
         assert_records_equal(record, back)
         # and once more through a layout of the loaded record
         assert_records_equal(record, RolloutRecord.from_packed(back.meta, back.to_packed(), sampling))
