@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from ...errors import ReplayConfigError
+from ...errors import ConfigError, InputTypeError, MoealignWarning, ReplayConfigError
+from .version import megatron_version
 
 _SKIPPING_ROUTING_TYPES = ("sinkhorn", "quantile_balancing")
 _AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
@@ -15,13 +16,30 @@ _AUX_FROM_OWN_TOPK = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 # --------------------------------------------------------------------------------------------------
 
 
+def is_transformer_config(obj) -> bool:
+    """True for a megatron-core ``TransformerConfig`` (or a subclass, e.g. ``MLATransformerConfig``)."""
+    megatron_version()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return isinstance(obj, TransformerConfig)
+
+
 def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
     """Raise :class:`ReplayConfigError` naming the field for every setting that breaks replay.
+
+    ``config``: the model's megatron ``TransformerConfig`` (``model.config``). A dict of fields is refused
+    (:class:`InputTypeError`): fields it lacks would be audited as their absence, not as TransformerConfig's
+    defaults; build ``TransformerConfig(**fields)`` first.
 
     ``aux_loss``: Megatron computes its load-balancing aux loss from the router's *own* top-k, not the
     replayed one: ``"warn"`` (default) warns, ``"error"`` raises, ``"ignore"`` says nothing. Returns the
     warnings issued.
     """
+    if aux_loss not in ("warn", "error", "ignore"):
+        raise ConfigError(f"aux_loss must be one of ('warn', 'error', 'ignore'), got {aux_loss!r}")
+    if not is_transformer_config(config):
+        raise InputTypeError(f"audit_replay_config takes a megatron TransformerConfig (model.config), got "
+                             f"{type(config).__name__}; for a dict of fields build TransformerConfig(**fields) first")
     problems, notes = [], []
     get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
     if not get("moe_enable_routing_replay", False):
@@ -63,6 +81,6 @@ def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
         if aux_loss == "error":
             raise ReplayConfigError(msg)
         if aux_loss == "warn":
-            warnings.warn(msg, stacklevel=2)
+            warnings.warn(msg, MoealignWarning, stacklevel=2)
         notes.append(msg)
     return notes

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import torch
 
-from ...errors import ReplayConfigError, ReplayError
+from ...errors import MoealignWarning, ReplayConfigError, ReplayError
 from ...handle import PatchHandle
 from ...routing_replay.layouts import local_route_rows, packed_source_rows
 from ...routing_replay.protocol import (
@@ -35,9 +35,9 @@ from ...routing_replay.protocol import (
     check_row_tokens,
     model_routes,
 )
-from ...routing_replay.routes import RouteError, validate_routes
+from ...routing_replay.routes import RouteError, check_num_experts, validate_routes
 from .._version import UnsupportedEngineError
-from .audit import audit_replay_config
+from .audit import audit_replay_config, is_transformer_config
 from .version import megatron_version
 
 # --------------------------------------------------------------------------------------------------
@@ -83,6 +83,23 @@ def _parallel_layout(config) -> dict:
                 sp_size=tp_size if sp else 1, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0)
 
 
+_PARALLEL_KEYS = ("cp_size", "cp_rank", "sp_size", "sp_rank")
+
+
+def _check_parallel(parallel) -> dict:
+    """``set_routes(parallel=...)``: a dict of ints with keys among :data:`_PARALLEL_KEYS` (others default 1 / 0)."""
+    if not isinstance(parallel, dict):
+        raise RouteError(f"parallel must be a dict(cp_size=, cp_rank=, sp_size=, sp_rank=), got "
+                         f"{type(parallel).__name__}")
+    unknown = sorted(set(parallel) - set(_PARALLEL_KEYS), key=str)
+    if unknown:
+        raise RouteError(f"parallel has unknown keys {unknown}; known: {list(_PARALLEL_KEYS)}")
+    for key, value in parallel.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RouteError(f"parallel {key} must be an int, got {type(value).__name__} {value!r}")
+    return dict(parallel)
+
+
 class RouterReplayDriver(PatchHandle):
     """Drive Megatron's RouterReplay for one model.
 
@@ -106,9 +123,14 @@ class RouterReplayDriver(PatchHandle):
         self._last_replayed: torch.Tensor | None = None
         self._warned = False
         config = getattr(model, "config", None)
-        if audit and config is not None:
+        if audit and is_transformer_config(config):
             audit_replay_config(config, aux_loss="ignore")
         self.routers = moe_routers(model)
+        if audit and not is_transformer_config(config):      # a wrapper without a config: the routers' own
+            audit_replay_config(self.routers[0][1].config, aux_loss="ignore")
+        self._replays = [r.router_replay for _, r in self.routers]
+        self._forwarded = [False] * len(self.routers)       # per router: the routes set were replayed by a forward
+        self._in_router = False                             # one of this driver's routers is running (aux wrapper)
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         registry = RouterReplay.global_router_replay_instances
@@ -142,8 +164,8 @@ class RouterReplayDriver(PatchHandle):
 
     def _check_tokens_hook(self, module, args, kwargs):
         """Forward pre-hook: the tokens the model runs, in router row order, must be the batch's."""
-        if self._expected_tokens is None:
-            return None
+        if self._expected_tokens is None or not self._replaying():
+            return None                               # a forward that replays nothing may run any batch
         input_ids = args[0] if args else kwargs.get("input_ids")
         if input_ids is None:
             raise ReplayError("routing replay checks the tokens every router row holds: call the model with "
@@ -159,6 +181,11 @@ class RouterReplayDriver(PatchHandle):
         check_row_tokens(self._expected_tokens, rows, self._expected_mask, where=f"{type(module).__name__}")
         return None
 
+    def _replaying(self) -> bool:
+        """True while this driver's routers replay (REPLAY_FORWARD / REPLAY_BACKWARD, however it was set)."""
+        action = self._replays[0].router_replay_action
+        return action is not None and action.value != "record"
+
     def _patch_aux_scores(self):
         """Wrap megatron's ``compute_routing_scores_for_aux_loss`` (router module global): right after a
         replayed top-k of one of this model's routers, measure how often the router's own top-k differs
@@ -171,6 +198,8 @@ class RouterReplayDriver(PatchHandle):
 
         def compute_routing_scores_for_aux_loss(logits, topk, score_function, *args, **kwargs):
             routing_map, scores = original(logits, topk, score_function, *args, **kwargs)
+            if not driver._in_router:            # another model's router (a colocated one): not ours to read
+                return routing_map, scores
             last, driver._last_replayed = driver._last_replayed, None
             if not wrapper.active or last is None or last.shape[0] != routing_map.shape[0]:
                 return routing_map, scores
@@ -183,7 +212,7 @@ class RouterReplayDriver(PatchHandle):
                 driver._warned = True
                 warnings.warn(f"Megatron computes the MoE aux loss from the router's own top-k, which differs from "
                               f"the replayed experts on {rate:.1%} of tokens; RouterReplayDriver(aux_loss='replayed') "
-                              f"counts the replayed experts instead", stacklevel=2)
+                              f"counts the replayed experts instead", MoealignWarning, stacklevel=2)
             return routing_map, scores
 
         wrapper = compute_routing_scores_for_aux_loss
@@ -197,26 +226,64 @@ class RouterReplayDriver(PatchHandle):
 
         self.add_callback(restore, "megatron.core.transformer.moe.router.compute_routing_scores_for_aux_loss")
 
+        def enter(module, args):
+            self._in_router, self._last_replayed = True, None
+
+        def leave(module, args, output):
+            self._in_router, self._last_replayed = False, None
+
+        for layer, router in self.routers:
+            self.add_hook(router.register_forward_pre_hook(enter), f"router forward pre-hook (layer {layer})")
+            self.add_hook(router.register_forward_hook(leave, always_call=True), f"router forward hook (layer {layer})")
+
     def _wrap(self, index: int, layer: int, replay) -> None:
         original = replay.get_replay_topk
 
         def get_replay_topk(scores, topk, *args, **kwargs):
-            if replay.router_replay_action is not None and replay.router_replay_action.value != "record":
+            action = replay.router_replay_action
+            replaying = action is not None and action.value != "record"
+            if replaying:
                 if self._rows is None:
-                    raise ReplayError(f"layer {self.routers[index][0]}: replay is on but no routes are set "
+                    raise ReplayError(f"layer {layer}: replay is on but no routes are set "
                                       f"(call set_routes(batch) before forward())")
+                if action.value == "replay_forward":
+                    if replay.target_topk_idx is None:
+                        raise ReplayError(f"layer {layer}: its replay targets were cleared outside this driver "
+                                          f"(RouterReplay.clear_global_indices?); call set_routes(batch) again")
+                    want = replay.target_topk_idx.shape[0]
+                    self._forwarded[index] = True
+                else:
+                    if not replay.replay_backward_list:
+                        raise ReplayError(f"layer {layer}: backward() has nothing left for activation recompute: "
+                                          f"each set_routes queues the routes for one recompute and that one was "
+                                          f"used (more replayed forwards than set_routes calls?); call set_routes "
+                                          f"before every forward whose backward recomputes")
+                    if not self._forwarded[index]:
+                        raise ReplayError(f"layer {layer}: activation recompute under backward() of a forward that "
+                                          f"did not replay the routes set (run the forward inside forward() after "
+                                          f"set_routes), so the recompute would route differently from the forward")
+                    want = replay.replay_backward_list[0].shape[0]
                 self.counters.add(index, scores.shape[0])
-                want = self._rows
-                if want is not None and scores.shape[0] != want:
-                    layer = self.routers[index][0]
+                if scores.shape[0] != want:
                     raise ReplayError(f"layer {layer}: the router saw {scores.shape[0]} tokens, the replay "
-                                             f"targets have {want} rows")
+                                      f"targets have {want} rows")
             probs, top_indices = original(scores, topk, *args, **kwargs)
-            replaying = replay.router_replay_action is not None and replay.router_replay_action.value != "record"
             self._last_replayed = top_indices if replaying else None
             return probs, top_indices
 
         self.set_attr(replay, "get_replay_topk", get_replay_topk, f"RouterReplay.get_replay_topk (layer {layer})")
+
+    def _require_bound(self) -> None:
+        """Raise :class:`ReplayError` if the driver was undone or the model no longer runs the routers it bound."""
+        if not self.active:
+            raise ReplayError("this driver was undone; build a new one with replay_routing(model)")
+        now = {layer: r for layer, r in moe_routers(self.model)}
+        moved = [layer for (layer, r), rr in zip(self.routers, self._replays)
+                 if now.pop(layer, None) is not r or r.router_replay is not rr]
+        if moved or now:
+            raise ReplayError(f"the routers of layers {sorted(moved + list(now))} were replaced after the driver was "
+                              f"bound (the model runs router modules this driver does not drive); undo it and build "
+                              f"a new one with replay_routing(model)")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -238,14 +305,20 @@ class RouterReplayDriver(PatchHandle):
         ``(row + arange(k)) % E``: Megatron's dispatcher counts ``k`` distinct experts per token, so a
         duplicate id is an error here, never silently deduplicated. Only this driver's routers are touched.
         """
+        self._require_bound()
         k = int(self.routers[0][1].topk)
         routes = model_routes(batch, self.moe_layers, k)
-        if not self.active:
-            raise ReplayError("this driver was undone; build a new one with replay_routing(model)")
         model_E = int(self.routers[0][1].config.num_moe_experts)
-        E = model_E if num_experts is None else int(num_experts)
-        if not 0 < E <= model_E:
+        E = model_E if num_experts is None else check_num_experts(num_experts)
+        if E > model_E:
             raise RouteError(f"num_experts={num_experts} is outside 1..{model_E} (the model's expert count)")
+        for name, t in (("routes", batch.routes), ("route_mask", batch.route_mask), ("input_ids", batch.input_ids),
+                        ("cu_seqlens_padded", cu_seqlens_padded)):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                raise RouteError(f"{name} is on the meta device (shapes only, no values): replay needs the "
+                                 f"recorded expert ids and tokens")
+        layout = _check_parallel(parallel) if parallel is not None else _parallel_layout(
+            getattr(self.model, "config", None))
         ids = routes.cpu()
         mask = batch.route_mask.cpu()
         tokens = batch.row_tokens.cpu()
@@ -260,7 +333,6 @@ class RouterReplayDriver(PatchHandle):
         filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
         ids = torch.where(mask[:, None, None], ids, filler[:, None, :])
         validate_routes(ids, E, name="replay routes")
-        layout = parallel if parallel is not None else _parallel_layout(getattr(self.model, "config", None))
         if batch.layout == "padded":
             local = local_route_rows(batch_shape=(batch.batch_size, batch.seq_len), **layout)
         else:
@@ -271,6 +343,7 @@ class RouterReplayDriver(PatchHandle):
             router.router_replay.clear_indices()                 # this driver's routers only
             router.router_replay.set_target_indices(ids[:, col].contiguous())
         self._rows = ids.shape[0]
+        self._forwarded = [False] * len(self.routers)
         # what the pre-hook compares: the token of every local router row (padding slots of THD excluded)
         self._expected_tokens = tokens[local]
         self._expected_mask = valid[local]
@@ -292,6 +365,7 @@ class RouterReplayDriver(PatchHandle):
 
     @contextlib.contextmanager
     def _action(self, action) -> Iterator[None]:
+        self._require_bound()
         for _, router in self.routers:
             router.router_replay.set_router_replay_action(action)
         try:
@@ -312,6 +386,7 @@ class RouterReplayDriver(PatchHandle):
         for _, router in self.routers:
             router.router_replay.clear_indices()
         self._rows = None
+        self._forwarded = [False] * len(self.routers)
         self._expected_tokens = self._expected_mask = None
 
 
