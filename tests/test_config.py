@@ -21,6 +21,7 @@ from moealign.correction import (
     compute_rollout_correction_and_rejection_mask,
 )
 from moealign.correction.config import LEGACY_PRESETS
+from moealign.errors import ConfigError
 
 C = RolloutCorrectionConfig
 
@@ -58,7 +59,7 @@ def _fields(cfg):
 def _batch(seed=0, B=6, T=7, scale=0.3, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=dtype) * 3.0
-    rollout = old + scale * torch.randn(B, T, generator=g, dtype=dtype)
+    rollout = (old + scale * torch.randn(B, T, generator=g, dtype=dtype)).clamp(max=0.0)  # log-probs <= 0
     lengths = torch.tensor([T, T - 1, 3, 1, T, 5][:B])
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float32)
     return old, rollout, mask
@@ -182,8 +183,8 @@ def test_earlier_decoupled_geo_rs_with_veto():
 
 def test_earlier_veto_config_rejects_catastrophic_sequence():
     old, rollout, mask = _batch(seed=1, scale=0.0)
-    rollout = rollout.clone()
-    rollout[2, 1] = old[2, 1] - math.log(1e-6)  # ratio 1e-6 < 1e-4 on a valid token of row 2
+    old = old.clone()
+    old[2, 1] = rollout[2, 1] + math.log(1e-6)  # ratio 1e-6 < 1e-4 on a valid token of row 2
     with pytest.warns(DeprecationWarning):
         cfg = C.pg_rs()
     _, keep, _ = cfg.compute(old, rollout, mask)
@@ -440,8 +441,8 @@ def test_slime_clip():
 
 
 def test_slime_clip_weights_by_hand():
-    old = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    rollout = torch.tensor([[math.log(4.0), 0.0, -math.log(1.5), -math.log(4.0)]], dtype=torch.float64)
+    old = torch.tensor([[-5.0, -5.0, -5.0, -5.0]], dtype=torch.float64)  # log-probs: <= 0
+    rollout = old + torch.tensor([[math.log(4.0), 0.0, -math.log(1.5), -math.log(4.0)]], dtype=torch.float64)
     mask = torch.ones(1, 4)
     w, _, _ = C.from_slime_args(["--use-tis", "--tis-mode", "clip"]).compute(old, rollout, mask)
     torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 1.5, 2.0]], dtype=torch.float64), rtol=1e-12, atol=0)
@@ -528,7 +529,7 @@ def test_slime_rs_explicit_bounds():
 
 def test_slime_rs_mask_by_hand():
     # asymmetric band on the ratio r = pi_train / pi_rollout: keep 0.8 <= r <= 1.5
-    old = torch.zeros(1, 4, dtype=torch.float64)
+    old = torch.full((1, 4), -5.0, dtype=torch.float64)  # log-probs: <= 0
     ratio = torch.tensor([[0.7, 0.9, 1.4, 1.6]], dtype=torch.float64)
     rollout = old - ratio.log()
     mask = torch.ones(1, 4)
@@ -543,8 +544,8 @@ def test_slime_rs_veto_threshold():
     assert cfg.rollout_token_veto_threshold == 1e-4
     assert C.from_slime_args({"use_tis": True, "rs_veto_threshold": 1e-4}) == cfg
     old, rollout, mask = _batch(seed=8, scale=0.1)
-    rollout = rollout.clone()
-    rollout[1, 0] = old[1, 0] + 12.0  # ratio exp(-12) ~ 6e-6 < 1e-4
+    old = old.clone()
+    old[1, 0] = rollout[1, 0] - 12.0  # ratio exp(-12) ~ 6e-6 < 1e-4
     _assert_same_result(
         cfg.compute(old, rollout, mask),
         _quiet_entry(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
@@ -570,7 +571,7 @@ def test_slime_errors():
         C.from_slime_args({"use_rs": True, "rs_level": "tokens"})
     with pytest.raises(TypeError):
         C.from_slime_args("--use-tis")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--tis-mode"):  # never SystemExit: a trainer must not exit
         C.from_slime_args(["--tis-mode", "squash"])
 
 

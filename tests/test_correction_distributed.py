@@ -14,7 +14,7 @@ from moealign.correction import compute_rollout_correction_and_rejection_mask
 def _batch():
     g = torch.Generator().manual_seed(3)
     old = -torch.rand(8, 10, generator=g)
-    rollout = old + torch.randn(8, 10, generator=g) * 0.3
+    rollout = (old + torch.randn(8, 10, generator=g) * 0.3).clamp(max=0.0)  # log-probs <= 0
     mask = (torch.rand(8, 10, generator=g) > 0.3).float()
     mask[:, 0] = 1
     return old, rollout, mask

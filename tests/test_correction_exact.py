@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from moealign.correction.metrics import CorrectionMetrics
+from moealign.errors import MoealignWarning
 from moealign.correction.pipeline import (
     compute_agreement_metrics,
     compute_offpolicy_metrics,
@@ -720,7 +721,7 @@ def test_agreement_metrics_exact():
 def test_agreement_p99_many_values_matches_torch_quantile():
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(7, 30, generator=gen, dtype=torch.float64) * 8
-    rollout = old + (torch.rand(7, 30, generator=gen, dtype=torch.float64) - 0.5)
+    rollout = (old + (torch.rand(7, 30, generator=gen, dtype=torch.float64) - 0.5)).clamp(max=0.0)
     mask = (torch.rand(7, 30, generator=gen) < 0.7).float()
     mask[3] = 0  # an empty row
     rollout[mask == 0] = float("nan")  # padding garbage must not matter
@@ -849,8 +850,9 @@ def test_entry_point_metric_key_sets():
         offpolicy | is_keys | {"rollout_is_oob_ratio"})
     assert set(run(BASE, rollout_is=None, rollout_is_threshold=2.0, agreement_metrics=True)[3]) == (
         offpolicy | AGREEMENT_KEYS)
-    # rollout_is_threshold=None switches IS off (verl section 1.6, step 3)
-    w, _, _, f = run(BASE, rollout_is="token", rollout_is_threshold=None)
+    # rollout_is_threshold=None switches IS off (verl section 1.6, step 3), with a warning
+    with pytest.warns(MoealignWarning, match="rollout_is_threshold=None"):
+        w, _, _, f = run(BASE, rollout_is="token", rollout_is_threshold=None)
     assert w is None and set(f) == offpolicy
     rs = {f"rollout_rs_seq_max_k2_{s}" for s in (
         "mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean", "seq_std", "seq_max", "seq_min",
@@ -904,8 +906,8 @@ def test_eff_sample_size_is_a_fraction_for_tiny_weights(level, delta):
     """ESS = mean(w)^2 / mean(w^2) lies in (0, 1] (Cauchy-Schwarz; verl's notes: "a fraction in (0,1]").
     Equal weights give exactly 1, however small they are: here every weight is e^-20 (sequence level,
     row log-ratio -24 clamped to -20) or e^-9 (token level)."""
-    old = torch.full((2, 8), -5.0, dtype=torch.float64)
-    rollout = old + delta
+    old = torch.full((2, 8), -15.0, dtype=torch.float64)
+    rollout = old + delta  # still <= 0: log-probs
     w, _, metrics = correct(old, rollout, torch.ones(2, 8), rollout_is=level, rollout_is_threshold=2.0)
     assert torch.allclose(w, torch.full_like(w, math.exp(-20.0 if level == "sequence" else -9.0)))
     ess = metrics.to_floats()[PREFIX + "rollout_is_eff_sample_size"]

@@ -13,7 +13,7 @@ from moealign.correction import (
 def _inputs(B=37, T=129, seed=0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g) * 3
-    rollout = old + torch.randn(B, T, generator=g) * 0.05
+    rollout = (old + torch.randn(B, T, generator=g) * 0.05).clamp(max=0.0)  # log-probs <= 0
     lengths = torch.randint(0, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]).float()
     mask[0] = 1.0

@@ -495,7 +495,7 @@ def test_decoupled_rejected_tokens_removed(mode):
 def _bypass_batch(seed=0, B=5, T=6):
     g = torch.Generator().manual_seed(seed)
     log_prob = (-2.0 * torch.rand(B, T, generator=g, dtype=F64)).requires_grad_(True)
-    rollout = log_prob.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    rollout = (log_prob.detach() + 0.3 * torch.randn(B, T, generator=g, dtype=F64)).clamp(max=0.0)
     adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, T).contiguous()
     lengths = torch.tensor([T, 4, 1, T, 2])[:B]
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float32)
@@ -704,7 +704,7 @@ def test_bypass_reinforce_ignores_ppo_settings():
 
     g = _t.Generator().manual_seed(0)
     lp = (-_t.rand(3, 5, generator=g)).requires_grad_()
-    rl = lp.detach() + 0.05 * _t.randn(3, 5, generator=g)
+    rl = (lp.detach() + 0.05 * _t.randn(3, 5, generator=g)).clamp(max=0.0)
     adv = _t.randn(3, 5, generator=g)
     mask = _t.ones(3, 5)
     cfg = _C.bypass_pg_is()

@@ -48,7 +48,7 @@ def warm_allocator() -> bool:
 def make_inputs(batch: int, tokens: int, device: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, tokens, generator=g) * 4.0
-    rollout = old + torch.randn(batch, tokens, generator=g) * 0.02
+    rollout = (old + torch.randn(batch, tokens, generator=g) * 0.02).clamp(max=0.0)  # log-probs <= 0
     lengths = torch.randint(tokens // 4, tokens + 1, (batch,), generator=g)
     mask = (torch.arange(tokens)[None, :] < lengths[:, None]).to(torch.float32)
     return old.to(device), rollout.to(device), mask.to(device)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import re
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import ConfigError, InputTypeError
+from ..errors import ConfigError, InputTypeError, MoealignWarning
 from .pipeline import (
     build_plan,
     compute_rollout_correction_and_rejection_mask,
@@ -63,7 +65,7 @@ class RolloutCorrectionConfig:
             "rollout_rs": self.rollout_rs,
             "rollout_rs_threshold": self.rollout_rs_threshold,
         }
-        if self.rollout_is_mode is not None and self.rollout_is is not None:
+        if self.rollout_is_mode is not None:
             kw["rollout_is_mode"] = self.rollout_is_mode
         if self.rollout_token_veto_threshold is not None:
             kw["rollout_token_veto_threshold"] = self.rollout_token_veto_threshold
@@ -76,7 +78,7 @@ class RolloutCorrectionConfig:
             self.rollout_is_batch_normalize,
             self.rollout_rs,
             self.rollout_rs_threshold,
-            rollout_is_mode=self.rollout_is_mode if self.rollout_is is not None else None,
+            rollout_is_mode=self.rollout_is_mode,  # without IS: refused, as by the entry point
             rollout_token_veto_threshold=self.rollout_token_veto_threshold,
         )
 
@@ -87,7 +89,9 @@ class RolloutCorrectionConfig:
         The keywords are the entry point's run options (the config holds every other argument).
         """
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # warned once, at construction
+            # the plan's warnings (earlier spellings, options without effect) were given at construction
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", MoealignWarning)
             return compute_rollout_correction_and_rejection_mask(
                 old_log_prob, rollout_log_prob, response_mask, **self.to_kwargs(),
                 process_group=process_group, agreement_metrics=agreement_metrics, fused=fused,
@@ -156,21 +160,39 @@ class RolloutCorrectionConfig:
           geometric -> seq_mean_k1), ``--rs-lower-bound`` / ``--rs-upper-bound`` (default: the IS bounds);
         * ``--rs-veto-threshold`` (the per-token veto);
         * ``--use-rollout-logprobs``: bypass mode (PPO clipped against the rollout log-probs).
+
+        A bad value raises :class:`~moealign.errors.ConfigError` naming the flag (never ``SystemExit``). Flags
+        (or keys) starting with ``--tis-`` / ``--rs-`` / ``--mis-`` that are not translated (a misspelling, or a
+        slime option such as ``--tis-clip`` or the MIS helper's ``--mis-*``) are named in a
+        :class:`~moealign.errors.MoealignWarning`: they have no effect here.
         """
+        parser = slime_argument_parser()
         if isinstance(args, argparse.Namespace):
             values = vars(args)
         elif isinstance(args, Mapping):
             values = dict(args)
         elif isinstance(args, Sequence) and not isinstance(args, str):
             # a full slime command line carries many other flags: parse only ours
-            values = vars(slime_argument_parser().parse_known_args(list(args))[0])
+            parsed, rest = parser.parse_known_args([str(a) for a in args])
+            values = vars(parsed)
+            _warn_unknown_slime_flags([a.split("=", 1)[0] for a in rest if a.startswith("--")], parser)
         else:
             raise InputTypeError(f"slime args must be a Namespace, a mapping or an argv list, got {type(args).__name__}")
-        values = {k.replace("-", "_"): v for k, v in values.items()}
+        values = {str(k).replace("-", "_"): v for k, v in values.items()}
+        if not (isinstance(args, Sequence) and not isinstance(args, str)):
+            known = {a.dest for a in parser._actions}
+            _warn_unknown_slime_flags(["--" + k.replace("_", "-") for k in values if k not in known], parser)
+        for dest in ("use_tis", "use_rs", "tis_batch_normalize", "use_rollout_logprobs"):
+            if values.get(dest) is not None and not isinstance(values[dest], bool):
+                raise InputTypeError(f"--{dest.replace('_', '-')} must be a bool, got {values[dest]!r}")
+        for dest, choices in (("tis_mode", ("truncate", "clip", "mask")), ("tis_level", _SLIME_LEVELS),
+                              ("rs_level", _SLIME_LEVELS)):
+            if values.get(dest) is not None and values[dest] not in choices:
+                raise ConfigError(f"--{dest.replace('_', '-')} {values[dest]!r} is not one of {choices}")
         kw: dict[str, Any] = {"bypass_mode": bool(values.get("use_rollout_logprobs", False))}
-        upper = values.get("tis_upper_bound")
-        upper = 2.0 if upper is None else float(upper)
-        lower = values.get("tis_lower_bound")
+        upper = _slime_bound(values, "tis_upper_bound")
+        upper = 2.0 if upper is None else upper
+        lower = _slime_bound(values, "tis_lower_bound")
         if values.get("use_tis"):
             level = values.get("tis_level") or "token"
             mode = values.get("tis_mode") or "truncate"
@@ -179,7 +201,7 @@ class RolloutCorrectionConfig:
             if mode == "truncate":
                 kw["rollout_is_threshold"] = upper
             else:
-                lo = 1.0 / upper if lower is None else float(lower)
+                lo = 1.0 / upper if lower is None else lower
                 kw["rollout_is_threshold"] = f"{lo!r}_{upper!r}"
                 kw["rollout_is_mode"] = mode
         if values.get("use_rs"):
@@ -188,15 +210,16 @@ class RolloutCorrectionConfig:
 
             if level not in LEGACY_RS_LEVELS:
                 raise ConfigError(f"unknown --rs-level {level!r}; expected one of {tuple(LEGACY_RS_LEVELS)}")
-            rs_upper = values.get("rs_upper_bound")
-            rs_upper = upper if rs_upper is None else float(rs_upper)
-            rs_lower = values.get("rs_lower_bound")
+            rs_upper = _slime_bound(values, "rs_upper_bound")
+            rs_upper = upper if rs_upper is None else rs_upper
+            rs_lower = _slime_bound(values, "rs_lower_bound")
             if rs_lower is None:
                 rs_lower = lower if lower is not None else 1.0 / rs_upper
             kw["rollout_rs"] = LEGACY_RS_LEVELS[level]
             kw["rollout_rs_threshold"] = f"{float(rs_lower)!r}_{rs_upper!r}"
-        if values.get("rs_veto_threshold") is not None:
-            kw["rollout_token_veto_threshold"] = float(values["rs_veto_threshold"])
+        veto = _slime_bound(values, "rs_veto_threshold")
+        if veto is not None:
+            kw["rollout_token_veto_threshold"] = veto
         return cls(**kw)
 
     @classmethod
@@ -362,17 +385,60 @@ LEGACY_PRESETS: dict[str, Callable[..., RolloutCorrectionConfig]] = {
 }
 
 
+_SLIME_LEVELS = ("token", "sequence", "geometric")
+_SLIME_PREFIXES = ("--tis-", "--rs-", "--mis-")
+
+
+def _slime_bound(values: Mapping[str, Any], dest: str) -> float | None:
+    """``values[dest]`` as a finite float > 0 (None when absent), else ConfigError naming the flag."""
+    value = values.get(dest)
+    if value is None:
+        return None
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(value, bool):
+        raise InputTypeError(f"{flag} must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {value!r} is not a number") from None
+    if not (math.isfinite(out) and out > 0.0):
+        raise ConfigError(f"{flag} must be a finite number > 0, got {value!r}")
+    return out
+
+
+def _warn_unknown_slime_flags(flags: list[str], parser: argparse.ArgumentParser) -> None:
+    """One MoealignWarning per flag that looks like a rollout-correction flag but is not one we translate."""
+    known = [opt for a in parser._actions for opt in a.option_strings]
+    for flag in dict.fromkeys(f for f in flags if f.startswith(_SLIME_PREFIXES)):
+        close = difflib.get_close_matches(flag, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.warn(f"slime flag {flag} is not translated by from_slime_args (no effect here){hint}",
+                      MoealignWarning, stacklevel=3)
+
+
+class _SlimeParser(argparse.ArgumentParser):
+    """argparse without the exit: a bad flag value raises ConfigError naming the flag (a trainer that builds
+    its config from slime flags must not exit)."""
+
+    def error(self, message):
+        raise ConfigError(f"slime flags: {message}")
+
+    def exit(self, status=0, message=None):
+        raise ConfigError(f"slime flags: {message or f'argparse exited with status {status}'}".strip())
+
+
 def slime_argument_parser() -> argparse.ArgumentParser:
-    """An argparse parser for slime's rollout-correction flags (for argv lists)."""
-    p = argparse.ArgumentParser(add_help=False)
+    """An argparse parser for slime's rollout-correction flags (for argv lists); a bad value raises
+    :class:`~moealign.errors.ConfigError` instead of exiting."""
+    p = _SlimeParser(add_help=False, allow_abbrev=False)
     p.add_argument("--use-tis", action="store_true")
     p.add_argument("--tis-mode", choices=("truncate", "clip", "mask"), default="truncate")
-    p.add_argument("--tis-level", choices=("token", "sequence", "geometric"), default="token")
+    p.add_argument("--tis-level", choices=_SLIME_LEVELS, default="token")
     p.add_argument("--tis-lower-bound", type=float, default=None)
     p.add_argument("--tis-upper-bound", type=float, default=2.0)
     p.add_argument("--tis-batch-normalize", action="store_true")
     p.add_argument("--use-rs", action="store_true")
-    p.add_argument("--rs-level", choices=("token", "sequence", "geometric"), default="token")
+    p.add_argument("--rs-level", choices=_SLIME_LEVELS, default="token")
     p.add_argument("--rs-lower-bound", type=float, default=None)
     p.add_argument("--rs-upper-bound", type=float, default=None)
     p.add_argument("--rs-veto-threshold", type=float, default=None)

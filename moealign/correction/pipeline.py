@@ -7,9 +7,10 @@ the temporaries small (cache-resident, no page faults from large transient alloc
 ``fused=True`` (or ``MOEALIGN_FUSED=1``) the whole pass is compiled by ``torch.compile`` (dynamic shapes,
 no recompilation per batch shape) into a few fused loops.
 
-Inputs are checked with one host sync per call: shapes, a 0/1 mask, at least one valid token, and finite
-log-probs at valid positions (NaN/Inf at padding is ignored). A failed check raises ``ValueError``
-naming the tensor and the number of rows affected; no weight is ever silently NaN.
+Inputs are checked with one host sync per call: shapes, devices (the meta device refused), a 0/1 mask, at
+least one valid token, finite log-probs at valid positions (NaN/Inf at padding is ignored) and log-probs
+<= ``LOG_PROB_TOLERANCE`` there (probabilities or negative log-likelihoods are refused). A failed check
+raises ``InputError`` naming the tensor; no weight is ever silently NaN or inf.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import compute_dtype
-from ..errors import EngineError, InputError, InputTypeError
+from .._validate import check_devices, check_log_prob_max, compute_dtype
+from ..errors import ConfigError, EngineError, InputError, InputTypeError, MoealignWarning
 from ._masked import RowAgg, safe_div
 from .is_weights import batch_norm_terms, is_metrics, is_weights_pass
 from .metrics import (
@@ -96,16 +97,13 @@ def _check_shapes(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
             raise InputTypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if mask.dtype != torch.bool and not mask.is_floating_point() and mask.dtype not in _INT_DTYPES:
         raise InputTypeError(f"response_mask must be bool, integer or floating point, got {mask.dtype}")
-    if old.device != rollout.device or old.device != mask.device:
-        raise InputError(
-            f"inputs on different devices: old {old.device}, rollout {rollout.device}, mask {mask.device}"
-        )
+    check_devices({names[0]: old, names[1]: rollout, "response_mask": mask}, InputError)
 
 
 def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> int | None:
     """Raise on bad input; return the number of valid tokens, or None when non-finite values sit only in
     padding (the caller then zeroes the padding and runs the pass again)."""
-    n_valid, bad_input, bad_mask = checks
+    n_valid, bad_input, bad_mask = checks[:3]
     if bad_mask != 0:  # also NaN
         raise InputError("response_mask must hold only 0 and 1 (found other values, NaN included)")
     if n_valid == 0:
@@ -124,6 +122,43 @@ def _raise_on_checks(checks: list[float], old, rollout, mask, names=_NAMES) -> i
     return None
 
 
+def _raise_on_positive(checks: list[float], names=_NAMES) -> None:
+    """Refuse log-probs above the tolerance at valid positions (``checks[3:5]``: each input's max there)."""
+    for name, value in zip(names, checks[3:5]):
+        check_log_prob_max(value, name, InputError, where=" at valid positions (response_mask == 1)")
+
+
+def _check_weight_bounds(spec: ISSpec, dtype: torch.dtype, name: str) -> None:
+    """Refuse IS bounds the weights' dtype cannot hold: an upper bound above its largest value would let
+    weights turn into inf (raw weights reach exp(20) = 4.85e8, float16 stops at 65504), a lower bound (clip,
+    mask) below its smallest positive value would turn clipped weights into 0."""
+    if not dtype.is_floating_point:
+        return
+    info = torch.finfo(dtype)
+    smallest = info.smallest_normal * info.eps  # smallest subnormal
+    bounds = [("upper", spec.upper)] + ([("lower", spec.lower)] if spec.lower is not None else [])
+    for which, value in bounds:
+        if value > info.max or value < smallest:
+            limit = f"above its largest value {info.max:.6g}" if value > info.max else \
+                f"below its smallest positive value {smallest:.6g}"
+            raise ConfigError(
+                f"IS {which} bound {value!r} does not fit the weights' dtype {dtype} ({name}'s dtype): it is {limit}, "
+                f"so weights would become {'inf' if value > info.max else '0'}; use a bound within the dtype's "
+                "range or pass float32 log-probs"
+            )
+
+
+def _to_weights_dtype(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast the weights (float32/64) to the log-probs' dtype, saturating at its largest value (batch
+    normalisation can scale a bounded weight past float16's 65504): never inf."""
+    if weights.dtype == dtype:
+        return weights
+    big = torch.finfo(dtype).max
+    if big < torch.finfo(weights.dtype).max:
+        weights = weights.clamp(max=big)
+    return weights.to(dtype)
+
+
 # ------------------------------------------------------------------------------------------------ pass
 
 
@@ -140,6 +175,9 @@ def _block_pass(old, rollout, mask, plan: CorrectionPlan, dtype, weights_out=Non
     # with no extra pass. The (rare) flagged path re-checks each input exactly, so a sum that overflowed
     # from finite values raises nothing.
     stats["bad_input"] = (~torch.isfinite(view.row_log_ratio)).to(dtype)
+    # each input's max at valid positions (padding is 0 in the view): positive log-probs are refused
+    stats["old_max"] = view.old.amax(dim=-1)
+    stats["rollout_max"] = view.rollout.amax(dim=-1)
     if view.mask_error is not None:
         stats["bad_mask"] = view.mask_error
     weights = token_keep = row_keep = None
@@ -180,6 +218,8 @@ def _finalize(stats: dict[str, torch.Tensor], plan: CorrectionPlan):
         n_tokens,
         stats["bad_input"].sum(),
         stats["bad_mask"].sum() if "bad_mask" in stats else zero,
+        stats["old_max"].amax(),
+        stats["rollout_max"].amax(),
     ])
     return metrics, bn_terms, checks
 
@@ -260,9 +300,17 @@ def run_plan(
     process_group=None,
     fused: bool | None = None,
     names: tuple[str, str] = _NAMES,
+    log_probs: bool = True,
 ):
-    """Execute a plan. Returns ``(weights or None, modified_mask, metrics)``; metrics carry no prefix."""
+    """Execute a plan. Returns ``(weights or None, modified_mask, metrics)``; metrics carry no prefix.
+
+    ``log_probs``: the two inputs are log-probabilities (refused when positive at valid positions); False
+    for a log-ratio (any sign). IS bounds are checked against ``old_log_prob``'s dtype, the one the entry
+    points return the weights in.
+    """
     _check_shapes(old_log_prob, rollout_log_prob, response_mask, names)
+    if plan.is_spec is not None:
+        _check_weight_bounds(plan.is_spec, old_log_prob.dtype, names[0])
     dtype = compute_dtype(old_log_prob, rollout_log_prob)
     if fused is None:
         fused = _fused_default()
@@ -291,6 +339,8 @@ def run_plan(
             # still flagged with clean inputs: a row sum overflowed from finite values
             n_valid = _raise_on_checks(checks, *args, names)
             n_valid = int(checks[0]) if n_valid is None else n_valid
+        if log_probs:
+            _raise_on_positive(checks, names)
         if plan.agreement:
             # finite garbage in padding may overflow in the difference; padding is masked out anyway
             abs_lr = torch.nan_to_num((args[0].to(dtype) - args[1].to(dtype)).abs_(), nan=0.0, posinf=0.0)
@@ -400,6 +450,13 @@ def build_plan(
     elif rollout_is_mode is not None or rollout_is_threshold_lower is not None:
         raise InputError("rollout_is_mode / rollout_is_threshold_lower given but IS is off "
                          "(rollout_is or rollout_is_threshold is None)")
+    elif rollout_is is not None:  # verl: IS iff both are set; kept, but a user who asked for IS should know
+        warnings.warn(f"rollout_is={rollout_is!r} with rollout_is_threshold=None computes no IS weights "
+                      "(weights=None, as verl does); give a threshold, or rollout_is=None for metrics only",
+                      MoealignWarning, stacklevel=3)
+    if rollout_is_batch_normalize and is_spec is None:
+        warnings.warn("rollout_is_batch_normalize=True has no effect without IS weights (rollout_is and "
+                      "rollout_is_threshold both set); verl ignores it too", MoealignWarning, stacklevel=3)
     options: tuple[RSOption, ...] = ()
     rs, rs_threshold = legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lower)
     if rs is not None:
@@ -480,8 +537,8 @@ def compute_rollout_correction_and_rejection_mask(
         process_group=process_group,
         fused=fused,
     )
-    if weights is not None and weights.dtype != old_log_prob.dtype:
-        weights = weights.to(old_log_prob.dtype)
+    if weights is not None:
+        weights = _to_weights_dtype(weights, old_log_prob.dtype)
     return weights, modified, metrics.with_prefix(PREFIX)
 
 
@@ -506,8 +563,8 @@ def compute_rollout_correction_weights(
     )
     zeros = torch.zeros_like(log_ratio)
     weights, _, metrics = run_plan(log_ratio, zeros, response_mask, plan, process_group=process_group,
-                                   names=_LOG_RATIO_NAMES)
-    return weights.to(log_ratio.dtype), _only(metrics, "rollout_is_")
+                                   names=_LOG_RATIO_NAMES, log_probs=False)
+    return _to_weights_dtype(weights, log_ratio.dtype), _only(metrics, "rollout_is_")
 
 
 def compute_rollout_rejection_mask(
@@ -519,7 +576,7 @@ def compute_rollout_rejection_mask(
     """Rejection mask (dtype of ``response_mask``) and RS metrics (no prefix) from a log-ratio."""
     plan = build_plan(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
     zeros = torch.zeros_like(log_ratio)
-    _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan, names=_LOG_RATIO_NAMES)
+    _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan, names=_LOG_RATIO_NAMES, log_probs=False)
     return modified, _only(metrics, "rollout_rs_")
 
 

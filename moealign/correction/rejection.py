@@ -68,6 +68,7 @@ def rs_pass(
         return cache[k]
 
     dtype = view.maskf.dtype
+    big = torch.finfo(dtype).max  # a k2/k3 bound past it (1e39 in float32) clamps nothing; torch.clamp refuses it
     pads = view.pads
     token_keep = row_keep = None
     neg_clamped_sum = None
@@ -93,7 +94,7 @@ def rs_pass(
                 stats[f"{key}_n_low"] = lt(stat, lo).sum(dim=-1) - (pads if 0.0 < lo else 0.0)
             else:
                 stats[f"{key}_n_low"] = torch.zeros_like(view.n)
-            clamped = torch.clamp(stat, min=lo_clamp, max=hi)
+            clamped = torch.clamp(stat, min=lo_clamp, max=min(hi, big))
             if not lo_clamp <= 0.0 <= hi:
                 clamped = clamped.mul_(view.maskf)
             stats[f"{key}_csum"] = clamped.sum(dim=-1)
@@ -111,7 +112,7 @@ def rs_pass(
                     total = stat_of(opt.k).sum(dim=-1)
                 value = total if opt.agg == "seq_sum" else safe_div(total, view.n)
             keep = (value >= lo) & (value <= hi)
-            clamped = torch.clamp(value, min=lo_clamp, max=hi)
+            clamped = torch.clamp(value, min=lo_clamp, max=min(hi, big))
             stats[f"{key}_value"] = value
             stats[f"{key}_csum"] = clamped * view.n
             stats[f"{key}_csq"] = clamped * clamped * view.n
