@@ -27,13 +27,13 @@ TMP_MARKER = ".moealign-tmp-"
 def check_output_path(path: str | os.PathLike, flag: str, error_cls: type[Exception] = ConfigError) -> None:
     """Refuse an output path before any work starts: a directory, a special file (FIFO, device), or a
     missing or unwritable parent directory. ``flag`` names the path in the message (``--json``, ``path``)."""
-    path = os.fspath(path)
+    path = _fspath(path, flag, error_cls)
     try:
         st = os.stat(path)            # follows symlinks: a link to a regular file is written through
     except FileNotFoundError:
         st = None
-    except OSError as exc:
-        raise error_cls(f"{flag} {path}: cannot be inspected ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:   # ValueError: an embedded NUL byte
+        raise error_cls(f"{flag} {path!r}: cannot be inspected ({getattr(exc, 'strerror', None) or exc})") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise error_cls(f"{flag} {path}: exists and is not a regular file (refusing to replace it)")
     parent = os.path.dirname(os.path.realpath(path)) or "."
@@ -51,7 +51,7 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[str], None], *, flag
     temporary file is removed on any exception, ``KeyboardInterrupt`` included; the old ``path`` is untouched.
     """
     check_output_path(path, flag, error_cls)
-    target = os.path.realpath(os.fspath(path))
+    target = os.path.realpath(_fspath(path, flag, error_cls))
     directory, name = os.path.split(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}{TMP_MARKER}", dir=directory)
     try:
@@ -70,6 +70,17 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[str], None], *, flag
             pass
         raise
     _fsync_directory(directory)
+
+
+def _fspath(path, flag: str, error_cls: type[Exception]) -> str:
+    """``path`` as a non-empty ``str`` (a ``str`` or ``os.PathLike`` of one), else ``error_cls`` naming it."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise error_cls(f"{flag} must be a non-empty path (str or os.PathLike), got {path!r}")
+    return text
 
 
 def _fsync_directory(directory: str) -> None:
