@@ -28,6 +28,7 @@ from moealign.correction import (
 
 C = RolloutCorrectionConfig
 F64 = torch.float64
+SHIFT = -64.0  # added to hand-made log-probs so that they are <= 0 (only differences matter); exact in float64
 
 
 def _t(x, dtype=F64):
@@ -146,8 +147,8 @@ def test_agg_loss_gradient_hand_example():
 
 def _ppo_one(r, a, **kw):
     """The per-token PPO loss of one token with ratio r and advantage a (a (1, 1) batch, token-mean)."""
-    log_prob = torch.tensor([[math.log(r)]], dtype=F64)
-    old = torch.zeros(1, 1, dtype=F64)
+    log_prob = torch.tensor([[math.log(r) + SHIFT]], dtype=F64)
+    old = torch.full((1, 1), SHIFT, dtype=F64)
     loss, _ = ppo_clip_loss(log_prob, old, torch.tensor([[a]], dtype=F64), torch.ones(1, 1), **kw)
     return loss.item()
 
@@ -207,8 +208,8 @@ def _ppo_reference(r, a, eps_low, eps_high, c):
 def test_ppo_clip_matches_reference_formula_on_random_tokens():
     g = torch.Generator().manual_seed(0)
     B, T = 7, 9
-    log_prob = 1.5 * torch.randn(B, T, generator=g, dtype=F64)
-    old = 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    log_prob = 1.5 * torch.randn(B, T, generator=g, dtype=F64) - 20.0  # log-probs: <= 0
+    old = 0.3 * torch.randn(B, T, generator=g, dtype=F64) - 20.0
     adv = 2.0 * torch.randn(B, T, generator=g, dtype=F64)
     adv[0, :3] = 0.0
     for eps_low, eps_high, c in [(0.2, 0.2, 3.0), (0.1, 0.28, 2.0), (0.0, 0.0, 10.0)]:
@@ -267,8 +268,8 @@ METRIC_TOKENS = [
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool])
 def test_ppo_clip_metrics_exact(mask_dtype):
     ratios = [r for r, _ in METRIC_TOKENS]
-    log_prob = torch.tensor([[math.log(r) for r in ratios]], dtype=F64)
-    old = torch.zeros_like(log_prob)
+    log_prob = torch.tensor([[math.log(r) + SHIFT for r in ratios]], dtype=F64)
+    old = torch.full_like(log_prob, SHIFT)
     adv = torch.tensor([[a for _, a in METRIC_TOKENS]], dtype=F64)
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=mask_dtype)
     loss, metrics = ppo_clip_loss(log_prob, old, adv, mask)
@@ -284,8 +285,8 @@ def test_ppo_clip_metrics_exact(mask_dtype):
 
 def test_ppo_clip_is_weights_multiply_and_are_detached():
     ratios = [r for r, _ in METRIC_TOKENS]
-    log_prob = torch.tensor([[math.log(r) for r in ratios]], dtype=F64, requires_grad=True)
-    old = torch.zeros(1, 6, dtype=F64)
+    log_prob = torch.tensor([[math.log(r) + SHIFT for r in ratios]], dtype=F64, requires_grad=True)
+    old = torch.full((1, 6), SHIFT, dtype=F64)
     adv = torch.tensor([[a for _, a in METRIC_TOKENS]], dtype=F64)
     mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])
     weights = torch.tensor([[0.5, 2.0, 1.0, 0.25, 3.0, 7.0]], dtype=F64, requires_grad=True)
@@ -324,7 +325,7 @@ def test_ppo_clip_gradient_regions(with_weights):
     w = torch.tensor([[t[2] for t in PPO_GRAD_TOKENS]], dtype=F64)
     mask = torch.tensor([[t[3] for t in PPO_GRAD_TOKENS]], dtype=torch.float32)
     clipped = torch.tensor([[t[4] for t in PPO_GRAD_TOKENS]])
-    old = torch.full_like(ratios, -1.3)
+    old = torch.full_like(ratios, -11.3)
     log_prob = (old + ratios.log()).requires_grad_(True)
     kw = {"rollout_is_weights": w} if with_weights else {}
     loss, _ = ppo_clip_loss(log_prob, old, adv, mask, **kw)
@@ -613,7 +614,7 @@ DS_KEEP_ROW = [0, 1, 1, 1, 1, 0, 1]
 
 
 def _ds_inputs(mask_dtype=torch.float32):
-    log_prob = _t([[-1.0, -2.0, -0.5, -0.1]] * 7)
+    log_prob = _t([[-1.0, -2.0, -0.5, -0.1]] * 7) - 1.0  # rollout (log_prob + diff) stays <= 0
     # first row of the diff (0.3) on log-probs: tokens 0..2 of row 0 give mean 0.3 up to rounding
     rollout = log_prob + _t(DS_DIFF)
     mask = _t(DS_VALID, mask_dtype)
@@ -647,8 +648,8 @@ def test_deepseek_mask_token_advantages(mask_dtype):
 
 
 def test_deepseek_mask_positive_advantage_kept_regardless():
-    log_prob = torch.zeros(3, 5, dtype=F64)
-    rollout = torch.full((3, 5), 50.0, dtype=F64)  # enormous divergence
+    log_prob = torch.full((3, 5), SHIFT, dtype=F64)
+    rollout = torch.full((3, 5), 50.0 + SHIFT, dtype=F64)  # enormous divergence
     mask = torch.ones(3, 5)
     out = deepseek_offpolicy_sequence_mask(log_prob, rollout, _t([1.0, 1e-9, 0.0]), mask, delta=0.0)
     assert torch.equal(out, mask)
@@ -657,8 +658,8 @@ def test_deepseek_mask_positive_advantage_kept_regardless():
 
 
 def test_deepseek_mask_threshold_is_strict():
-    log_prob = torch.zeros(2, 2, dtype=F64)
-    rollout = _t([[0.25, 0.25], [0.5, 0.0]])  # k = 0.25 exactly for both rows
+    log_prob = torch.full((2, 2), SHIFT, dtype=F64)
+    rollout = _t([[0.25, 0.25], [0.5, 0.0]]) + SHIFT  # k = 0.25 exactly for both rows
     mask = torch.ones(2, 2, dtype=torch.bool)
     out = deepseek_offpolicy_sequence_mask(log_prob, rollout, _t([-1.0, -1.0]), mask, delta=0.25)
     assert torch.equal(out, mask)
