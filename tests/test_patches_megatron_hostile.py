@@ -196,6 +196,35 @@ def test_backward_recompute_of_a_forward_that_did_not_replay(make):
     model.zero_grad(set_to_none=True)
 
 
+def test_set_routes_before_the_recompute_of_the_last_forward(make):
+    """With activation recompute, set_routes(next) before the backward of the last replayed forward would hand
+    that backward's recompute the next batch's routes (same row count: silent); a backward outside
+    driver.backward() recomputes natively. Both are refused at the next set_routes."""
+    model = make(**RECOMPUTE)
+    model.train()
+    ids = inputs(1)[0]
+    with mg.replay_routing(model, aux_loss="own") as driver:
+        driver.set_routes(replay_batch(batch_routes(1), ids))
+        with driver.forward():
+            loss = _run(model).float().mean()
+        with pytest.raises(ReplayError, match="set_routes before the backward of the last replayed forward"):
+            driver.set_routes(replay_batch(batch_routes(2), ids))
+        loss.backward()                                         # outside driver.backward(): recomputed natively
+        with pytest.raises(ReplayError, match="set_routes before the backward"):
+            driver.set_routes(replay_batch(batch_routes(2), ids))
+        driver.clear()                                          # drops it explicitly
+        for seed in (2, 3):                                     # negative control: set, forward, backward, repeat
+            driver.set_routes(replay_batch(batch_routes(seed), ids))
+            with driver.forward():
+                loss = _run(model).float().mean()
+            with driver.backward():
+                loss.backward()
+        with torch.no_grad(), driver.forward():                 # no grad: nothing to recompute
+            _run(model)
+        driver.set_routes(replay_batch(batch_routes(4), ids))
+    model.zero_grad(set_to_none=True)
+
+
 def test_recompute_replays_the_forwards_routes(make):
     """Negative control of the two above: set, forward, backward replays the same experts twice."""
     model = make(**RECOMPUTE)

@@ -131,6 +131,11 @@ class RouterReplayDriver(PatchHandle):
         self._replays = [r.router_replay for _, r in self.routers]
         self._forwarded = [False] * len(self.routers)       # per router: the routes set were replayed by a forward
         self._in_router = False                             # one of this driver's routers is running (aux wrapper)
+        rc = self.routers[0][1].config                      # do the routers run again in backward (recompute)?
+        self._recomputes = (getattr(rc, "recompute_granularity", None) == "full" or (
+            getattr(rc, "recompute_granularity", None) == "selective"
+            and "moe" in (getattr(rc, "recompute_modules", None) or ())))
+        self._awaiting_backward = False                     # a replayed forward whose recompute has not run yet
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         registry = RouterReplay.global_router_replay_instances
@@ -179,6 +184,9 @@ class RouterReplayDriver(PatchHandle):
         step = rows.numel() // sp_size
         rows = rows[sp_rank * step:(sp_rank + 1) * step]
         check_row_tokens(self._expected_tokens, rows, self._expected_mask, where=f"{type(module).__name__}")
+        if (self._recomputes and module.training and torch.is_grad_enabled()
+                and self._replays[0].router_replay_action.value == "replay_forward"):
+            self._awaiting_backward = True            # (checked here: Megatron's checkpoint runs routers without grad)
         return None
 
     def _replaying(self) -> bool:
@@ -306,6 +314,12 @@ class RouterReplayDriver(PatchHandle):
         duplicate id is an error here, never silently deduplicated. Only this driver's routers are touched.
         """
         self._require_bound()
+        if self._awaiting_backward:
+            raise ReplayError("set_routes before the backward of the last replayed forward: this model recomputes "
+                              "its routers in backward (activation recompute), and that recompute needs the routes "
+                              "set_routes would replace; run loss.backward() inside driver.backward() first (one "
+                              "micro-batch in flight per driver), or clear() to drop a forward that will not be "
+                              "backpropagated")
         k = int(self.routers[0][1].topk)
         routes = model_routes(batch, self.moe_layers, k)
         model_E = int(self.routers[0][1].config.num_moe_experts)
@@ -360,8 +374,11 @@ class RouterReplayDriver(PatchHandle):
     def backward(self) -> Iterator[None]:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        with self._action(RouterReplayAction.REPLAY_BACKWARD):
-            yield
+        try:
+            with self._action(RouterReplayAction.REPLAY_BACKWARD):
+                yield
+        finally:
+            self._awaiting_backward = False             # the backward ran: its recompute, if any, is over
 
     @contextlib.contextmanager
     def _action(self, action) -> Iterator[None]:
@@ -387,6 +404,7 @@ class RouterReplayDriver(PatchHandle):
             router.router_replay.clear_indices()
         self._rows = None
         self._forwarded = [False] * len(self.routers)
+        self._awaiting_backward = False
         self._expected_tokens = self._expected_mask = None
 
 
