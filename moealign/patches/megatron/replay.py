@@ -12,9 +12,16 @@
             loss.backward()
         replay.check(calls=2)
 
-A forward pre-hook on the model compares the tokens the model runs, in each router's row order (after
-context-parallel and sequence-parallel slicing), with the tokens the routes were recorded for: a
+A forward pre-hook on the model compares the tokens a replayed forward runs, in each router's row order
+(after context-parallel and sequence-parallel slicing), with the tokens the routes were recorded for: a
 transposed layout, another padding side or another batch raises :class:`~moealign.errors.ReplayError`.
+
+Misuse is a :class:`~moealign.errors.ReplayError` (never a raw Megatron error, never a silent misroute):
+forward without routes; a recompute in ``backward()`` with no routes left, or of a forward that did not
+replay; with activation recompute, ``set_routes`` before the backward of the last replayed forward (one
+micro-batch in flight per driver); a second driver on the same routers; routers replaced after binding;
+any use after ``undo()``. Only this driver's routers (and its aux-loss reads) are touched, so colocated
+models (actor + reference) each replay their own routes.
 """
 
 from __future__ import annotations
