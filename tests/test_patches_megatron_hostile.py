@@ -457,6 +457,12 @@ def test_use_after_undo_is_a_replay_error(make):
     assert all(r.router_replay.router_replay_action is None for _, r in mg.moe_routers(model))
 
 
+@pytest.mark.parametrize("model", [{"decoder": None}, "model", None])
+def test_driver_needs_a_module(world, model):
+    with pytest.raises(InputTypeError, match="model must be a Megatron torch.nn.Module"):
+        mg.replay_routing(model)
+
+
 @pytest.mark.parametrize("parallel, message", [
     (dict(cp_size=1, cp_rank=0, sp_size=1, sp_rank=0, tp_size=2), r"unknown keys \['tp_size'\]"),
     (dict(cp_size="2"), "cp_size must be an int"),

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import torch
 
-from ...errors import MoealignWarning, ReplayConfigError, ReplayError
+from ...errors import InputTypeError, MoealignWarning, ReplayConfigError, ReplayError
 from ...handle import PatchHandle
 from ...routing_replay.layouts import local_route_rows, packed_source_rows
 from ...routing_replay.protocol import (
@@ -57,6 +57,9 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 
     Megatron's ``layer_number`` is 1-based; the returned index is 0-based like the record's ``moe_layers``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a Megatron torch.nn.Module (a GPTModel or a module wrapping one), got "
+                             f"{type(model).__name__}")
     megatron_version()
     from megatron.core.transformer.moe.router import TopKRouter
 
