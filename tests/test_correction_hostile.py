@@ -102,6 +102,15 @@ def test_config_compute_refuses_positive_log_probs():
         C.decoupled_token_is().compute(old, -rollout, mask)
 
 
+def test_log_ratio_wrappers_refuse_non_tensors_by_name():
+    from moealign.correction import compute_rollout_rejection_mask
+
+    with pytest.raises(InputTypeError, match="log_ratio must be a torch.Tensor"):
+        compute_rollout_correction_weights([[0.1]], torch.ones(1, 1))
+    with pytest.raises(InputTypeError, match="log_ratio must be a torch.Tensor"):
+        compute_rollout_rejection_mask([[0.1]], torch.ones(1, 1), "token_k1", 2.0)
+
+
 def test_log_ratio_wrapper_accepts_any_sign():
     old, rollout, mask = _batch()
     w, _ = compute_rollout_correction_weights(old - rollout + 0.5, mask)  # a log-ratio, not a log-prob

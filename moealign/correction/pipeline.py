@@ -545,6 +545,13 @@ def compute_rollout_correction_and_rejection_mask(
 _LOG_RATIO_NAMES = ("log_ratio", "log_ratio")
 
 
+def _zeros_like_log_ratio(log_ratio) -> torch.Tensor:
+    """The rollout-side zeros the log-ratio wrappers pass to the pipeline (after the type check)."""
+    if not isinstance(log_ratio, torch.Tensor):
+        raise InputTypeError(f"log_ratio must be a torch.Tensor, got {type(log_ratio).__name__}")
+    return torch.zeros_like(log_ratio)
+
+
 def compute_rollout_correction_weights(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
@@ -561,7 +568,7 @@ def compute_rollout_correction_weights(
         rollout_is, rollout_is_threshold, rollout_is_batch_normalize,
         rollout_is_mode=rollout_is_mode, rollout_is_threshold_lower=rollout_is_threshold_lower,
     )
-    zeros = torch.zeros_like(log_ratio)
+    zeros = _zeros_like_log_ratio(log_ratio)
     weights, _, metrics = run_plan(log_ratio, zeros, response_mask, plan, process_group=process_group,
                                    names=_LOG_RATIO_NAMES, log_probs=False)
     return _to_weights_dtype(weights, log_ratio.dtype), _only(metrics, "rollout_is_")
@@ -575,7 +582,7 @@ def compute_rollout_rejection_mask(
 ):
     """Rejection mask (dtype of ``response_mask``) and RS metrics (no prefix) from a log-ratio."""
     plan = build_plan(rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
-    zeros = torch.zeros_like(log_ratio)
+    zeros = _zeros_like_log_ratio(log_ratio)
     _, modified, metrics = run_plan(log_ratio, zeros, response_mask, plan, names=_LOG_RATIO_NAMES, log_probs=False)
     return modified, _only(metrics, "rollout_rs_")
 
