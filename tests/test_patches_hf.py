@@ -1297,7 +1297,7 @@ def test_generate_with_record_input_errors(models):
     empty[2] = 0
     with pytest.raises(ValueError, match=r"prompt rows \[2\] are empty"):
         hf.generate_with_record(model, ids, empty, max_new_tokens=2)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got 0"):
         hf.generate_with_record(model, ids, am, max_new_tokens=0)
     with pytest.raises(ValueError, match=r"must both be \[batch, prompt_len\]"):
         hf.generate_with_record(model, ids, am[:, 1:], max_new_tokens=2)

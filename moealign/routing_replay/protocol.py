@@ -35,6 +35,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .._validate import check_binary_mask
 from ..errors import ConfigError, ReplayError, RouteError
 
 __all__ = [
@@ -103,10 +104,7 @@ class ReplayBatch:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise RouteError(f"attention_mask {tuple(getattr(attention_mask, 'shape', ()))} must have the shape of "
                              f"input_ids {tuple(input_ids.shape)}")
-        am = attention_mask.detach().cpu()
-        if am.is_floating_point() and bool(((am != 0) & (am != 1)).any()):
-            raise RouteError("attention_mask must hold 0/1 values")
-        am = am.to(torch.bool)
+        am = check_binary_mask(attention_mask.detach().cpu(), "attention_mask", RouteError).to(torch.bool)
         B, T = input_ids.shape
         if routes.dim() == 4:
             if tuple(routes.shape[:2]) != (B, T):

@@ -14,7 +14,11 @@ The routers' ``forward`` (instance attributes, never the class) take the batch's
 recompute the gate weights from the live router logits (:func:`~moealign.routing_replay.replay_gate_weights`),
 so the router keeps its gradient. The model's ``forward`` is wrapped too: it checks that the tokens the
 model runs are the batch's (a padding-side or layout slip raises :class:`~moealign.errors.ReplayError`),
-and with ``aux_loss="replayed"`` (the default here) recomputes the load-balancing loss from the
+that they are token ids of the model's vocabulary and that its attention mask is 0/1 and leaves every routed
+row attended. This is where the row order is checked: the routers only see hidden states already flattened
+to ``[rows, hidden]`` (batch-major, ``row = b * seq + t`` in every supported family, the batch's order), so
+each router call checks its row count, and the model's forward checks every routed row's token. With
+``aux_loss="replayed"`` (the default here) the wrapper also recomputes the load-balancing loss from the
 replayed choices. ``forward()`` / ``backward()`` only mark phases in this adapter (transformers re-runs
 the patched routers during activation recompute with the same targets); they exist so that code
 written for one adapter runs on all.
@@ -29,7 +33,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ...errors import ReplayError, RouteError
+from ..._validate import check_binary_mask, check_token_ids
+from ...errors import InputError, ReplayError, RouteError
 from ...handle import PatchHandle
 from ...routing_replay.gates import (
     load_balancing_loss,
@@ -95,6 +100,7 @@ class RoutingReplay(PatchHandle):
         routes = model_routes(batch, self.moe_layers, k)
         if not self.active:
             raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
+        check_token_ids(batch.input_ids, "batch.input_ids", self.info.vocab_size, RouteError)
         cols = batch.layer_columns(self.moe_layers)
         mask = batch.route_mask
         # unrouted rows may hold anything: check a copy with valid ids there, so errors name the batch row
@@ -200,6 +206,7 @@ class RoutingReplay(PatchHandle):
         if input_ids is None:
             raise ReplayError("routing replay checks the tokens every router row holds: call the model with "
                               "input_ids (inputs_embeds hide them)")
+        check_token_ids(input_ids, "input_ids", self.info.vocab_size, InputError)
         if batch.layout == "packed" and input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if tuple(input_ids.shape) != tuple(batch.input_ids.shape):
@@ -207,6 +214,8 @@ class RoutingReplay(PatchHandle):
                               f"{batch.layout} batch {tuple(batch.input_ids.shape)}")
         check_row_tokens(batch.row_tokens, input_ids, batch.route_mask, where=f"{type(self.model).__name__}")
         attention_mask = arguments.get("attention_mask")
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            check_binary_mask(attention_mask, "attention_mask", InputError)
         if batch.layout == "padded" and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             if tuple(attention_mask.shape) != tuple(batch.input_ids.shape):
                 raise ReplayError(f"attention_mask {tuple(attention_mask.shape)} does not match the batch "

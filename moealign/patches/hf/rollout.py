@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+import warnings
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ...errors import ConfigError, InputTypeError, ReplayError
+from ..._validate import check_binary_mask, check_positive_int, check_token_ids
+from ...errors import ConfigError, EngineError, InputError, InputTypeError, MoealignWarning, ReplayError
 from ...handle import PatchHandle
 from ...record import RolloutRecord, Sample, SamplingParams
 from ...routing_replay.routes import compact_routes
@@ -123,6 +125,21 @@ class _KeptSetCapture:
         self._flushed += scores.shape[1]
         self._pending = []
 
+    def raise_if_nonfinite(self, cause: BaseException) -> None:
+        """After ``generate()`` failed: raise :class:`~moealign.errors.EngineError` naming the logits if the
+        scores of the step it failed at hold NaN or +inf (torch's sampler only says "probability tensor
+        contains either inf, nan or element < 0")."""
+        if not self._pending:
+            return
+        scores = self._pending[-1]
+        bad = torch.isnan(scores) | (scores == float("inf"))
+        if bool(bad.any()):
+            b, v = (int(i) for i in bad.nonzero()[0])
+            raise EngineError(f"the model's logits at generated step {self.steps - 1} hold {float(scores[b, v])} "
+                              f"(batch row {b}, vocabulary id {v}, {int(bad[b].sum())} such entries in that row): "
+                              f"generate() cannot sample from them (check the weights and the precision policy)"
+                              ) from cause
+
     def finish(self, sequences: torch.Tensor) -> None:
         self._flush(sequences)
 
@@ -145,13 +162,22 @@ class _KeptSetCapture:
         return out
 
 
-def _append_logits_processor(model, processor) -> PatchHandle:
+def _append_logits_processor(model, processor, allowed: frozenset[str] | None = None) -> PatchHandle:
     """Make ``processor`` the last logits processor of ``model.generate`` (instance-level ``set_attr`` of
-    ``_get_logits_processor``; a :class:`~moealign.handle.PatchHandle`, undone on ``undo()`` or ``with`` exit)."""
+    ``_get_logits_processor``; a :class:`~moealign.handle.PatchHandle`, undone on ``undo()`` or ``with`` exit).
+
+    ``allowed``: the class names of the processors ``generate()`` may build before it; any other one raises
+    :class:`~moealign.errors.ConfigError` naming it (a processor the record cannot state)."""
     original = model._get_logits_processor     # bound: the class's, or one the instance already had
 
     def _get_logits_processor(*args, **kwargs):
         processors = original(*args, **kwargs)
+        if allowed is not None:
+            other = [type(p).__name__ for p in processors if type(p).__name__ not in allowed]
+            if other:
+                raise ConfigError(f"generate() built logits processors {other} that the record cannot state (it "
+                                  f"states temperature, top_k, top_p and min_p only); refused rather than recording "
+                                  f"log-probs the trainer cannot reproduce")
         processors.append(processor)
         return processors
 
@@ -188,12 +214,119 @@ def _sampling_rng(generator: torch.Generator, device: torch.device) -> Iterator[
         generator.set_state(backend.get_rng_state(index))
 
 
+#: The processors the record's sampling parameters make ``generate()`` build (temperature, top-k, top-p, min-p).
+SAMPLING_PROCESSORS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
+                                 "MinPLogitsWarper"})
+#: Generation-config fields the record states (:class:`~moealign.record.SamplingParams`, ``do_sample=True``).
+_STATED = ("do_sample", "temperature", "top_k", "top_p", "min_p")
+#: Fields of a checkpoint's generation config that do not change what is sampled: special token ids (taken
+#: from it), lengths (``max_new_tokens`` is an argument), cache and output settings (set here).
+_NOT_SAMPLING = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "max_length",
+                           "max_new_tokens", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+                           "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                           "output_hidden_states", "transformers_version", "_from_model_config", "compile_config",
+                           "disable_compile", "max_time"})
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` as a bool; False where the comparison is not a plain bool (tensors, arrays)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _non_neutral(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a generation-config dict that would change sampling: not stated by the record, not in
+    :data:`_NOT_SAMPLING`, and neither None nor transformers' global default (``repetition_penalty=1.0``)."""
+    return {k: v for k, v in config.items()
+            if k not in _STATED and k not in _NOT_SAMPLING and not k.startswith("_")
+            and v is not None and not (k in defaults and _equal(v, defaults[k]))}
+
+
+def _rollout_generation_config(model, sampling: SamplingParams, max_new_tokens: int, eos_ids: list[int],
+                               pad_token_id: int, generate_kwargs: Mapping[str, Any]):
+    """A fresh ``GenerationConfig`` holding exactly the record's sampling parameters (every other processor
+    neutral) and the model's special token ids. The options of the model's own generation config it drops are
+    warned about; the caller's ``generate_kwargs`` (or ``generation_config=``) that differ from it are refused."""
+    own = model.generation_config
+    cls = type(own)
+    defaults = dict(getattr(cls, "_get_default_generation_params", dict)())
+    fields = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+              "top_p": sampling.top_p, "min_p": sampling.min_p if sampling.min_p > 0 else None,
+              "max_new_tokens": max_new_tokens, "eos_token_id": eos_ids or None, "pad_token_id": pad_token_id,
+              "bos_token_id": own.bos_token_id, "use_cache": True, "num_beams": 1, "num_return_sequences": 1,
+              "return_dict_in_generate": False}
+    for key, value in generate_kwargs.items():
+        if key == "generation_config" and value is not None:
+            if not isinstance(value, cls):
+                raise InputTypeError(f"generation_config must be a {cls.__name__}, got {type(value).__name__}")
+            items = [(f"generation_config.{k}", k, v) for k, v in value.to_diff_dict().items()
+                     if k != "transformers_version" and not k.startswith("_")]
+        else:
+            items = [(key, key, value)]
+        for label, k, v in items:
+            if k in fields:
+                same = _equal(v, fields[k]) or (k == "eos_token_id" and _equal([v], fields[k])) or (
+                    k == "min_p" and fields[k] is None and _equal(v, 0))
+            else:
+                same = v is None or (k in defaults and _equal(v, defaults[k]))
+            if same:
+                continue
+            if k in _STATED:
+                hint = f"the record states {k}={fields[k]!r}; pass sampling=SamplingParams(...)"
+            elif k in fields:
+                argument = k in ("max_new_tokens", "eos_token_id", "pad_token_id")
+                hint = f"generate_with_record sets {k}={fields[k]!r} itself{' (its argument)' if argument else ''}"
+            else:
+                hint = ("it would add a logits processor or change the decoding strategy, which the record cannot "
+                        "state and the trainer cannot replay (one sequence is sampled per prompt with the record's "
+                        "temperature, top_k, top_p and min_p only)")
+            raise ConfigError(f"generate option {label}={v!r} is refused by generate_with_record: {hint}")
+    dropped = _non_neutral(own.to_dict(), defaults)
+    if dropped:
+        listed = ", ".join(f"{k}={v!r}" for k, v in sorted(dropped.items()))
+        warnings.warn(f"the model's generation config sets {listed}: generate_with_record does not apply it (the "
+                      f"rollout samples with exactly the record's sampling parameters, which the trainer replays; "
+                      f"the record cannot state these)", MoealignWarning, stacklevel=3)
+    return cls(**fields)
+
+
 def _response_lengths(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
     if not eos_ids:
         return [generated.shape[1]] * generated.shape[0]
     is_eos = torch.isin(generated, torch.tensor(list(eos_ids), device=generated.device))
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], generated.shape[1], dtype=torch.long))
     return [int(x) for x in first]
+
+
+def _check_prompts(input_ids, attention_mask, vocab_size: int) -> torch.Tensor:
+    """The int64 0/1 attention mask of a valid left-padded prompt batch; errors name the argument."""
+    check_token_ids(input_ids, "input_ids", vocab_size, InputError)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise InputTypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ConfigError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                          f"must both be [batch, prompt_len]")
+    if input_ids.shape[0] == 0:
+        raise InputError(f"input_ids {tuple(input_ids.shape)} holds no prompt (batch of 0)")
+    if attention_mask.device != input_ids.device:
+        raise InputError(f"attention_mask is on {attention_mask.device}, input_ids on {input_ids.device}")
+    check_binary_mask(attention_mask, "attention_mask", InputError)
+    am = attention_mask.to(torch.int64)
+    if bool((am.sum(1) == 0).any()):
+        raise ConfigError(f"prompt rows {(am.sum(1) == 0).nonzero().flatten().tolist()} are empty (attention_mask "
+                          f"all 0)")
+    if not bool((am[:, 1:] >= am[:, :-1]).all()):
+        raise ConfigError("prompts must be left-padded (attention_mask zeros then ones in every row); "
+                          "set tokenizer.padding_side = 'left'")
+    return am
+
+
+def _token_id(value, name: str, vocab_size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ConfigError(f"{name} must be a token id in [0, vocab_size={vocab_size}), got {value!r}")
+    return value
 
 
 def generate_with_record(
@@ -211,13 +344,24 @@ def generate_with_record(
     generator: torch.Generator | None = None,
     engine: str = "transformers",
     validate: bool = False,
+    **generate_kwargs: Any,
 ) -> RolloutRecord:
     """Sample with ``model.generate()`` and return a :class:`RolloutRecord`.
 
     ``input_ids`` / ``attention_mask`` are a left-padded prompt batch (pad positions are dropped from
-    the record). Log-probs and kept sets come from the processed scores sampling used (after
-    temperature, top-k, top-p, min-p and any other processor of the generation config); routes from
+    the record). Log-probs and kept sets come from the processed scores sampling used; routes from
     the prefill and every decode step.
+
+    Sampling uses exactly the record's sampling parameters (``sampling``: temperature, top-k, top-p, min-p),
+    so a trainer that applies them to its own logits reproduces the recorded log-probs: ``generate()`` runs
+    with a fresh generation config holding those (``do_sample=True``, every other processor neutral) and the
+    model's special token ids. Options of the model's own ``generation_config`` (a checkpoint's
+    ``generation_config.json``: repetition / presence penalties, ``no_repeat_ngram_size``, ``typical_p``,
+    ``num_beams``, ...) are not applied, with a :class:`~moealign.errors.MoealignWarning` naming them.
+    ``generate_kwargs`` (further ``generate()`` options, or ``generation_config=``) are accepted only where
+    they change nothing; one that would add a logits processor or change the decoding strategy is refused
+    (:class:`~moealign.errors.ConfigError` naming it), as is any processor ``generate()`` builds beyond
+    :data:`SAMPLING_PROCESSORS`.
 
     Sampling draws from ``generator`` (a ``torch.Generator`` on the prompts' device; it is advanced, as any
     torch sampling function advances its generator) or, with ``seed``, from a fresh generator seeded with it
@@ -225,42 +369,47 @@ def generate_with_record(
     was. With neither, sampling draws from (and advances) the global RNG.
     """
     info = describe_model(model)
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ConfigError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} "
-                         f"must both be [batch, prompt_len]")
-    am = attention_mask.to(torch.int64)
-    if bool((am.sum(1) == 0).any()):
-        raise ConfigError(f"prompt rows {(am.sum(1) == 0).nonzero().flatten().tolist()} are empty")
-    if not bool((am[:, 1:] >= am[:, :-1]).all()):
-        raise ConfigError("prompts must be left-padded (attention_mask zeros then ones in every row); "
-                         "set tokenizer.padding_side = 'left'")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(sampling, SamplingParams):
+        raise InputTypeError(f"sampling must be a moealign.record.SamplingParams, got {type(sampling).__name__} "
+                             f"{sampling!r}")
+    am = _check_prompts(input_ids, attention_mask, info.vocab_size)
+    check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
     if seed is not None and generator is not None:
         raise ConfigError("pass seed or generator, not both")
     if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
-    gen_cfg = model.generation_config
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is None:
+        raise ConfigError(f"{type(model).__name__} has no generation_config: it cannot generate()")
     if eos_token_id is None:
         eos_token_id = gen_cfg.eos_token_id
     eos_ids = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    for i, e in enumerate(eos_ids):
+        _token_id(e, "eos_token_id" if isinstance(eos_token_id, int) else f"eos_token_id[{i}]", info.vocab_size)
     if pad_token_id is None:
         pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    _token_id(pad_token_id, "pad_token_id", info.vocab_size)
+    rollout_config = _rollout_generation_config(model, sampling, max_new_tokens, eos_ids, pad_token_id,
+                                                generate_kwargs)
 
     S0 = input_ids.shape[1]
     kept = _KeptSetCapture(S0, KEPT_SET_FLUSH_BYTES)
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
-        stack.enter_context(_append_logits_processor(model, kept))
+        stack.enter_context(_append_logits_processor(model, kept, SAMPLING_PROCESSORS))
+        # generate() fills every unset field from model.generation_config: for the call, that is the fresh one
+        swap = stack.enter_context(PatchHandle("the rollout's generation config", "instance"))
+        swap.set_attr(model, "generation_config", rollout_config)
         if generator is not None:
             stack.enter_context(_sampling_rng(generator, input_ids.device))
         with torch.no_grad():
-            sequences = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                min_p=sampling.min_p if sampling.min_p > 0 else None, max_new_tokens=max_new_tokens,
-                eos_token_id=eos_ids or None, pad_token_id=pad_token_id, use_cache=True,
-                return_dict_in_generate=False)
+            try:
+                sequences = model.generate(input_ids=input_ids, attention_mask=am, generation_config=rollout_config)
+            except RuntimeError as exc:
+                kept.raise_if_nonfinite(exc)
+                raise
     kept.finish(sequences)
     generated = sequences[:, S0:]
     steps = generated.shape[1]
