@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from moealign.errors import MoealignWarning
 from moealign.precision import capability
 from moealign.precision.audit import PrecisionAuditError, audit
 from moealign.precision.capability import GpuCapability, required_capability, supports
@@ -248,9 +249,10 @@ def test_undo_restores_exactly(model, ids):
         assert torch.equal(model(ids).logits, ref)
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
         assert all(not m._forward_pre_hooks for _, m in model.named_modules())
-        # control: without keep_original the values keep fp16's rounding
-        h = apply_precision(model, "fp16")
-        h.undo()
+        # control: with keep_original=False the values keep fp16's rounding (and undo says so)
+        h = apply_precision(model, "fp16", keep_original=False)
+        with pytest.warns(MoealignWarning, match="keep the rounding of float16"):
+            h.undo()
         assert next(model.parameters()).dtype == torch.float32
         assert not torch.equal(model(ids).logits, ref)
         model.load_state_dict(state)

@@ -34,7 +34,9 @@ def load_model(path: Any, precision: str | PrecisionPolicy, device: str | torch.
                attention: str | None = None, *, progress_bar: bool = False,
                **from_pretrained: Any) -> tuple[torch.nn.Module, PrecisionHandle]:
     """``AutoModelForCausalLM.from_pretrained(path)`` with the precision policy ``precision`` applied, on
-    ``device``, in eval mode: ``(model, handle)`` (``handle.undo()`` puts the loaded dtypes back).
+    ``device``, in eval mode: ``(model, handle)``. The loaded float32 tensors are not kept (the model is loaded
+    to be used, not given back): ``handle.undo()`` puts the loaded dtypes back, with the policy's rounding (and
+    a :class:`~moealign.errors.MoealignWarning` saying so); reload for the checkpoint's values.
 
     The checkpoint is loaded in float32 (``dtype=`` in ``from_pretrained`` overrides that) and then cast by
     :func:`~moealign.patches.hf.precision.apply_precision`. ``attention`` is the ``attn_implementation``
@@ -60,7 +62,7 @@ def load_model(path: Any, precision: str | PrecisionPolicy, device: str | torch.
     finally:
         if was_enabled:
             logging.enable_progress_bar()
-    handle = apply_precision(model, precision)
+    handle = apply_precision(model, precision, keep_original=False)
     model.to(device).eval()
     return model, handle
 

@@ -8,7 +8,7 @@
     handle = hf_precision.apply_precision(model, "fp16-fp32-router-head")
     audit(model, "fp16-fp32-router-head", {"input_ids": ids}, roles=handle.roles)
     ...
-    handle.undo()                      # hooks removed, original dtypes (and values with keep_original=True)
+    handle.undo()                      # hooks removed, original dtypes and values (bitwise)
 
 What it does, in order: casts the model to the policy's ``dtype`` (floating buffers matching
 ``policy.fp32_buffers``, such as the rotary ``inv_freq``, keep their original float32 values); casts the
@@ -26,10 +26,11 @@ which the experts multiply into their fp16 outputs before casting back (as Megat
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
-from ...errors import ConfigError
+from ...errors import ConfigError, MoealignWarning
 from ...handle import PatchHandle
 from ...precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
 from ...precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
@@ -52,6 +53,11 @@ def module_roles(model: torch.nn.Module) -> dict[str, str]:
     return roles
 
 
+def _lossy(original: torch.dtype, current: torch.dtype) -> bool:
+    """Did casting ``original`` floats to ``current`` round them (float32 holds every fp16 / bf16 value)?"""
+    return current != original and torch.finfo(current).bits <= torch.finfo(original).bits
+
+
 def _cast_inputs_hook(dtype: torch.dtype):
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
@@ -64,7 +70,9 @@ def _cast_inputs_hook(dtype: torch.dtype):
 class PrecisionHandle(PatchHandle):
     """What :func:`apply_precision` changed (a :class:`~moealign.handle.PatchHandle`, scope ``"instance"``);
     ``undo()`` puts it back, in reverse: fake quantisation, input-cast hooks, then every parameter and buffer
-    cast back to its original dtype (the original values when applied with ``keep_original=True``)."""
+    whose dtype changed gets its original tensor back (bitwise; applied with ``keep_original=False``: cast back,
+    keeping the narrower dtype's rounding, with a :class:`~moealign.errors.MoealignWarning`). A tensor changed in
+    place since (an optimizer step) is cast back instead, so the change survives (warned too)."""
 
     def __init__(self, model: torch.nn.Module, policy: PrecisionPolicy, roles: dict[str, str]):
         super().__init__(f"precision policy {policy.name!r} on {type(model).__name__}", "instance")
@@ -74,7 +82,9 @@ class PrecisionHandle(PatchHandle):
         self.fp8: FakeQuantHandle | None = None
         self._hooks: list = []                             # the input-cast hooks (also registered to undo)
         self._dtypes: dict[str, torch.dtype] = {}          # "p:<name>" / "b:<name>" -> original dtype
-        self._originals: dict[str, torch.Tensor] = {}      # same keys, with keep_original=True
+        self._originals: dict[str, torch.Tensor] = {}      # same keys: the replaced tensors (keep_original=True)
+        self._applied: dict[str, int] = {}                 # same keys: the tensor's version right after apply
+        self.keep_original = True
         self.add_callback(self._restore_dtypes, "parameter and buffer dtypes")
 
     def _add_input_cast(self, name: str, module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -91,34 +101,74 @@ class PrecisionHandle(PatchHandle):
 
         self.add_callback(undo_fp8, fp8.target)
 
+    def _tensors(self):
+        """``(key, store, name, tensor)`` for every parameter and buffer of the model, keys as in ``_dtypes``
+        (``"p:<name>"`` / ``"b:<name>"``)."""
+        for mname, module in self.model.named_modules():
+            for kind, store in (("p", module._parameters), ("b", module._buffers)):
+                for name, t in store.items():
+                    if t is not None:
+                        yield (f"{kind}:{mname}.{name}" if mname else f"{kind}:{name}"), store, name, t
+
+    def _mark_applied(self) -> None:
+        """Forget originals the policy did not replace; fingerprint the rest to see in-place changes at undo."""
+        live = {key: t for key, _, _, t in self._tensors()}
+        for key in list(self._originals):
+            t = live.get(key)
+            if t is None or t.data_ptr() == self._originals[key].data_ptr():
+                del self._originals[key]                   # not replaced (same dtype): nothing to restore
+            else:
+                self._applied[key] = t._version   # in-place ops (optimizer steps) bump it; .to(device) does not
+
     def _restore_dtypes(self) -> None:
         self._hooks.clear()
+        rounded, changed = [], []
         with torch.no_grad():
-            for mname, module in self.model.named_modules():
-                for kind, store in (("p", module._parameters), ("b", module._buffers)):
-                    for name, t in store.items():
-                        key = f"{kind}:{mname}.{name}" if mname else f"{kind}:{name}"
-                        if t is None or key not in self._dtypes:
-                            continue
-                        value = self._originals.get(key)
-                        if value is None:
-                            value = t.detach().to(self._dtypes[key])
-                        if kind == "p":
-                            t.data = value
-                        else:
-                            store[name] = value
+            for key, store, name, t in list(self._tensors()):
+                if key not in self._dtypes:
+                    continue
+                value = self._originals.get(key)
+                if value is not None and self._applied.get(key) != t._version:
+                    changed.append(key[2:])                # changed in place since apply: keep the change
+                    value = None
+                elif value is None and _lossy(self._dtypes[key], t.dtype):
+                    # nothing kept: with keep_original, the dtype was changed after apply (module.half())
+                    (changed if self.keep_original else rounded).append(key[2:])
+                if value is None:
+                    value = t.detach().to(self._dtypes[key])
+                value = value.to(t.device)
+                if key.startswith("p:"):
+                    t.data = value
+                else:
+                    store[name] = value
         self._dtypes.clear()
         self._originals.clear()
+        self._applied.clear()
+        if changed:
+            warnings.warn(f"undo of precision policy {self.policy.name!r}: {len(changed)} tensors were changed "
+                          f"after it was applied (first: {changed[0]}); they are cast back to their original dtypes "
+                          f"with their new values, not restored", MoealignWarning, stacklevel=3)
+        if rounded:
+            warnings.warn(f"undo of precision policy {self.policy.name!r} applied with keep_original=False: "
+                          f"{len(rounded)} tensors are cast back to their original dtypes and keep the rounding of "
+                          f"{dtype_name(self.policy.dtype)} (first: {rounded[0]})", MoealignWarning, stacklevel=3)
 
 
-def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, keep_original: bool = False,
+def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, keep_original: bool = True,
                     roles: dict[str, str] | None = None) -> PrecisionHandle:
-    """Apply ``policy`` to ``model`` in place; returns a :class:`PrecisionHandle` (``.undo()``).
+    """Apply ``policy`` to ``model`` in place; returns a :class:`PrecisionHandle` (``.undo()``, a context manager).
 
-    ``keep_original=True`` keeps a copy of every tensor whose dtype changes, so ``undo()`` restores
-    exact values (otherwise ``undo()`` casts back and values keep the rounding of the narrower dtype).
+    ``undo()`` restores the exact original values: the tensors the policy replaces (those whose dtype changes)
+    are kept (references, no copy), costing their memory for as long as the patch is on.
+    ``keep_original=False`` drops them (for a model that is never given back, as
+    :func:`~moealign.patches.hf.loading.load_model`'s): ``undo()`` then casts back, values keep the narrower
+    dtype's rounding, and says so (:class:`~moealign.errors.MoealignWarning`).
+    Every module is cast from its original values: an fp32 router or LM head in an fp16 policy holds the
+    checkpoint's fp32 weights, not fp16-rounded ones.
     ``roles`` overrides :func:`module_roles` (for models outside the family registry).
     """
+    if not isinstance(keep_original, bool):
+        raise ConfigError(f"keep_original must be True or False, got {keep_original!r}")
     policy = get_policy(policy)
     roles = module_roles(model) if roles is None else dict(roles)
     modules = dict(model.named_modules())
@@ -136,30 +186,50 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
 
     handle = PrecisionHandle(model, policy, roles)
     fp32_buffers = [re.compile(p) for p in policy.fp32_buffers]
-    kept_buffers: dict[tuple[str, str], torch.Tensor] = {}
+    overrides = [(r, policy.module_dtype(role)) for r, role in roles.items()
+                 if policy.module_dtype(role) != policy.dtype]
+
+    def override(mname: str) -> torch.dtype | None:
+        dtype = None
+        for r, d in overrides:       # in roles' order: a later (nested) role wins, as module.to() in turn would
+            if mname == r or mname.startswith(r + ".") or not r:
+                dtype = d
+        return dtype
+
+    # (store, name, key, original tensor, dtype it ends in) of every floating tensor
+    plan = []
     for mname, module in modules.items():
+        dtype_here = override(mname)
         for kind, store in (("p", module._parameters), ("b", module._buffers)):
             for name, t in store.items():
                 if t is None or not t.is_floating_point():
                     continue
                 qual = f"{mname}.{name}" if mname else name
-                handle._dtypes[f"{kind}:{qual}"] = t.dtype
-                if keep_original:
-                    handle._originals[f"{kind}:{qual}"] = t.detach().clone()
+                key = f"{kind}:{qual}"
+                handle._dtypes[key] = t.dtype
                 if kind == "b" and any(r.search(qual) for r in fp32_buffers):
-                    kept_buffers[(mname, name)] = t.detach().clone()
+                    plan.append((store, name, key, t.detach(), torch.float32))
+                elif dtype_here is not None:
+                    plan.append((store, name, key, t.detach(), dtype_here))
+                elif keep_original:
+                    plan.append((store, name, key, t.detach(), None))
 
     model.to(policy.dtype)
-    for role_module, role in roles.items():
-        dtype = policy.module_dtype(role)
-        if dtype == policy.dtype:
-            continue
-        module = modules[role_module]
-        module.to(dtype)
-        handle._add_input_cast(role_module, module, dtype)
     with torch.no_grad():
-        for (mname, name), value in kept_buffers.items():
-            modules[mname]._buffers[name] = value.to(torch.float32)
+        for store, name, key, original, dtype in plan:     # overrides and fp32 buffers from the original values
+            if dtype is None:
+                continue
+            if key.startswith("p:"):
+                store[name].data = original.to(dtype)
+            else:
+                store[name] = original.to(dtype)
+    for role_module, dtype in overrides:
+        handle._add_input_cast(role_module, modules[role_module], dtype)
+    handle.keep_original = keep_original
+    if keep_original:
+        handle._originals = {key: original for _, _, key, original, _ in plan}
+        handle._mark_applied()
+    del plan
     if policy.fp8 is not None:
         handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, roles)))
     return handle
