@@ -343,6 +343,19 @@ def _check_finite(logits: torch.Tensor) -> None:
         raise RouteError(_nonfinite_message(logits, int(bad.nonzero()[0, 0])))
 
 
+def _checked(logp: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logp`` unless a row came out NaN: finite logits whose ``logits / temperature`` overflows the compute dtype
+    (a temperature far below 1); the error names the row, its largest logit and the temperature. One check of
+    the ``[N]`` result, no pass over the logits."""
+    nan = torch.isnan(logp.detach())
+    if logp.numel() and bool(nan.any()):
+        row = int(nan.nonzero()[0, 0])
+        top = float(logits[row].detach().abs().max())
+        raise RouteError(f"logits row {row} / temperature {temperature!r} overflows {compute_dtype(logits)} (largest "
+                         f"|logit| {top:.6g}): the temperature is too small for these logits")
+    return logp
+
+
 def kept_logprob(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -365,8 +378,9 @@ def kept_logprob(
     entries; with autograd ``log_softmax`` keeps its ``[N, V]`` output, as a full-vocabulary log-prob does.
 
     Errors (:class:`RouteError`): a token outside its kept set (naming the row), NaN or +-inf logits
-    (naming row and vocabulary id), shapes that disagree, bad CSR (``validate`` checks it first; without
-    it only the row count is checked). On tensor-parallel vocabulary shards use
+    (naming row and vocabulary id; so a kept set whose logits are all -inf is refused too), a temperature so
+    small that ``logits / T`` overflows (naming the row), shapes that disagree, bad CSR (``validate`` checks it
+    first; without it only the row count is checked). On tensor-parallel vocabulary shards use
     :func:`~moealign.routing_replay.vocab_parallel.vocab_parallel_kept_logprob` (bitwise this at TP = 1).
     """
     _check_logits(logits)
@@ -379,7 +393,7 @@ def kept_logprob(
         raise RouteError(f"kept sets have {offsets.numel() - 1} rows but logits {tuple(logits.shape)} has {num_rows}")
     check_tokens_in_kept(offsets, ids, tokens)
     _check_finite(logits)
-    return _dense_logprob(logits, tokens, (offsets, ids), temperature)
+    return _checked(_dense_logprob(logits, tokens, (offsets, ids), temperature), logits, temperature)
 
 
 def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -391,7 +405,7 @@ def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: flo
     temperature = _check_temperature(temperature)
     tokens = _check_tokens(tokens, logits)
     _check_finite(logits)
-    return _dense_logprob(logits, tokens, None, temperature)
+    return _checked(_dense_logprob(logits, tokens, None, temperature), logits, temperature)
 
 
 # ----------------------------------------------------------------------------------------- mismatch
