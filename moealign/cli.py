@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 from . import __version__
 from .errors import ConfigError, MoealignError
@@ -32,6 +31,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     )
 
     bounds = parse_fail_above(args.fail_above)
+    below = parse_fail_above(args.fail_below, below=True)
     if args.sweep and (args.load_record or args.save_record):
         raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
     cfg = MismatchConfig(
@@ -42,43 +42,44 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
         device=args.device, save_record=args.save_record, load_record=args.load_record)
-    _check_json_path(args.json, args.load_record, args.save_record)
+    _check_json_path(args.json, cfg.inputs(), {"--save-record": args.save_record})
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.sweep:
         sweep = run_sweep(cfg, progress=progress, log=log)
-        report = sweep["configs"][-1]["report"]          # --fail-above judges the fully aligned config
+        report = sweep["configs"][-1]["report"]          # the gates judge the fully aligned config
     else:
         report = run_mismatch(cfg, progress=progress, log=log)
     return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
-                   sweep if args.sweep else report, args.json, check_fail_above(report, bounds))
+                   sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below))
 
 
-def _check_json_path(json_path: str | None, *others: str | None) -> None:
-    """``--json`` is checked before any work starts and may not name another file of the same command."""
+def _check_json_path(json_path: str | None, inputs: dict[str, str | None] | None = None,
+                     outputs: dict[str, str | None] | None = None) -> None:
+    """``--json`` is checked before any work starts: a regular file (or none) in a writable directory, and
+    neither an input of the command (the record, the prompts, a checkpoint file) nor its other output."""
     if json_path is None:
         return
-    from .mismatch.rollout import check_output_path
+    from ._files import check_output_path
+    from .mismatch.rollout import check_not_an_input
 
     check_output_path(json_path, "--json")
-    for other in others:
+    check_not_an_input(json_path, "--json", dict(inputs or {}))
+    for out_flag, other in (outputs or {}).items():
         if other is not None and os.path.abspath(other) == os.path.abspath(json_path):
-            raise ConfigError(f"--json {json_path} is also the record path: refusing to overwrite the record")
+            raise ConfigError(f"--json {json_path} is also the {out_flag} path: refusing to overwrite the record")
 
 
-def _write_json_atomically(path: str, report: dict) -> None:
-    """Write to a temporary file next to ``path``, then rename: a killed write never leaves half a report."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.moealign-tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
+def _write_json(path: str, report: dict) -> None:
+    """The JSON report, written atomically (:func:`moealign._files.atomic_write`)."""
+    from ._files import atomic_write
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
             json.dump(report, fh, indent=2)
             fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    atomic_write(path, write, flag="--json")
 
 
 def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str]) -> int:
@@ -86,14 +87,14 @@ def _finish(command: str, table: str, report: dict, json_path: str | None, failu
     failure."""
     print(table)
     if json_path:
-        _write_json_atomically(json_path, report)
+        _write_json(json_path, report)
     for line in failures:
         print(f"moealign {command}: FAIL {line}", file=sys.stderr)
     return 3 if failures else 0
 
 
 def _add_mismatch(sub) -> None:
-    from .mismatch import METRIC_NAMES
+    from .mismatch.report import HIGHER_IS_BETTER, LOWER_IS_BETTER, TWO_SIDED
     from .mismatch.engines import DTYPES, ROLLOUT_ENGINES, TRAIN_ENGINES
     from .precision.policy import POLICIES
 
@@ -106,12 +107,12 @@ def _add_mismatch(sub) -> None:
         "tiny MoE model on CPU.")
     policies = ", ".join(sorted(POLICIES))
     p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
-    p.add_argument("--rollout", default="hf", choices=sorted(ROLLOUT_ENGINES), help="rollout engine (default hf)")
-    p.add_argument("--rollout-precision", default="bf16", metavar="NAME",
+    p.add_argument("--rollout", choices=sorted(ROLLOUT_ENGINES), help="rollout engine (default hf)")
+    p.add_argument("--rollout-precision", metavar="NAME",
                    help=f"rollout precision policy (default bf16): {policies}")
     p.add_argument("--rollout-dtype", choices=sorted(DTYPES), help="alias of --rollout-precision for plain dtypes")
     p.add_argument("--train", default="hf", choices=sorted(TRAIN_ENGINES), help="training engine (default hf)")
-    p.add_argument("--train-precision", default="fp32", metavar="NAME",
+    p.add_argument("--train-precision", metavar="NAME",
                    help=f"training precision policy (default fp32): {policies}")
     p.add_argument("--train-dtype", choices=sorted(DTYPES), help="alias of --train-precision for plain dtypes")
     p.add_argument("--batch-invariant", action="store_true",
@@ -125,22 +126,28 @@ def _add_mismatch(sub) -> None:
                    help="run the standard precision configurations on the same prompts (bf16 vs fp32, fp16 vs "
                    "fp16, fp8 aligned, fp8 vs bf16, fp32 vs fp32, fully aligned) and print one compact table; "
                    "the precision options are ignored")
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts from the prompt set (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per prompt (default 48)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+    p.add_argument("--num-prompts", type=int, help="prompts from the prompt set (default 32)")
+    p.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 48)")
+    p.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    p.add_argument("--temperature", type=float, help="default 1.0 (at least 1e-5)")
+    p.add_argument("--top-p", type=float, help="default 0.9")
+    p.add_argument("--top-k", type=int, help="0 = off (default)")
+    p.add_argument("--min-p", type=float, help="0 = off (default)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per generate() / training forward")
     p.add_argument("--prompts", metavar="FILE", help="a JSON list of prompt strings (default: the shipped set)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--save-record", metavar="PATH", help="also write the rollout record (safetensors)")
-    p.add_argument("--load-record", metavar="PATH", help="skip the rollout; score a saved record")
+    p.add_argument("--load-record", metavar="PATH",
+                   help="skip the rollout; score a saved record with its own sampling parameters (rollout options "
+                   "such as --temperature or --rollout-precision are refused with it)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON (with --sweep: every configuration's)")
     p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
                    help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable; with --sweep: the "
-                   "fully aligned configuration's); metrics: " + ", ".join(METRIC_NAMES))
+                   "fully aligned configuration's; a record without kept sets: the routing_replay run); metrics "
+                   "where lower is better: " + ", ".join(LOWER_IS_BETTER + TWO_SIDED))
+    p.add_argument("--fail-below", action="append", metavar="METRIC=VALUE",
+                   help="exit 3 when the judged run's METRIC is below VALUE (repeatable); metrics where higher is "
+                   "better: " + ", ".join(HIGHER_IS_BETTER + TWO_SIDED))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
     p.set_defaults(func=_cmd_mismatch)
 

@@ -13,6 +13,8 @@ from .errors import ConfigError, MissingFileError
 
 __all__ = ["EMBEDDED_MODEL_DIR", "embedded_model_path", "default_prompts"]
 
+#: The most bytes a prompt file may hold.
+MAX_PROMPTS_BYTES = 64 << 20
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny_moe"
 
 
@@ -29,8 +31,15 @@ def default_prompts(path: str | Path | None = None) -> list[str]:
     """The default prompt set (``prompts.json``: a JSON list of strings), or the one at ``path``."""
     path = Path(path) if path is not None else EMBEDDED_MODEL_DIR / "prompts.json"
     try:
-        prompts = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+        with open(path, "rb") as fh:          # bounded: a FIFO or /dev/zero must not fill the memory
+            data = fh.read(MAX_PROMPTS_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts from {path}: {exc}") from None
+    if len(data) > MAX_PROMPTS_BYTES:
+        raise ConfigError(f"cannot read prompts from {path}: more than {MAX_PROMPTS_BYTES} bytes")
+    try:
+        prompts = json.loads(data.decode("utf-8"))
+    except ValueError as exc:
         raise ConfigError(f"cannot read prompts from {path}: {exc}") from None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise ConfigError(f"{path} must hold a non-empty JSON list of non-empty strings")

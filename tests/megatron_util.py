@@ -60,5 +60,6 @@ def replay_batch(routes: torch.Tensor, ids: torch.Tensor, route_mask: torch.Tens
     """The padded ReplayBatch of ``routes`` [B*T, layers, K] for the token batch ``ids`` [B, T] (no padding)."""
     from moealign.routing_replay.protocol import ReplayBatch
 
-    return ReplayBatch.padded(routes, input_ids=ids, attention_mask=torch.ones_like(ids), moe_layers=layers,
-                              route_mask=route_mask)
+    mask = None if route_mask is None else route_mask.reshape(ids.shape)
+    return ReplayBatch.padded(routes.reshape(*ids.shape, *routes.shape[-2:]), input_ids=ids,
+                              attention_mask=torch.ones_like(ids), moe_layers=layers, route_mask=mask)

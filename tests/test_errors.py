@@ -114,7 +114,7 @@ def test_cli_refuses_json_onto_the_record(tmp_path, capsys):
     record = tmp_path / "r.safetensors"
     record.write_bytes(b"not touched")
     assert main(["mismatch", "--load-record", str(record), "--json", str(record)]) == 2
-    assert "refusing to overwrite the record" in capsys.readouterr().err
+    assert "is also the --load-record file: refusing to overwrite it" in capsys.readouterr().err
     assert record.read_bytes() == b"not touched"
 
 

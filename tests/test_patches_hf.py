@@ -167,10 +167,12 @@ def left_padded_prompts(seed=1, lengths=(7, 4, 2)):
 
 
 def rb(routes, ids, am=None, mask=None, *, layers=(0, 1)):
-    """A padded :class:`ReplayBatch`: ``routes`` ``[B*T, n_layers, k]`` laid out for ``ids`` ``[B, T]``;
-    ``am`` defaults to all ones, ``mask`` (the routed rows) to every attended position."""
+    """A padded :class:`ReplayBatch`: ``routes`` ``[B*T, n_layers, k]`` laid out batch-major for ``ids``
+    ``[B, T]``; ``am`` defaults to all ones, ``mask`` (the routed rows) to every attended position."""
     am = torch.ones_like(ids) if am is None else am
-    return ReplayBatch.padded(routes, input_ids=ids, attention_mask=am, moe_layers=layers, route_mask=mask)
+    mask = None if mask is None else mask.reshape(ids.shape)
+    return ReplayBatch.padded(routes.reshape(*ids.shape, *routes.shape[-2:]), input_ids=ids, attention_mask=am,
+                              moe_layers=layers, route_mask=mask)
 
 
 def direct(model, routes, shape):
@@ -964,8 +966,8 @@ def test_routes_on_padding_are_refused_when_built(protocol_record):
     _, rec = protocol_record
     right, left = rec.to_padded("right"), rec.to_padded("left")
     with pytest.raises(RouteError, match=r"routed rows sit on masked \(padding\) positions"):
-        ReplayBatch.padded(right.routes, input_ids=left.input_ids, attention_mask=left.attention_mask,
-                           moe_layers=right.moe_layers, route_mask=right.route_mask)
+        ReplayBatch.padded(*right.grid()[:1], input_ids=left.input_ids, attention_mask=left.attention_mask,
+                           moe_layers=right.moe_layers, route_mask=right.grid()[1])
     ids, am = padded_batch()
     routes = torch.arange(K).expand(ids.numel(), 2, K)
     with pytest.raises(RouteError, match=r"3 routed rows sit on masked \(padding\) positions, first row 15 "

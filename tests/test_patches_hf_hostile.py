@@ -390,8 +390,9 @@ def test_replay_path_bad_tokens_and_masks(model, reference):
     batch = reference.replay_batch("padded", side="right")
     vocab = model.config.vocab_size
     bad_ids = batch.input_ids.masked_fill(batch.attention_mask == 0, vocab + 3)
-    bad = ReplayBatch.padded(batch.routes, input_ids=bad_ids, attention_mask=batch.attention_mask,
-                             moe_layers=batch.moe_layers, route_mask=batch.route_mask)
+    routes, route_mask = batch.grid()
+    bad = ReplayBatch.padded(routes, input_ids=bad_ids, attention_mask=batch.attention_mask,
+                             moe_layers=batch.moe_layers, route_mask=route_mask)
     with hf.replay_routing(model) as replay:
         with pytest.raises(RouteError, match=rf"batch.input_ids\[\d+, \d+\] = {vocab + 3} is not a token id"):
             replay.set_routes(bad)
@@ -407,7 +408,7 @@ def test_replay_path_bad_tokens_and_masks(model, reference):
             model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)    # control
             replay.check(calls=1)
     with pytest.raises(RouteError, match=r"attention_mask must hold only 0 and 1 .* got 2"):
-        ReplayBatch.padded(batch.routes, input_ids=batch.input_ids, attention_mask=batch.attention_mask * 2,
+        ReplayBatch.padded(routes, input_ids=batch.input_ids, attention_mask=batch.attention_mask * 2,
                            moe_layers=batch.moe_layers)
 
 
@@ -470,6 +471,7 @@ def test_verl_layout_slip_is_refused(model, prompts, reference):
     assert width <= T       # verl's layout is at least as wide: pad the right-padded layout to its width
     widen = lambda x, v: torch.cat([x, torch.full((B, T - width, *x.shape[2:]), v, dtype=x.dtype)], 1)  # noqa: E731
     routes = widen(right.routes.to(torch.int64), 0)                     # [B, T, layers, k]
+    assert routes.dim() == 4
     batch = ReplayBatch.padded(routes, input_ids=widen(right.input_ids, pad), attention_mask=widen(right.attention_mask, 0),
                                moe_layers=right.moe_layers, route_mask=widen(right.route_mask.reshape(B, width), False))
     assert tuple(batch.input_ids.shape) == tuple(ids.shape)

@@ -453,7 +453,8 @@ def test_padding_side_slip_is_detected(megatron_cpu):
     left_ids = torch.zeros_like(ids)
     for b in range(B):
         left_ids[b, T - int(lengths[b]):] = ids[b, :int(lengths[b])]
-    batch = ReplayBatch.padded(routes, input_ids=right_ids, attention_mask=right.long(), moe_layers=(0, 1))
+    batch = ReplayBatch.padded(routes.reshape(B, T, *routes.shape[1:]), input_ids=right_ids,
+                               attention_mask=right.long(), moe_layers=(0, 1))
     with mg.replay_routing(megatron_cpu) as driver:
         driver.set_routes(batch)
         with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="padding-side, layout or batch"):

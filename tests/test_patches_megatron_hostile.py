@@ -118,7 +118,7 @@ def test_padding_side_slip_is_refused(make):
     lengths = torch.tensor([T, T - 3, T - 5])
     right = torch.arange(T)[None] < lengths[:, None]
     right_ids = torch.where(right, ids, 0)
-    batch = ReplayBatch.padded(batch_routes(6), input_ids=right_ids, attention_mask=right.long(), moe_layers=(0, 1))
+    batch = ReplayBatch.padded(batch_routes(6).reshape(B, T, 2, K), input_ids=right_ids, attention_mask=right.long(), moe_layers=(0, 1))
     with mg.replay_routing(model, aux_loss="own") as driver:
         driver.set_routes(batch)
         with torch.no_grad(), driver.forward(), pytest.raises(ReplayError, match="padding-side, layout or batch"):
@@ -472,3 +472,18 @@ def test_driver_needs_a_module(world, model):
 def test_parallel_layout_is_checked(make, parallel, message):
     with mg.replay_routing(make(), aux_loss="own") as driver, pytest.raises(RouteError, match=message):
         _set(driver, batch_routes(2), parallel=parallel)
+
+
+def test_flat_routes_are_refused_for_padded_batches():
+    """A flat [B*T, layers, k] table in sequence-first order (Megatron's own [s*b] rows) holds the same token
+    rows as the batch-major one, so no token check could tell them apart: padded batches take [B, T, ...]."""
+    ids = inputs(1)[0]
+    seq_first = batch_routes(4).reshape(B, T, 2, K).transpose(0, 1).reshape(B * T, 2, K)
+    with pytest.raises(RouteError, match="batch-major or sequence-first"):
+        ReplayBatch.padded(seq_first, input_ids=ids, attention_mask=torch.ones_like(ids), moe_layers=(0, 1))
+    with pytest.raises(RouteError, match=r"route_mask \(30,\) must be \[batch, seq\]"):
+        ReplayBatch.padded(seq_first.reshape(B, T, 2, K), input_ids=ids, attention_mask=torch.ones_like(ids),
+                           moe_layers=(0, 1), route_mask=torch.ones(B * T, dtype=torch.bool))
+    batch = ReplayBatch.padded(seq_first.reshape(B, T, 2, K), input_ids=ids, attention_mask=torch.ones_like(ids),
+                               moe_layers=(0, 1))                       # control: named dims are accepted
+    assert torch.equal(batch.grid()[0], seq_first.reshape(B, T, 2, K).to(batch.routes.dtype))

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             model.zero_grad(set_to_none=True)
 
         driver = mg.replay_routing(model, aux_loss="own")
-        batch = ReplayBatch.padded(routes, input_ids=ids.cpu(), attention_mask=torch.ones(B, T, dtype=torch.int64),
+        batch = ReplayBatch.padded(routes.reshape(B, T, *routes.shape[1:]), input_ids=ids.cpu(), attention_mask=torch.ones(B, T, dtype=torch.int64),
                                    moe_layers=moe_layers)
 
         def replayed():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -23,10 +22,11 @@ from ..correction import (
     compute_rollout_correction_and_rejection_mask,
 )
 from ..errors import ConfigError
-from ..record import RolloutRecord, SamplingParams
+from ..record import RolloutRecord
 from .scoring import SideScores
 
-__all__ = ["RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "ICEPOP_BAND", "GEO_RS_BAND", "parse_fail_above",
+__all__ = ["RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "ICEPOP_BAND", "GEO_RS_BAND", "LOWER_IS_BETTER",
+           "HIGHER_IS_BETTER", "TWO_SIDED", "parse_fail_above", "judged_run",
            "check_fail_above", "run_metrics", "build_report", "format_table", "format_sweep"]
 
 RUN_NAMES = ("baseline", "routing_replay", "sampling_mask", "routing_replay+sampling_mask")
@@ -45,34 +45,68 @@ GEO_RS_BAND = "0.999_1.001"
 # --------------------------------------------------------------------------------------------------
 
 
-def parse_fail_above(items: list[str] | None) -> dict[str, float]:
-    """``["kl_k1=1e-3", ...]`` -> ``{"kl_k1": 0.001}``; unknown metrics and bad numbers are errors."""
+#: Metrics for which a larger value means a worse agreement (``--fail-above`` judges them).
+LOWER_IS_BETTER = ("router_flip_rate", "token_flip_rate", "kl_k3", "max_abs_logp_diff", "p99_abs_logp_diff",
+                   "mean_abs_logp_diff", "chi2_token", "chi2_seq", "support_mismatch_rate", "icepop_masked_fraction",
+                   "geo_rs_masked_fraction")
+#: Metrics for which a smaller value means a worse agreement (``--fail-below`` judges them).
+HIGHER_IS_BETTER = ("pearson_prob",)
+#: Signed metrics whose ideal lies inside the range (0 for the k1 KL, 1 for the ppl ratio): both gates apply.
+TWO_SIDED = ("kl_k1", "ppl_ratio")
+
+
+def parse_fail_above(items: list[str] | None, *, below: bool = False) -> dict[str, float]:
+    """``["kl_k1=1e-3", ...]`` -> ``{"kl_k1": 0.001}``; unknown metrics, bad numbers and a metric whose gate
+    would point the wrong way (``--fail-above pearson_prob``: it would fail when agreement is excellent) are
+    errors. ``below``: the items of ``--fail-below``."""
+    option = "--fail-below" if below else "--fail-above"
+    allowed = (HIGHER_IS_BETTER if below else LOWER_IS_BETTER) + TWO_SIDED
     bounds: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not name or not value.strip():
-            raise ConfigError(f"--fail-above expects METRIC=VALUE, got {item!r}")
+            raise ConfigError(f"{option} expects METRIC=VALUE, got {item!r}")
         if name not in METRIC_NAMES:
-            raise ConfigError(f"--fail-above: unknown metric {name!r}; choose one of {', '.join(METRIC_NAMES)}")
+            raise ConfigError(f"{option}: unknown metric {name!r}; choose one of {', '.join(METRIC_NAMES)}")
+        if name not in allowed:
+            other = "--fail-above" if below else "--fail-below"
+            way = "lower" if below else "higher"
+            raise ConfigError(f"{option} {name}: a {way} {name} means a better agreement, so this gate would fail "
+                              f"good runs; use {other} {name}=VALUE")
         try:
             bound = float(value)
         except ValueError:
-            raise ConfigError(f"--fail-above {name}: {value!r} is not a number") from None
+            raise ConfigError(f"{option} {name}: {value!r} is not a number") from None
         if not math.isfinite(bound):
-            raise ConfigError(f"--fail-above {name}: the bound must be finite, got {value!r}")
+            raise ConfigError(f"{option} {name}: the bound must be finite, got {value!r}")
         bounds[name] = bound
     return bounds
 
 
-def check_fail_above(report: dict, bounds: dict[str, float]) -> list[str]:
-    """Violations (messages) of ``bounds`` by the fully aligned run of ``report``."""
-    run = next(r for r in report["runs"] if r["name"] == ALIGNED_RUN)
+def judged_run(report: dict) -> dict:
+    """The run the gates judge: the fully aligned run, or (a record without kept sets has no sampling-mask
+    runs) the most aligned run the report has."""
+    runs = {r["name"]: r for r in report["runs"]}
+    for name in (ALIGNED_RUN, "routing_replay", "baseline"):
+        if name in runs:
+            return runs[name]
+    raise ConfigError("the report has no runs to judge")
+
+
+def check_fail_above(report: dict, bounds: dict[str, float], below: dict[str, float] | None = None) -> list[str]:
+    """Violations (messages) of ``bounds`` (``--fail-above``) and ``below`` (``--fail-below``) by the judged
+    run of ``report`` (:func:`judged_run`). A NaN metric fails either gate."""
+    run = judged_run(report)
     failures = []
     for name, bound in bounds.items():
         value = run["metrics"][name]
         if not (value <= bound):   # NaN fails too
-            failures.append(f"{ALIGNED_RUN}: {name} = {value:.6g} > {bound:.6g}")
+            failures.append(f"{run['name']}: {name} = {value:.6g} > {bound:.6g}")
+    for name, bound in (below or {}).items():
+        value = run["metrics"][name]
+        if not (value >= bound):
+            failures.append(f"{run['name']}: {name} = {value:.6g} < {bound:.6g}")
     return failures
 
 
@@ -144,11 +178,14 @@ def run_metrics(record: RolloutRecord, sides: dict[bool, SideScores]) -> list[di
 
 
 def build_report(*, model: str, record: RolloutRecord, sides: dict[bool, SideScores], rollout: dict, train: dict,
-                 sampling: SamplingParams, batch_invariant: bool, device: str, started: float) -> dict:
+                 sampling: dict, batch_invariant: bool, device: str, started: float) -> dict:
     """The JSON-ready report: the two sides' descriptions (``rollout`` / ``train``, see
     :func:`moealign.mismatch.engines.describe_engine`), the record's size, the sampling parameters, the runs
-    (:func:`run_metrics`) and ``elapsed_s`` since ``started`` (a :func:`time.perf_counter` value)."""
+    (:func:`run_metrics`) and ``elapsed_s`` since ``started`` (a :func:`time.perf_counter` value).
+    ``sampling`` is the record's own (:func:`moealign.mismatch.rollout.record_sampling`)."""
     runs = run_metrics(record, sides)
+    skipped = {} if record.has_kept_sets else {
+        name: "the record has no kept sets" for name in RUN_NAMES if name.endswith("sampling_mask")}
     return {
         "model": model,
         "rollout": rollout,
@@ -157,10 +194,11 @@ def build_report(*, model: str, record: RolloutRecord, sides: dict[bool, SideSco
         "num_tokens": int(record.num_response_tokens),
         "num_route_rows": int(sum(int(s.routes.shape[0]) for s in record.samples)),
         "moe_layers": list(record.meta.moe_layers),
-        "sampling": asdict(sampling),
+        "sampling": sampling,
         "device": device,
         "elapsed_s": round(time.perf_counter() - started, 3),
         "runs": runs,
+        "skipped_runs": skipped,
     }
 
 
@@ -209,7 +247,8 @@ def format_table(report: dict) -> str:
             f"{report['num_tokens']} response tokens, MoE layers {report['moe_layers']}, {report['elapsed_s']:.1f} s")
     per_layer = "; ".join(f"{r['name']}: {[round(x, 4) for x in r['metrics']['per_layer_flip_rate']]}"
                           for r in report["runs"])
-    return "\n".join([head, ""] + lines + ["", f"per-layer router flip rate: {per_layer}"])
+    notes = [f"{name}: not run ({why})" for name, why in report.get("skipped_runs", {}).items()]
+    return "\n".join([head, ""] + lines + ["", f"per-layer router flip rate: {per_layer}"] + notes)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,13 +10,18 @@ the record when asked and checks that it can measure routing replay. The caller
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pathlib
-from dataclasses import dataclass
+import stat
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import ConfigError
+from .._files import check_output_path
+from ..errors import ConfigError, EngineError, MoealignError, RecordError
+from ..embedded import MAX_PROMPTS_BYTES
 from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -28,41 +33,128 @@ from .engines import (
     resolve_precision,
 )
 
-__all__ = ["MismatchConfig", "progress_bar", "make_rollout_engine", "rollout_prompts", "rollout_message",
-           "generate_record", "load_record", "finish_record"]
+__all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path", "check_not_an_input",
+           "check_checkpoint", "check_prompts_file", "flag", "progress_bar", "open_engine", "make_rollout_engine",
+           "rollout_prompts", "rollout_message", "generate_record", "load_record", "record_sampling", "finish_record"]
 
 
-def check_output_path(path: str, flag: str) -> None:
-    """Refuse an output path before any work starts: a directory, a special file (FIFO, device), or a
-    missing or unwritable parent directory."""
-    target = pathlib.Path(path)
-    if target.exists() and not target.is_file():
-        raise ConfigError(f"{flag} {path}: exists and is not a regular file (refusing to replace it)")
-    parent = target.parent if str(target.parent) else pathlib.Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: the directory {parent} is not writable")
+#: Options that only shape the rollout: with ``load_record`` the record states them, so giving one is an error.
+ROLLOUT_OPTIONS = ("rollout_engine", "rollout_precision", "rollout_dtype", "num_prompts", "max_new_tokens", "seed",
+                   "temperature", "top_p", "top_k", "min_p", "prompts_file")
+#: The value each option takes when it is not given (``None`` in the dataclass means "not given").
+DEFAULTS = {"rollout_engine": "hf", "rollout_precision": "bf16", "train_precision": "fp32", "num_prompts": 32,
+            "max_new_tokens": 48, "seed": 0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+#: The smallest temperature: below vLLM's sampling epsilon engines sample greedily, and ``logits / T``
+#: overflows to inf in fp32 for tiny ``T`` (1e-45 is a denormal).
+MIN_TEMPERATURE = 1e-5
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a :class:`MismatchConfig` field (errors name the flag a user typed)."""
+    return {"prompts_file": "--prompts", "rollout_engine": "--rollout", "train_engine": "--train",
+            "load_record": "--load-record", "save_record": "--save-record"}.get(name, "--" + name.replace("_", "-"))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_not_an_input(path: str, out_flag: str, inputs: dict[str, str | None]) -> None:
+    """Refuse an output path that is one of the command's inputs (``{flag: path}``; a directory input, the
+    checkpoint, covers every file in it): writing it would destroy what the run reads."""
+    for in_flag, source in inputs.items():
+        if source is None:
+            continue
+        if os.path.isdir(source):
+            inside = os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(source)
+            if inside and os.path.exists(path):
+                raise ConfigError(f"{out_flag} {path} is a file of the {in_flag} checkpoint: refusing to overwrite it")
+        elif _same_file(path, source):
+            raise ConfigError(f"{out_flag} {path} is also the {in_flag} file: refusing to overwrite it")
+
+
+def check_checkpoint(path: str) -> dict:
+    """Check a local checkpoint before any work starts and return its ``config.json``: the directory exists
+    (the mismatch test never goes to the network), ``config.json`` is a JSON object, and every safetensors
+    file has a readable header whose tensors lie inside the file (a truncated download is named, not met as a
+    loader's traceback minutes later)."""
+    root = pathlib.Path(path)
+    if not root.is_dir() or not (root / "config.json").is_file():
+        raise ConfigError(f"--model {path}: not a local checkpoint directory with a config.json (the mismatch test "
+                          f"loads local checkpoints only, never from the network)")
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"--model {path}: config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"--model {path}: config.json must be a JSON object with a model_type")
+    weights = sorted(root.glob("*.safetensors"))
+    if not weights and not any(root.glob("*.bin")):
+        raise ConfigError(f"--model {path}: no weights (*.safetensors) in the checkpoint directory")
+    for file in weights:
+        _check_safetensors(file)
+    return config
+
+
+def check_prompts_file(path: str) -> None:
+    """``--prompts`` names a regular file of at most :data:`MAX_PROMPTS_BYTES` (not a FIFO or ``/dev/zero``)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"--prompts: cannot read prompts from {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--prompts: cannot read prompts from {path}: not a regular file")
+    if st.st_size > MAX_PROMPTS_BYTES:
+        raise ConfigError(f"--prompts: {path} holds {st.st_size} bytes, more than the {MAX_PROMPTS_BYTES} a prompt "
+                          f"file may hold")
+
+
+def _check_safetensors(file: pathlib.Path) -> None:
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ConfigError(f"--model: {file} is truncated or not a safetensors file (header of {n} bytes, file "
+                              f"of {size})")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, ValueError):
+            raise ConfigError(f"--model: {file} has a corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"--model: {file} has a corrupt safetensors header")
+    ends = [entry["data_offsets"][1] for key, entry in header.items()
+            if key != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+    if len(ends) != len(header) - ("__metadata__" in header):
+        raise ConfigError(f"--model: {file} has a corrupt safetensors header (a tensor without data offsets)")
+    if 8 + n + max(ends, default=0) > size:
+        raise ConfigError(f"--model: {file} is truncated: its tensors need {8 + n + max(ends)} bytes, the file has "
+                          f"{size}")
 
 
 @dataclass
 class MismatchConfig:
     model: str | None = None            # a local transformers MoE checkpoint; None: the embedded model
-    rollout_engine: str = "hf"
-    rollout_precision: str = "bf16"     # a moealign.precision.policy name
+    # None = not given: the DEFAULTS value is filled in (and with load_record, a given rollout option is refused)
+    rollout_engine: str | None = None   # default "hf"
+    rollout_precision: str | None = None  # a moealign.precision.policy name; default "bf16"
     train_engine: str = "hf"
-    train_precision: str = "fp32"
+    train_precision: str | None = None  # default "fp32"
     rollout_dtype: str | None = None    # alias: fp32 / bf16 / fp16 (sets rollout_precision)
     train_dtype: str | None = None      # alias: fp32 / bf16 / fp16 (sets train_precision)
     batch_invariant: bool = False       # both sides under batch_invariant_mode ("bi" attention in hf engines)
     attention: str | None = None        # hf engines: "sdpa" / "eager" / "bi"; None: bi if batch_invariant else default
-    num_prompts: int = 32
-    max_new_tokens: int = 48
-    seed: int = 0
-    temperature: float = 1.0
-    top_p: float = 0.9
-    top_k: int = 0
-    min_p: float = 0.0
+    num_prompts: int | None = None      # default 32
+    max_new_tokens: int | None = None   # default 48
+    seed: int | None = None             # default 0
+    temperature: float | None = None    # default 1.0
+    top_p: float | None = None          # default 0.9
+    top_k: int | None = None            # default 0 (off)
+    min_p: float | None = None          # default 0.0 (off)
     batch_size: int = 16
     prompts_file: str | None = None
     device: str = "auto"
@@ -70,6 +162,14 @@ class MismatchConfig:
     load_record: str | None = None
 
     def __post_init__(self):
+        if self.load_record is not None:
+            given = [flag(name) for name in ROLLOUT_OPTIONS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)}: rollout option(s) given with --load-record, which scores the "
+                                  f"record as it was sampled (its own sampling parameters and engine); drop them")
+        for name, value in DEFAULTS.items():
+            if getattr(self, name) is None and not name.endswith("_precision"):   # precisions: after the aliases
+                setattr(self, name, value)
         if self.rollout_engine not in ROLLOUT_ENGINES:
             raise ConfigError(f"unknown rollout engine {self.rollout_engine!r}; choose one of {sorted(ROLLOUT_ENGINES)}")
         if self.train_engine not in TRAIN_ENGINES:
@@ -79,33 +179,67 @@ class MismatchConfig:
             if alias is not None:
                 parse_dtype(alias)                 # "unknown dtype ..." for names outside fp32/bf16/fp16
                 explicit = getattr(self, f"{side}_precision")
-                default = type(self).__dataclass_fields__[f"{side}_precision"].default
-                if explicit not in (default, alias):
-                    raise ConfigError(f"{side}_dtype={alias!r} contradicts {side}_precision={explicit!r}; give one")
+                if explicit is not None and explicit != alias:
+                    raise ConfigError(f"{side}_dtype={alias!r} contradicts {side}_precision={explicit!r} "
+                                      f"({flag(side + '_dtype')} {alias} vs {flag(side + '_precision')} {explicit}); "
+                                      f"give one")
                 setattr(self, f"{side}_precision", alias)
+            elif getattr(self, f"{side}_precision") is None:
+                setattr(self, f"{side}_precision", DEFAULTS[f"{side}_precision"])
             setattr(self, f"{side}_precision", resolve_precision(getattr(self, f"{side}_precision")).name)
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         if self.attention is not None and self.attention not in ATTENTION:
             raise ConfigError(f"unknown attention {self.attention!r}; choose one of {list(ATTENTION)}")
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        self.sampling  # validates temperature / top-k / top-p / min-p
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value!r} ({flag(name)})")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 63:
             raise ConfigError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
+        self._check_sampling()
         self._check_device()
         if self.model is not None:
-            path = pathlib.Path(self.model)
-            if not path.is_dir() or not (path / "config.json").is_file():
-                raise ConfigError(f"--model {self.model}: not a local checkpoint directory with a config.json (the "
-                                  f"mismatch test loads local checkpoints only, never from the network)")
+            config = check_checkpoint(self.model)
+            limit = config.get("max_position_embeddings")
+            if isinstance(limit, int) and not isinstance(limit, bool) and self.max_new_tokens >= limit:
+                raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the model holds at most {limit} "
+                                  f"positions (max_position_embeddings), prompt included")
+        else:
+            from ..embedded import embedded_model_path
+
+            limit = json.loads((embedded_model_path() / "config.json").read_text()).get("max_position_embeddings")
+            if isinstance(limit, int) and self.max_new_tokens >= limit:
+                raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the embedded model holds at most {limit} "
+                                  f"positions (max_position_embeddings), prompt included")
         if self.load_record is not None and not pathlib.Path(self.load_record).is_file():
             raise ConfigError(f"--load-record: no record file at {self.load_record}")
-        if self.prompts_file is not None and not pathlib.Path(self.prompts_file).is_file():
-            raise ConfigError(f"--prompts: cannot read prompts from {self.prompts_file}: no such file")
+        if self.prompts_file is not None:
+            check_prompts_file(self.prompts_file)
         if self.save_record is not None:
             check_output_path(self.save_record, "--save-record")
+            check_not_an_input(self.save_record, "--save-record", self.inputs())
+
+    def inputs(self) -> dict[str, str | None]:
+        """``{flag: path}`` of every file or directory the run reads (outputs may not name one)."""
+        return {"--load-record": self.load_record, "--prompts": self.prompts_file, "--model": self.model}
+
+    def _check_sampling(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{flag(name)} must be a number, got {value!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ConfigError(f"--top-k must be an integer, got {self.top_k!r}")
+        if math.isfinite(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"--temperature {self.temperature!r} is below {MIN_TEMPERATURE} (engines sample greedily "
+                              f"there and logits / T overflows); use a temperature >= {MIN_TEMPERATURE}")
+        try:
+            self.sampling
+        except RecordError as exc:           # SamplingParams names the field; the command line names the flag
+            name = next((n for n in ("temperature", "top_k", "top_p", "min_p") if f"sampling {n} " in str(exc)), None)
+            prefix = f"{flag(name)}: " if name else ""
+            raise ConfigError(f"{prefix}{exc}") from None
 
     def _check_device(self) -> None:
         if self.device == "auto":
@@ -156,10 +290,24 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return bar, bar.update
 
 
+def open_engine(factory, what: str, model_path: str, *args, **kwargs):
+    """``factory(model_path, *args, **kwargs)``; a checkpoint its loader cannot read (an unknown architecture,
+    a config transformers refuses, an unreadable weight file) becomes an :class:`EngineError` naming the
+    checkpoint and the engine instead of the loader's traceback."""
+    try:
+        return factory(model_path, *args, **kwargs)
+    except MoealignError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError) as exc:
+        message = " ".join(str(exc).split())[:400] or type(exc).__name__
+        raise EngineError(f"{what} could not load the checkpoint {model_path}: {type(exc).__name__}: "
+                          f"{message}") from exc
+
+
 def make_rollout_engine(cfg: MismatchConfig, model_path: str, device: str) -> RolloutEngine:
     """The rollout engine ``cfg`` names, loaded with its precision policy (the caller closes it)."""
-    return ROLLOUT_ENGINES[cfg.rollout_engine](model_path, cfg.rollout_precision, device,
-                                               batch_invariant=cfg.batch_invariant, attention=cfg.attention)
+    return open_engine(ROLLOUT_ENGINES[cfg.rollout_engine], f"the {cfg.rollout_engine} rollout engine", model_path,
+                       cfg.rollout_precision, device, batch_invariant=cfg.batch_invariant, attention=cfg.attention)
 
 
 def rollout_prompts(cfg: MismatchConfig) -> list[str]:
@@ -190,14 +338,27 @@ def generate_record(cfg: MismatchConfig, engine: RolloutEngine, prompts: list[st
 
 
 def load_record(cfg: MismatchConfig) -> tuple[RolloutRecord, dict]:
-    """The record saved at ``cfg.load_record``: ``(record, description)`` (engine and dtype from its meta)."""
+    """The record saved at ``cfg.load_record``: ``(record, description)``; the description is what the record
+    states (engine, its version, dtype, the file), never the command line's rollout options."""
     record = RolloutRecord.load(cfg.load_record)
-    return record, {"engine": record.meta.engine, "precision": None, "dtype": record.meta.dtype}
+    return record, {"engine": record.meta.engine, "engine_version": record.meta.engine_version, "precision": None,
+                    "dtype": record.meta.dtype, "record": str(cfg.load_record)}
+
+
+def record_sampling(record: RolloutRecord) -> dict:
+    """The report's ``sampling``: the record's own parameters (one set, or ``{"per_sample": [...]}``)."""
+    params = [s.sampling for s in record.samples]
+    unique = list(dict.fromkeys(params))
+    if len(unique) == 1:
+        return asdict(unique[0])
+    return {"per_sample": [asdict(p) for p in params]}
 
 
 def finish_record(cfg: MismatchConfig, record: RolloutRecord) -> None:
-    """Save the record to ``cfg.save_record`` (when set); refuse a record without routes."""
+    """Save the record to ``cfg.save_record`` (when set); refuse a record without routes or samples."""
     if cfg.save_record:
         record.save(cfg.save_record)
+    if len(record) == 0:
+        raise ConfigError("the rollout record has no samples: there is nothing to score")
     if not record.has_routes:
         raise ConfigError("the rollout record has no routes: routing replay cannot be measured")

@@ -57,6 +57,7 @@ from .rollout import (
     finish_record,
     generate_record,
     load_record,
+    record_sampling,
     make_rollout_engine,
     rollout_message,
     rollout_prompts,
@@ -99,7 +100,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
 
     # 3. the report
     return build_report(model=cfg.model_label(), record=record, sides=sides, rollout=rollout_desc,
-                        train=describe_engine(trainer), sampling=cfg.sampling, batch_invariant=cfg.batch_invariant,
+                        train=describe_engine(trainer), sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
                         device=device, started=t0)
 
 

@@ -27,7 +27,7 @@ from ..routing_replay.sampling_mask import (
     truncation_mask,
 )
 from .engines import TRAIN_ENGINES, TrainEngine, TrainForward
-from .rollout import MismatchConfig, progress_bar
+from .rollout import MismatchConfig, open_engine, progress_bar
 
 __all__ = ["SideScores", "make_train_engine", "train_message", "score_batch", "score_record"]
 
@@ -61,9 +61,9 @@ class SideScores:
 
 def make_train_engine(cfg: MismatchConfig, model_path: str, device: str) -> TrainEngine:
     """The training engine ``cfg`` names, loaded with its precision policy (the caller closes it)."""
-    return TRAIN_ENGINES[cfg.train_engine](model_path, cfg.train_precision, device,
-                                           batch_invariant=cfg.batch_invariant,
-                                           attention=cfg.attention if cfg.train_engine == "hf" else None)
+    return open_engine(TRAIN_ENGINES[cfg.train_engine], f"the {cfg.train_engine} training engine", model_path,
+                       cfg.train_precision, device, batch_invariant=cfg.batch_invariant,
+                       attention=cfg.attention if cfg.train_engine == "hf" else None)
 
 
 def train_message(cfg: MismatchConfig, record: RolloutRecord) -> str:

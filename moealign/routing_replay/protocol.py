@@ -92,12 +92,22 @@ class ReplayBatch:
     padding_side: str | None = None
     cu_seqlens: torch.Tensor | None = None
 
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded batch's ``(routes [batch, seq, n_layers, k], route_mask [batch, seq])``: what
+        :meth:`padded` takes, to build a batch from another one's routes."""
+        if self.layout != "padded":
+            raise RouteError(f"grid() is for padded batches, this one is {self.layout}")
+        B, T = self.input_ids.shape
+        return self.routes.reshape(B, T, *self.routes.shape[1:]), self.route_mask.reshape(B, T)
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def padded(cls, routes: torch.Tensor, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                moe_layers: Sequence[int], route_mask: torch.Tensor | None = None) -> "ReplayBatch":
-        """A padded ``[batch, seq]`` batch. ``routes`` ``[batch, seq, n_layers, k]`` or ``[batch*seq, n_layers, k]``;
-        ``route_mask`` ``[batch, seq]`` or ``[batch*seq]`` (default: every attended position)."""
+        """A padded ``[batch, seq]`` batch. ``routes`` ``[batch, seq, n_layers, k]``; ``route_mask`` ``[batch, seq]``
+        (default: every attended position). Flat ``[batch*seq, ...]`` tables are refused: they do not say whether
+        their rows are batch-major (transformers) or sequence-first (Megatron's ``[s*b]``), and with equal token
+        rows no later check could tell the two apart."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise RouteError(f"a padded replay batch needs input_ids [batch, seq], got "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
@@ -106,16 +116,18 @@ class ReplayBatch:
                              f"input_ids {tuple(input_ids.shape)}")
         am = check_binary_mask(attention_mask.detach().cpu(), "attention_mask", RouteError).to(torch.bool)
         B, T = input_ids.shape
-        if routes.dim() == 4:
-            if tuple(routes.shape[:2]) != (B, T):
-                raise RouteError(f"routes [batch, seq] = {tuple(routes.shape[:2])} do not match input_ids "
-                                 f"{(B, T)}")
-            routes = routes.reshape(B * T, *routes.shape[2:])
-        mask = am.reshape(-1) if route_mask is None else route_mask
-        if mask.dim() == 2:
-            if tuple(mask.shape) != (B, T):
-                raise RouteError(f"route_mask {tuple(mask.shape)} does not match input_ids {(B, T)}")
-            mask = mask.reshape(-1)
+        if not isinstance(routes, torch.Tensor) or routes.dim() != 4:
+            raise RouteError(f"padded routes must be [batch, seq, n_layers, k], got shape "
+                             f"{tuple(getattr(routes, 'shape', ()))}: a flat [rows, ...] table does not say whether "
+                             f"its rows are batch-major or sequence-first (reshape it to [batch, seq, ...] yourself)")
+        if tuple(routes.shape[:2]) != (B, T):
+            raise RouteError(f"routes [batch, seq] = {tuple(routes.shape[:2])} do not match input_ids {(B, T)}")
+        routes = routes.reshape(B * T, *routes.shape[2:])
+        mask = am if route_mask is None else route_mask
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, T):
+            raise RouteError(f"route_mask {tuple(getattr(mask, 'shape', ()))} must be [batch, seq] = {(B, T)}, like "
+                             f"input_ids")
+        mask = mask.reshape(-1)
         batch = cls(layout="padded", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
                     input_ids=input_ids, attention_mask=am.to(torch.int64), padding_side=_padding_side(am))
         batch._validate()
