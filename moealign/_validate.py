@@ -86,6 +86,25 @@ def check_float_matrix(x, name: str, error_cls: type[Exception], *, shape: str,
 LOG_PROB_TOLERANCE = 1e-4
 
 
+def check_offsets(values, name: str, error_cls: type[Exception]) -> torch.Tensor:
+    """``values`` (a tensor or a sequence) as a 1-D int64 CPU tensor of at least two non-decreasing offsets
+    starting at 0 (``cu_seqlens``-style). Fractional, boolean or non-numeric values are refused, never
+    truncated."""
+    try:
+        t = torch.as_tensor(values).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise error_cls(f"{name} must be a 1-D sequence of integer offsets, got {values!r} ({exc})") from None
+    if t.dtype == torch.bool or t.is_complex():
+        raise error_cls(f"{name} must hold integer offsets, got {t.dtype}")
+    if t.is_floating_point():
+        if not bool(torch.isfinite(t).all()) or not bool((t == t.round()).all()):
+            raise error_cls(f"{name} must hold integer offsets, got {t.tolist()}")
+    t = t.to(torch.int64)
+    if t.dim() != 1 or t.numel() < 2 or int(t[0]) != 0 or bool((t[1:] < t[:-1]).any()):
+        raise error_cls(f"{name} must be a non-decreasing 1-D tensor starting at 0, got {t.tolist()}")
+    return t
+
+
 def check_log_prob_max(max_value: float, name: str, error_cls: type[Exception], *, where: str = "") -> None:
     """Raise ``error_cls`` naming ``name`` when ``max_value`` (the largest entry of a log-prob tensor at the
     positions that count, already on the host) is above :data:`LOG_PROB_TOLERANCE`: the tensor holds

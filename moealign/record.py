@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ._files import atomic_write
+from ._validate import check_log_prob_max
 from .errors import (
     MissingFileError,
     MoealignWarning,
@@ -403,9 +404,7 @@ class Sample:
             bad = int((~finite).nonzero()[0, 0])
             raise RecordError(f"{where}: logprobs has NaN/Inf at response position {bad} "
                               f"(value {float(self.logprobs[bad])})")
-        if bool((self.logprobs > 1e-4).any()):
-            raise RecordError(f"{where}: logprobs must be <= 0 (log-probabilities), max is "
-                              f"{float(self.logprobs.max())}")
+        check_log_prob_max(float(self.logprobs.max()), f"{where}: logprobs", RecordError)
         if self.routes is not None:
             want = (self.length - 1, len(meta.moe_layers), meta.top_k)
             if tuple(self.routes.shape) != want:

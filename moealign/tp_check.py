@@ -61,6 +61,10 @@ OPS = (
 )
 
 
+#: The most timed repeats per op (each one a gloo collective round in every process).
+MAX_REPEATS = 1000
+
+
 def parse_world_sizes(text: str) -> list[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``; each a power of two from 1 to 16, no repeats."""
     try:
@@ -241,8 +245,10 @@ def run_tp_check(world_sizes: list[int], *, ops: tuple[OpSpec, ...] = OPS, seed:
     ``max_abs_diff`` is the largest difference over ranks and elements, ``time_ms`` the fastest repeat of the
     slowest rank.
     """
-    if repeats < 1:
-        raise ConfigError(f"repeats must be at least 1, got {repeats}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
+        raise ConfigError(f"--repeats must be an integer in 1..{MAX_REPEATS}, got {repeats!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(ops):
+        raise ConfigError(f"--seed must be an integer in [0, 2**63 - {len(ops)}) (one seed per op), got {seed!r}")
     for spec in ops:
         for size in world_sizes:
             if spec.reduce % (size * leaf_width):

@@ -249,3 +249,15 @@ def test_json_write_is_atomic_and_leaves_no_temporary(record_path, tmp_path, mon
     assert main(["mismatch", "-q", "--load-record", str(record_path), "--batch-size", "2", "--json", str(out)]) == 130
     assert out.read_text() == '{"old": true}'
     assert os.listdir(tmp_path) == ["r.json"]
+
+
+# --- tp-check ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--seed", "-1"], "--seed"), (["--seed", str(2 ** 70)], "--seed"),           # was: a worker's traceback
+    (["--repeats", "0"], "--repeats"), (["--repeats", "100000000"], "--repeats"),   # was: ran for hours
+])
+def test_tp_check_numbers_name_their_flag(argv, flag, capsys):
+    assert main(["tp-check", "--world-sizes", "1", "-q", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err

@@ -170,9 +170,11 @@ def rb(routes, ids, am=None, mask=None, *, layers=(0, 1)):
     """A padded :class:`ReplayBatch`: ``routes`` ``[B*T, n_layers, k]`` laid out batch-major for ``ids``
     ``[B, T]``; ``am`` defaults to all ones, ``mask`` (the routed rows) to every attended position."""
     am = torch.ones_like(ids) if am is None else am
-    mask = None if mask is None else mask.reshape(ids.shape)
-    return ReplayBatch.padded(routes.reshape(*ids.shape, *routes.shape[-2:]), input_ids=ids, attention_mask=am,
-                              moe_layers=layers, route_mask=mask)
+    if routes.dim() == 3 and routes.shape[0] == ids.numel():      # else: let ReplayBatch name the malformed table
+        routes = routes.reshape(*ids.shape, *routes.shape[1:])
+    if mask is not None and mask.numel() == ids.numel():
+        mask = mask.reshape(ids.shape)
+    return ReplayBatch.padded(routes, input_ids=ids, attention_mask=am, moe_layers=layers, route_mask=mask)
 
 
 def direct(model, routes, shape):
@@ -966,8 +968,8 @@ def test_routes_on_padding_are_refused_when_built(protocol_record):
     _, rec = protocol_record
     right, left = rec.to_padded("right"), rec.to_padded("left")
     with pytest.raises(RouteError, match=r"routed rows sit on masked \(padding\) positions"):
-        ReplayBatch.padded(*right.grid()[:1], input_ids=left.input_ids, attention_mask=left.attention_mask,
-                           moe_layers=right.moe_layers, route_mask=right.grid()[1])
+        ReplayBatch.padded(right.routes, input_ids=left.input_ids, attention_mask=left.attention_mask,
+                           moe_layers=right.moe_layers, route_mask=right.route_mask)
     ids, am = padded_batch()
     routes = torch.arange(K).expand(ids.numel(), 2, K)
     with pytest.raises(RouteError, match=r"3 routed rows sit on masked \(padding\) positions, first row 15 "
@@ -1119,7 +1121,7 @@ def test_row_count_mismatch_names_layer_and_counts(models, delta):
     ids, am = padded_batch()
     own, _ = native_routes(model, ids, attention_mask=am)
     n = own.shape[0]
-    with pytest.raises(RouteError, match=rf"routes have {n + delta} rows, the batch has {n} token positions"):
+    with pytest.raises(RouteError, match=rf"padded routes must be \[batch, seq, n_layers, k\], got shape \({n + delta},"):
         rb(own[:n + delta] if delta < 0 else torch.cat([own, own[:delta]]), ids, am)
     # a well-formed batch laid out for one column less / more (B = 2: 2 rows per column)
     B, T = ids.shape
@@ -1152,9 +1154,9 @@ def test_set_routes_validation(models):
         # malformed batches are refused when built
         with pytest.raises(RouteError, match=r"routes have 3 layers but moe_layers lists 2"):
             rb(torch.cat([own, own[:, :1]], dim=1), ids, am)
-        with pytest.raises(RouteError, match=r"must be \[rows, layers, k\]"):
+        with pytest.raises(RouteError, match=r"padded routes must be \[batch, seq, n_layers, k\]"):
             rb(own[:, 0], ids, am)
-        with pytest.raises(RouteError, match=r"route_mask has shape \(3,\)"):
+        with pytest.raises(RouteError, match=r"route_mask \(3,\) must be \[batch, seq\]"):
             rb(own, ids, am, am.reshape(-1).bool()[:3])
         with pytest.raises(RouteError, match="must hold integer expert ids"):
             rb(own.float(), ids, am)

@@ -317,6 +317,16 @@ def test_temperature_overflow_is_named_not_nan():
         assert bool(torch.isfinite(f(1e-3)).all())     # control: a small temperature that fits
 
 
+def test_temperature_overflow_is_named_on_vocab_parallel_logits():
+    """The same on the tensor-parallel path (one rank: vocab_parallel_kept_logprob with group=None)."""
+    from moealign.routing_replay.vocab_parallel import vocab_parallel_kept_logprob
+
+    logits, tokens, offsets, ids = _kept_case()
+    with pytest.raises(RouteError, match=r"logits row 0 / temperature 1e-40 overflows"):
+        vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, temperature=1e-40)
+    assert bool(torch.isfinite(vocab_parallel_kept_logprob(logits, tokens, (offsets, ids), 0, temperature=1e-3)).all())
+
+
 def test_rollout_with_nan_logits_names_the_logits(prompts):
     m, _ = load_model(embedded_model_path(), "fp32")
     with torch.no_grad():

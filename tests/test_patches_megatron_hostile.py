@@ -487,3 +487,18 @@ def test_flat_routes_are_refused_for_padded_batches():
     batch = ReplayBatch.padded(seq_first.reshape(B, T, 2, K), input_ids=ids, attention_mask=torch.ones_like(ids),
                                moe_layers=(0, 1))                       # control: named dims are accepted
     assert torch.equal(batch.grid()[0], seq_first.reshape(B, T, 2, K).to(batch.routes.dtype))
+
+
+@pytest.mark.parametrize("cu", [[0.0, 4.5, 9.0], [0, 4.5, 9], [False, True], "0,9"])
+def test_fractional_or_odd_offsets_are_refused_not_truncated(cu):
+    """cu_seqlens of a packed batch and of the THD layouts: fractional values were truncated to integers."""
+    from moealign.routing_replay.layouts import packed_source_rows
+
+    ids = torch.arange(9)
+    routes = torch.zeros(9, 2, K, dtype=torch.int64) + torch.arange(K)
+    with pytest.raises(RouteError, match="cu_seqlens"):
+        ReplayBatch.packed(routes, input_ids=ids, cu_seqlens=cu, moe_layers=(0, 1))
+    with pytest.raises(RouteError, match="cu_seqlens_padded"):
+        packed_source_rows(torch.tensor([0, 4, 9]), cu)
+    assert ReplayBatch.packed(routes, input_ids=ids, cu_seqlens=[0.0, 4.0, 9.0], moe_layers=(0, 1)).cu_seqlens.tolist() \
+        == [0, 4, 9]                                                        # control: integral floats are fine

@@ -677,7 +677,7 @@ def test_loaded_values_are_validated(record, tmp_path):
     tensors["logprobs"] = tensors["logprobs"].clone()
     tensors["logprobs"][3] = 0.5  # a valid checksum over an invalid record
     write_raw(path, tensors)
-    with pytest.raises(RecordError, match="logprobs must be <= 0"):
+    with pytest.raises(RecordError, match="logprobs has positive entries"):
         RolloutRecord.load(path)
 
 
@@ -862,8 +862,8 @@ def test_routes_duplicate_id(sample):
     (float("nan"), "logprobs has NaN/Inf at response position 2"),
     (float("inf"), "logprobs has NaN/Inf at response position 2"),
     (float("-inf"), "logprobs has NaN/Inf at response position 2"),
-    (0.5, "logprobs must be <= 0"),
-    (1e-3, "logprobs must be <= 0"),
+    (0.5, "logprobs has positive entries"),
+    (1e-3, "logprobs has positive entries"),
 ])
 def test_bad_logprobs(sample, value, fragment):
     logprobs = sample.logprobs.clone()
@@ -929,7 +929,7 @@ def test_error_names_the_sample():
     gen = torch.Generator().manual_seed(0)
     samples = [make_sample(gen, 5, 2) for _ in range(3)]
     samples[2].logprobs = samples[2].logprobs + 1.0
-    with pytest.raises(RecordError, match="sample 2: logprobs must be <= 0"):
+    with pytest.raises(RecordError, match="sample 2: logprobs has positive entries"):
         RolloutRecord(META, samples)
 
 

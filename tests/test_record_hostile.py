@@ -307,7 +307,7 @@ def test_save_validates_first(small, tmp_path):
     path = tmp_path / "r.safetensors"
     small.save(path)
     before = path.read_bytes()
-    with pytest.raises(RecordError, match="logprobs must be <= 0"):
+    with pytest.raises(RecordError, match="logprobs has positive entries"):
         bad.save(path)
     assert path.read_bytes() == before
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import check_offsets
 from ..errors import RouteError
 
 
 def _cu(cu_seqlens, name: str) -> torch.Tensor:
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-        raise RouteError(f"{name} must be a non-decreasing 1-D tensor starting at 0, got {cu.tolist()}")
-    return cu
+    return check_offsets(cu_seqlens, name, RouteError)
 
 
 def packed_source_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .._validate import check_binary_mask
+from .._validate import check_binary_mask, check_offsets
 from ..errors import ConfigError, ReplayError, RouteError
 
 __all__ = [
@@ -147,9 +147,8 @@ class ReplayBatch:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
             raise RouteError(f"a packed replay batch needs input_ids [tokens], got "
                              f"{tuple(getattr(input_ids, 'shape', ()))}")
-        cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
-        if (cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any())
-                or int(cu[-1]) != input_ids.numel()):
+        cu = check_offsets(cu_seqlens, "cu_seqlens", RouteError)
+        if int(cu[-1]) != input_ids.numel():
             raise RouteError(f"cu_seqlens must be non-decreasing from 0 to the {input_ids.numel()} packed tokens, "
                              f"got {cu.tolist()}")
         mask = torch.ones(input_ids.numel(), dtype=torch.bool) if route_mask is None else route_mask

@@ -51,6 +51,7 @@ from .._validate import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 from .sampling_mask import (
     _check_temperature,
+    _checked,
     _dense_logprob,
     _KeptMasks,
     _nonfinite_message,
@@ -193,7 +194,7 @@ def vocab_parallel_kept_logprob(
         if bool(bad.any()):
             raise RouteError(_nonfinite_message(logits_shard, int(bad.nonzero()[0, 0]), 0, ""))
         tokens = tokens.to(device=logits_shard.device, dtype=torch.int64)
-        return _dense_logprob(logits_shard, tokens, kept, temperature)
+        return _checked(_dense_logprob(logits_shard, tokens, kept, temperature), logits_shard, temperature)
 
     # Every check that could fail on one rank only is caught here and raised after the MAX
     # all-reduce, which carries an error flag: no rank is left waiting in a collective.
@@ -241,7 +242,8 @@ def vocab_parallel_kept_logprob(
     chosen = logits_shard.gather(1, torch.where(owns, local_token, 0)[:, None]).squeeze(1).to(dtype) / temperature
     picked = torch.where(owns, chosen - row_max, torch.zeros((), dtype=dtype, device=device))
     picked, sum_exp = reduce.sum(torch.stack([picked, sum_exp])).unbind(0)
-    return picked - sum_exp.log()
+    # a NaN row (logits / T overflowed) is NaN on every rank after the SUM: each rank raises alike
+    return _checked(picked - sum_exp.log(), logits_shard, temperature)
 
 
 def vocab_parallel_full_logprob(
