@@ -34,8 +34,11 @@ def small_report(tmp_path_factory):
 def test_report_schema(small_report):
     report, _ = small_report
     assert set(report) >= {"model", "rollout", "train", "num_tokens", "elapsed_s", "runs"}
-    assert report["rollout"] == {"engine": "transformers", "precision": "bf16", "dtype": "bf16"}
-    assert report["train"] == {"engine": "transformers", "precision": "fp32", "dtype": "fp32"}
+    import transformers
+
+    v = transformers.__version__
+    assert report["rollout"] == {"engine": "transformers", "precision": "bf16", "dtype": "bf16", "engine_version": v}
+    assert report["train"] == {"engine": "transformers", "precision": "fp32", "dtype": "fp32", "engine_version": v}
     assert report["batch_invariant"] is False
     assert [r["name"] for r in report["runs"]] == list(RUN_NAMES)
     n_layers = len(report["moe_layers"])

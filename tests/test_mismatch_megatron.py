@@ -37,7 +37,10 @@ def test_cli_train_megatron_replay_is_exact(tmp_path):
         warnings.simplefilter("ignore")
         assert main(["mismatch", *SMALL, "--train", "megatron", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["train"] == {"engine": "megatron", "precision": "fp32", "dtype": "fp32"}
+    from importlib.metadata import version
+
+    assert report["train"] == {"engine": "megatron", "engine_version": version("megatron-core"), "precision": "fp32",
+                               "dtype": "fp32"}
     runs = {r["name"]: r["metrics"] for r in report["runs"]}
     for name in ("routing_replay", "routing_replay+sampling_mask"):
         assert runs[name]["router_flip_rate"] == 0.0

@@ -75,8 +75,11 @@ def test_policy_options_reach_the_engines_and_the_json(tmp_path):
             "--rollout-precision", "fp16-fp32-router-head", "--train-precision", "bf16", "--json", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["rollout"] == {"engine": "transformers", "precision": "fp16-fp32-router-head", "dtype": "fp16"}
-    assert report["train"] == {"engine": "transformers", "precision": "bf16", "dtype": "bf16"}
+    rollout = {k: v for k, v in report["rollout"].items() if k != "engine_version"}
+    train = {k: v for k, v in report["train"].items() if k != "engine_version"}
+    assert rollout == {"engine": "transformers", "precision": "fp16-fp32-router-head", "dtype": "fp16"}
+    assert train == {"engine": "transformers", "precision": "bf16", "dtype": "bf16"}
+    assert report["rollout"]["engine_version"] == report["train"]["engine_version"]
     assert report["batch_invariant"] is False
     # the policy is applied to the live model: routers and LM head in fp32, everything else fp16
     engine = HFRolloutEngine(str(embedded_model_path()), "fp16-fp32-router-head")

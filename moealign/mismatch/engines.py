@@ -65,6 +65,7 @@ __all__ = [
     "register_rollout_engine",
     "register_train_engine",
     "HFRolloutEngine",
+    "VLLMRolloutEngine",
     "HFTrainEngine",
     "MegatronTrainEngine",
 ]
@@ -111,6 +112,7 @@ class TrainForward:
 
 class RolloutEngine(Protocol):
     name: str
+    version: str         # the engine's version (the report names it)
     dtype: str           # the policy's compute dtype, short name ("bf16")
     precision: str       # the precision policy's name
 
@@ -123,6 +125,7 @@ class RolloutEngine(Protocol):
 
 class TrainEngine(Protocol):
     name: str
+    version: str
     dtype: str
     precision: str
 
@@ -135,8 +138,10 @@ class TrainEngine(Protocol):
 
 
 def describe_engine(engine: RolloutEngine | TrainEngine) -> dict:
-    """The report's description of one side: engine, precision policy, compute dtype (+ attention)."""
-    desc = {"engine": engine.name, "precision": engine.precision, "dtype": engine.dtype}
+    """The report's description of one side: engine and its version, precision policy, compute dtype
+    (+ attention)."""
+    desc = {"engine": engine.name, "engine_version": str(engine.version), "precision": engine.precision,
+            "dtype": engine.dtype}
     attention = getattr(engine, "attention", None)
     if attention is not None:
         desc["attention"] = attention
@@ -179,6 +184,7 @@ class HFRolloutEngine:
     def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
                  batch_invariant: bool = False, attention: str | None = None):
         from ..patches.hf.loading import load_model, load_tokenizer
+        from ..patches.hf.model import transformers_version
 
         policy = resolve_precision(precision)
         self.batch_invariant = bool(batch_invariant)
@@ -186,6 +192,7 @@ class HFRolloutEngine:
         self.model, self.precision_handle = load_model(model_path, policy, device, self.attention)
         self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
+        self.version = transformers_version()
 
     def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
         from ..patches import hf
@@ -209,6 +216,54 @@ class HFRolloutEngine:
         self.model = self.precision_handle = self.tokenizer = None
 
 
+class VLLMRolloutEngine:
+    """vLLM ``LLM.generate`` with route and kept-set recording (:mod:`moealign.patches.vllm`): the engine RL
+    runs roll out with. The precision policy becomes vLLM engine arguments
+    (:func:`~moealign.precision.policy.to_vllm_engine_args`); a policy vLLM cannot express
+    (:func:`~moealign.precision.policy.vllm_gaps`) is refused, as are the transformers-only options."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
+                 batch_invariant: bool = False, attention: str | None = None):
+        from ..precision.policy import to_vllm_engine_args, vllm_gaps
+
+        policy = resolve_precision(precision)
+        gaps = vllm_gaps(policy)
+        if gaps:
+            raise ConfigError(f"precision {policy.name!r} cannot run in vLLM yet: {'; '.join(gaps)}")
+        if batch_invariant:
+            raise ConfigError("--batch-invariant is not available with --rollout vllm yet (vLLM's kernels are not "
+                              "covered by moealign's batch-invariant mode); use --rollout hf")
+        if attention is not None:
+            raise ConfigError(f"--attention {attention} selects the transformers engines' attention; vLLM uses its "
+                              f"own (drop --attention with --rollout vllm)")
+        from ..patches.vllm.engine import open_llm, vllm_version
+
+        args = to_vllm_engine_args(policy)
+        extra = {k: v for k, v in args.items() if k != "dtype" and v is not None}
+        self.batch_invariant, self.attention = False, None
+        self.precision, self.device = policy.name, device
+        self.dtype = short_dtype(DTYPES_BY_VLLM[args["dtype"]])
+        self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
+        self.version = vllm_version()
+
+    def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
+        from ..patches.vllm.rollout import generate_with_record
+
+        record = generate_with_record(self.llm, list(prompts), sampling=sampling, max_new_tokens=max_new_tokens,
+                                      seed=seed)
+        if progress:
+            progress(len(prompts))
+        return record
+
+    def close(self) -> None:
+        self.llm = None
+
+
+DTYPES_BY_VLLM = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class HFTrainEngine:
     """transformers full-sequence forward (no KV cache), optionally with routing replay."""
 
@@ -217,6 +272,7 @@ class HFTrainEngine:
     def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
                  batch_invariant: bool = False, attention: str | None = None):
         from ..patches.hf.loading import load_model
+        from ..patches.hf.model import transformers_version
 
         policy = resolve_precision(precision)
         self.batch_invariant = bool(batch_invariant)
@@ -225,6 +281,7 @@ class HFTrainEngine:
         self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
         pad = self.model.generation_config.pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
+        self.version = transformers_version()
 
     def meta(self) -> RecordMeta:
         from ..patches import hf
@@ -280,6 +337,9 @@ class MegatronTrainEngine:
         from ..patches import megatron as mg
         from ..patches.hf.loading import load_model
         from ..patches.megatron import checkpoint as mc
+        from ..patches.megatron.version import megatron_version
+
+        self.version = megatron_version()
 
         if attention is not None:
             raise ConfigError(f"the megatron engine has one attention (the local spec's unfused "
@@ -357,5 +417,6 @@ class MegatronTrainEngine:
 
 
 register_rollout_engine("hf", HFRolloutEngine)
+# register_rollout_engine("vllm", VLLMRolloutEngine)  -- once patches/vllm/rollout.py records
 register_train_engine("hf", HFTrainEngine)
 register_train_engine("megatron", MegatronTrainEngine)

