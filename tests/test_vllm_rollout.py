@@ -3,7 +3,7 @@ model in vLLM's CPU build, fp32, 6 prompts through 3 sequence slots and a 40-tok
 whose samples vLLM discards, requests joining as others finish). The record is checked for its format and
 against an independent engine: transformers fp32 on the recorded tokens must route the same experts (router flip
 rate < 1%, where routes shifted by one row, the slip a wrong row map makes, flip most pairs) and give the same
-kept-set log-probs. vLLM keeps process-wide state: the engine runs in a child process (tests/vllm_record.py).
+kept-set log-probs; the same run without chunking gives the same record. vLLM keeps process-wide state: the engine runs in a child process (tests/vllm_record.py).
 Skipped only where vLLM is not installed."""
 
 from __future__ import annotations
@@ -26,15 +26,18 @@ needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not install
 SCRIPT = pathlib.Path(__file__).with_name("vllm_record.py")
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_record") / "rollout.safetensors"
+def _record(path: pathlib.Path, mode: str) -> tuple[pathlib.Path, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "fp32"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "fp32", mode], capture_output=True, text=True,
                           timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return path, json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    return _record(tmp_path_factory.mktemp("vllm_record") / "rollout.safetensors", "chunked")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,7 @@ def test_record_format_and_engine_checks(recorded, tmp_path):
     assert all(result["same_prompts"]) and all(result["seeded_repeat"])   # seed + i per sample: reproducible
     assert result["restored"] and result["restored_on_error"]     # every patch undone, also on an exception
     assert result["prefix_refused"]
+    assert result["discarded_rows"] > 0                           # partial prefill chunks were sampled and dropped
     print(f"\nrecord {result['record_s']:.3f} s vs plain llm.generate {result['plain_s']:.3f} s "
           f"({sum(s.response_len for s in record.samples)} response tokens)")
 
@@ -114,6 +118,23 @@ def test_record_agrees_with_transformers_fp32(recorded, hf_fp32):
     assert flips.router_flip_rate < 0.01
     assert control.router_flip_rate > 0.5
     assert max(gaps) < 1e-3
+
+
+@needs_vllm
+def test_record_does_not_depend_on_batching(recorded, tmp_path):
+    """The same prompts, sampling and seed with every prompt prefilled at once (8 slots, no chunking): the same
+    record. Sample i draws from its own seed (seed + i), and the recorder keeps each request's generator where
+    vLLM 0.32's CPU build would fail to rewind it after a discarded partial-prefill sample."""
+    from moealign.record import RolloutRecord
+
+    chunked = RolloutRecord.load(recorded[0])
+    path, result = _record(tmp_path / "whole.safetensors", "whole")
+    whole = RolloutRecord.load(path)
+    assert result["discarded_rows"] == 0
+    for a, b in zip(chunked.samples, whole.samples, strict=True):
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.routes, b.routes) and torch.equal(a.kept_ids, b.kept_ids)
+        assert float((a.logprobs - b.logprobs).abs().max()) < 1e-5
 
 
 def test_generate_with_record_refuses_bad_arguments():

@@ -3,7 +3,10 @@ embedded model with moealign.patches.vllm.rollout.generate_with_record, save it,
 timings and the checks that need the live engine (patches undone after the call, also on an exception;
 prefix caching refused).
 
-usage: python tests/vllm_record.py OUT.safetensors [DTYPE]
+usage: python tests/vllm_record.py OUT.safetensors [DTYPE] [chunked|whole]
+
+``chunked`` (the default): 3 sequence slots and a 16-token step budget; ``whole``: 8 slots and a 2048-token budget
+(every prompt prefilled in one step, all requests together), the same prompts, sampling and seed.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ if __name__ == "__main__":
     from moealign.record import SamplingParams
 
     out, dtype = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "fp32")
-    # 6 prompts of different lengths, 3 sequences at a time and a 40-token step budget: prefills are chunked
-    # (partial chunks whose samples vLLM discards), requests join as others finish, decode and prefill rows mix
-    llm = open_llm(str(embedded_model_path()), dtype=dtype, max_num_seqs=3, max_num_batched_tokens=40,
+    mode = sys.argv[3] if len(sys.argv) > 3 else "chunked"
+    slots, budget = {"chunked": (3, 16), "whole": (8, 2048)}[mode]
+    # 6 prompts of 8 to 32 tokens; chunked: 3 sequences at a time and a 16-token step budget, so prefills are
+    # chunked (partial chunks whose samples vLLM discards), requests join as others finish, decode and prefill mix
+    llm = open_llm(str(embedded_model_path()), dtype=dtype, max_num_seqs=slots, max_num_batched_tokens=budget,
                    max_model_len=256, enable_prefix_caching=False)
     prompts = [p[:n] for p, n in zip(default_prompts()[:6], (40, 90, 25, 120, 60, 33))]
     sampling = SamplingParams(temperature=0.9, top_p=0.9, top_k=50)
@@ -42,9 +47,18 @@ if __name__ == "__main__":
     params = [VllmSamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, logprobs=0, detokenize=False)
               for _ in prompts]
     llm.generate(prompts, params, use_tqdm=False)                       # warm-up
+    # count the engine's sampler rows whose sample vLLM discards (partial prefill chunks) during the record
+    sampler, discarded = runner.sampler, []
+    sampler_forward = sampler.forward
+
+    def counting_forward(*args, **kwargs):
+        discarded.append(int(runner.discard_request_mask.np[:runner.input_batch.num_reqs].sum()))
+        return sampler_forward(*args, **kwargs)
+    sampler.forward = counting_forward
     t0 = time.perf_counter()
     record = generate_with_record(llm, prompts, sampling=sampling, max_new_tokens=12, seed=3)
     t_record = time.perf_counter() - t0
+    del sampler.forward
     restored = state() == before
     t0 = time.perf_counter()
     plain = llm.generate(prompts, params, use_tqdm=False)
@@ -78,4 +92,5 @@ if __name__ == "__main__":
     record.save(out)
     print("RESULT " + json.dumps({"record_s": t_record, "plain_s": t_plain, "same_prompts": same_prompts,
                                   "seeded_repeat": seeded_repeat, "restored": restored,
-                                  "restored_on_error": restored_on_error, "prefix_refused": prefix_refused}), flush=True)
+                                  "restored_on_error": restored_on_error, "prefix_refused": prefix_refused,
+                                  "discarded_rows": sum(discarded), "steps": len(discarded)}), flush=True)
