@@ -1,10 +1,10 @@
 """vLLM rollout recording (``moealign.patches.vllm.rollout.generate_with_record``) on a real engine: the embedded
-model in vLLM's CPU build, fp32, 6 prompts through 3 sequence slots and a 40-token step budget (chunked prefills
+model in vLLM's CPU build, fp32, 6 prompts through 3 sequence slots and a 16-token step budget (chunked prefills
 whose samples vLLM discards, requests joining as others finish). The record is checked for its format and
 against an independent engine: transformers fp32 on the recorded tokens must route the same experts (router flip
 rate < 1%, where routes shifted by one row, the slip a wrong row map makes, flip most pairs) and give the same
-kept-set log-probs; the same run without chunking gives the same record. vLLM keeps process-wide state: the engine runs in a child process (tests/vllm_record.py).
-Skipped only where vLLM is not installed."""
+kept-set log-probs; the same run without chunking gives the same record. vLLM keeps process-wide state: each
+engine runs in a child process (tests/vllm_record.py). Skipped only where vLLM is not installed."""
 
 from __future__ import annotations
 

@@ -24,10 +24,17 @@ a :class:`~moealign.handle.PatchHandle` (scope ``"instance"``) undone when the c
 
 Prefix caching is refused (cached prompt positions are never forwarded, so they would have no routes), as are
 speculative decoding, async scheduling, monolithic MoE kernels and a temperature below vLLM's greedy threshold
-(1e-5: vLLM then samples greedily and never truncates). The record's metadata comes from the live vLLM model
-(:func:`record_meta`): the checkpoint config vLLM loaded for the fingerprint, its live routers for the MoE layers,
-experts and top-k, and the checkpoint's router weights (read from its safetensors files: vLLM's CPU build repacks
-the live gate weights) for the router signature, so it matches :func:`moealign.patches.hf.record_meta` of the same checkpoint.
+(1e-5: vLLM then samples greedily and never truncates). The record's metadata (:func:`record_meta`): the
+fingerprint of the checkpoint config vLLM loaded, the MoE layers, experts and top-k of its live routers, and the
+router signature of the checkpoint's router weights, read from its safetensors files (vLLM's CPU build repacks
+the live gate weights into a oneDNN kernel and leaves the parameter empty); so it matches
+:func:`moealign.patches.hf.record_meta` of the same checkpoint.
+
+Sample ``i`` draws from its own seed (``seed + i``). vLLM 0.32's CPU build cannot rewind such a per-request
+generator after a sample it discards (a partial prefill chunk: ``gen.set_offset`` raises "CPU Generator does not
+use offset"); while recording, the sampler wrapper restores that generator's state itself and hides it from the
+failing rewind until the next step, so seeded sampling works under chunked prefill and a sample does not depend
+on how the batch was chunked.
 """
 
 from __future__ import annotations
