@@ -34,9 +34,18 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     below = parse_fail_above(args.fail_below, below=True)
     if args.sweep and (args.load_record or args.save_record):
         raise ConfigError("--sweep runs its own rollouts: it cannot be combined with --load-record / --save-record")
+    # the main job's engines are the ones RL runs use: vLLM rolls out, Megatron trains
+    rollout = args.rollout or (None if args.load_record else CLI_ROLLOUT)
+    train = args.train or CLI_TRAIN
+    hf_only = [flag for flag, given in (("--sweep", args.sweep), ("--batch-invariant", args.batch_invariant),
+                                        ("--attention", args.attention is not None)) if given]
+    if hf_only and not (args.rollout and args.train) and (rollout == "vllm" or train == "megatron"):
+        raise ConfigError(f"{', '.join(hf_only)}: transformers-engine options (batch-invariant attention, the "
+                          f"precision sweep); the default engines are --rollout {CLI_ROLLOUT} --train {CLI_TRAIN}: add "
+                          f"--rollout hf --train hf")
     cfg = MismatchConfig(
-        model=args.model, rollout_engine=args.rollout, rollout_precision=args.rollout_precision,
-        train_engine=args.train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
+        model=args.model, rollout_engine=rollout, rollout_precision=args.rollout_precision,
+        train_engine=train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
         train_dtype=args.train_dtype, batch_invariant=args.batch_invariant, attention=args.attention,
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
@@ -52,6 +61,11 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         report = run_mismatch(cfg, progress=progress, log=log)
     return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below))
+
+
+#: The engines of ``moealign mismatch`` when --rollout / --train are not given (the API's MismatchConfig keeps
+#: transformers on both sides).
+CLI_ROLLOUT, CLI_TRAIN = "vllm", "megatron"
 
 
 def _check_json_path(json_path: str | None, inputs: dict[str, str | None] | None = None,
@@ -104,14 +118,16 @@ def _add_mismatch(sub) -> None:
         description="Zero-staleness mismatch test. The rollout engine samples responses (recording log-probs, "
         "routes and kept sets); the training engine recomputes the same tokens' log-probs without alignment, "
         "with routing replay, with the sampling mask, and with both. With no arguments it runs the embedded "
-        "tiny MoE model on CPU.")
+        "tiny MoE model on CPU, vLLM rolling out and Megatron-core training (the engines RL runs use).")
     policies = ", ".join(sorted(POLICIES))
     p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
-    p.add_argument("--rollout", choices=sorted(ROLLOUT_ENGINES), help="rollout engine (default hf)")
+    p.add_argument("--rollout", choices=sorted(ROLLOUT_ENGINES),
+                   help=f"rollout engine (default {CLI_ROLLOUT}; hf: transformers generate())")
     p.add_argument("--rollout-precision", metavar="NAME",
                    help=f"rollout precision policy (default bf16): {policies}")
     p.add_argument("--rollout-dtype", choices=sorted(DTYPES), help="alias of --rollout-precision for plain dtypes")
-    p.add_argument("--train", default="hf", choices=sorted(TRAIN_ENGINES), help="training engine (default hf)")
+    p.add_argument("--train", choices=sorted(TRAIN_ENGINES),
+                   help=f"training engine (default {CLI_TRAIN}; hf: a transformers full-sequence forward)")
     p.add_argument("--train-precision", metavar="NAME",
                    help=f"training precision policy (default fp32): {policies}")
     p.add_argument("--train-dtype", choices=sorted(DTYPES), help="alias of --train-precision for plain dtypes")

@@ -20,13 +20,14 @@ from moealign.mismatch import (  # noqa: E402
 from moealign.record import RecordMismatchError, RolloutRecord  # noqa: E402
 
 SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]
+HF = ["--rollout", "hf", "--train", "hf"]
 
 
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("mm") / "report.json"
     record = out.parent / "record.safetensors"
-    rc = main(["mismatch", *SMALL, "--json", str(out), "--save-record", str(record)])
+    rc = main(["mismatch", *HF, *SMALL, "--json", str(out), "--save-record", str(record)])
     assert rc == 0
     return json.loads(out.read_text()), record
 
@@ -79,7 +80,7 @@ def test_fp32_both_sides_shrinks_the_gap(small_report):
 def test_load_record_reproduces(small_report, tmp_path):
     report, record = small_report
     again = tmp_path / "again.json"
-    assert main(["mismatch", "-q", "--load-record", str(record), "--batch-size", "8", "--json", str(again)]) == 0
+    assert main(["mismatch", "-q", "--train", "hf", "--load-record", str(record), "--batch-size", "8", "--json", str(again)]) == 0
     rerun = json.loads(again.read_text())
     assert [r["metrics"] for r in rerun["runs"]] == [r["metrics"] for r in report["runs"]]
 
@@ -96,7 +97,7 @@ def test_record_of_other_model_is_refused(small_report, tmp_path):
 
 def test_fail_above_exit_codes(small_report, tmp_path, capsys):
     _, record = small_report
-    base = ["mismatch", "-q", "--load-record", str(record), "--batch-size", "8"]
+    base = ["mismatch", "-q", "--train", "hf", "--load-record", str(record), "--batch-size", "8"]
     assert main(base + ["--fail-above", "router_flip_rate=0", "--fail-above", "support_mismatch_rate=0"]) == 0
     assert main(base + ["--fail-above", "kl_k3=-1"]) == 3
     assert "kl_k3" in capsys.readouterr().err
@@ -133,7 +134,7 @@ def test_cli_corrupt_record(small_report, tmp_path, capsys):
     data = path.read_bytes()
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(data[: len(data) // 2])
-    assert main(["mismatch", "-q", "--load-record", str(bad)]) == 2
+    assert main(["mismatch", "-q", "--train", "hf", "--load-record", str(bad)]) == 2
     assert "truncated or corrupt" in capsys.readouterr().err
 
 

@@ -35,7 +35,7 @@ def test_cli_train_megatron_replay_is_exact(tmp_path):
     out = tmp_path / "report.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main(["mismatch", *SMALL, "--train", "megatron", "--json", str(out)]) == 0
+        assert main(["mismatch", *SMALL, "--rollout", "hf", "--train", "megatron", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     from importlib.metadata import version
 

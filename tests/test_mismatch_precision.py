@@ -71,8 +71,8 @@ def test_levers_without_batch_invariance_stay_small(fp32_reports):
 
 def test_policy_options_reach_the_engines_and_the_json(tmp_path):
     out = tmp_path / "r.json"
-    argv = ["mismatch", "-q", "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2",
-            "--rollout-precision", "fp16-fp32-router-head", "--train-precision", "bf16", "--json", str(out)]
+    argv = ["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--num-prompts", "2", "--max-new-tokens", "6",
+            "--batch-size", "2", "--rollout-precision", "fp16-fp32-router-head", "--train-precision", "bf16", "--json", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     rollout = {k: v for k, v in report["rollout"].items() if k != "engine_version"}

