@@ -53,3 +53,21 @@ def test_bench_megatron_replay_smoke(tmp_path):
     assert "target <= 1.03x" in proc.stdout
     result = json.loads(out.read_text())
     assert result["recompute"] is True and result["plain_ms"] > 0 and result["ratio"] > 0
+
+
+def test_bench_vllm_record_smoke(tmp_path):
+    import pytest
+
+    from moealign._optional import probe
+
+    if not probe("vllm").available:
+        pytest.skip("vLLM is not installed")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_vllm_record.py"), "--num-prompts", "2", "--max-new-tokens", "4",
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["plain_s"] > 0 and result["record_s"] > 0 and result["ratio_min"] > 0

@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     llm = open_llm(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, enable_prefix_caching=False)
     from vllm import SamplingParams as VLLMSampling
 
-    plain_params = VLLMSampling(temperature=1.0, top_p=0.9, max_tokens=args.max_new_tokens, seed=0, logprobs=0)
+    # the recorder seeds sample i with seed + i and does not detokenize: the plain run does the same, so both
+    # sample the same tokens
+    plain_params = [VLLMSampling(temperature=1.0, top_p=0.9, max_tokens=args.max_new_tokens, seed=i, logprobs=0,
+                                 detokenize=False) for i in range(len(prompts))]
 
     def plain():
         llm.generate(prompts, plain_params, use_tqdm=False)
@@ -50,7 +53,10 @@ def main(argv=None) -> int:
     def record():
         generate_with_record(llm, prompts, sampling=sampling, max_new_tokens=args.max_new_tokens, seed=0)
 
-    plain(), record()                                   # warm-up (first calls allocate)
+    plain_tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, plain_params, use_tqdm=False))
+    recorded = generate_with_record(llm, prompts, sampling=sampling, max_new_tokens=args.max_new_tokens, seed=0)
+    if recorded.num_response_tokens != plain_tokens:       # warm-up, and the same work on both sides
+        print(f"warning: plain sampled {plain_tokens} tokens, the recorder {recorded.num_response_tokens}")
     t = interleaved({"plain": plain, "record": record}, args.repeats)
     out = {"plain_s": t["plain"], "record_s": t["record"], "ratio_min": t["record"] / t["plain"],
            "ratio_median": t["record_median"] / t["plain_median"], "prompts": len(prompts),

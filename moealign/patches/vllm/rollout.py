@@ -462,7 +462,7 @@ def generate_with_record(
     tokenizer: Any = None,
     record_routes: bool = True,
     record_kept_sets: bool = True,
-    validate: bool = True,
+    validate: bool = False,
 ) -> RolloutRecord:
     """Sample one response per prompt with the in-process ``vllm.LLM`` ``llm`` and return its
     :class:`~moealign.record.RolloutRecord` (the transformers adapter's format, ``meta.engine == "vllm"``).
@@ -477,6 +477,8 @@ def generate_with_record(
     experts each MoE layer chose for input token ``i`` (prompt + response minus the last token); kept sets are
     the finite entries of the sampler's processed log-probs. Every capture is checked against the returned
     tokens (:class:`~moealign.errors.ReplayError` on a mismatch) and undone on return or on an exception.
+    ``validate=True`` also runs the record's full validation (as the transformers adapter, off by default: it
+    costs about 3% of a small CPU rollout; records read from files are always validated).
     """
     if not isinstance(sampling, SamplingParams):
         raise InputTypeError(f"sampling must be a moealign.record.SamplingParams, got {type(sampling).__name__}")
@@ -551,7 +553,7 @@ def generate_with_record(
                 p = int((seen != token_ids[:L - 1]).nonzero()[0, 0])
                 raise ReplayError(f"{where}: the forward's input at position {p} was token {int(seen[p])}, the "
                                   f"record's token is {int(token_ids[p])}: the row map is wrong")
-            sample_routes = compact_routes(routes[rows], meta.num_experts)
+            sample_routes = routes[rows]            # validated and compacted below, all samples at once
 
         mine = (k_req == r).nonzero().flatten()
         last = _latest(k_pos[mine], torch.arange(P, L))
@@ -573,7 +575,21 @@ def generate_with_record(
             starts = torch.repeat_interleave(k_off[rows], counts)
             within = torch.arange(int(kept_offsets[-1])) - torch.repeat_interleave(kept_offsets[:-1], counts)
             kept_ids = k_ids[starts + within]
-            check_tokens_in_kept(kept_offsets, kept_ids, token_ids[P:], vocab_size=meta.vocab_size)
         samples.append(Sample(token_ids=token_ids, prompt_len=P, logprobs=logprobs, routes=sample_routes,
                               kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=sampling))
+    _check_and_compact(samples, meta, record_kept_sets)
     return RolloutRecord(meta, samples, validate=validate)
+
+
+def _check_and_compact(samples: list[Sample], meta: RecordMeta, kept_sets: bool) -> None:
+    """One pass over every sample (not one per sample): route ids in range and distinct, compacted to the
+    record's route dtype; every sampled token inside its kept set."""
+    if samples and samples[0].routes is not None:
+        sizes = [s.routes.shape[0] for s in samples]
+        for s, r in zip(samples, compact_routes(torch.cat([s.routes for s in samples]), meta.num_experts).split(sizes)):
+            s.routes = r
+    if kept_sets and samples:
+        counts = torch.cat([s.kept_offsets.diff() for s in samples])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        check_tokens_in_kept(offsets, torch.cat([s.kept_ids for s in samples]),
+                             torch.cat([s.response_ids for s in samples]), vocab_size=meta.vocab_size)
