@@ -1,0 +1,310 @@
+"""vLLM adapter, replay side: force recorded routes inside a vLLM forward (no engine offers this).
+
+:class:`RouteForcer` (a :class:`~moealign.handle.PatchHandle`, scope ``"instance"``) replaces, in every MoE router
+of an in-process vLLM engine (:func:`moealign.patches.vllm.rollout.moe_routers`), the router's top-k by the
+recorded expert ids of the rows of the current engine step:
+
+* **patch point**: each router's ``_compute_routing(hidden_states, router_logits, indices_type, *, input_ids)``
+  (an instance attribute over the class method; ``BaseRouter._select_experts`` calls it, then the capture hook,
+  then EPLB mapping and the index cast, so the forced ids are *logical* ids and the capture hook sees the ids that
+  the experts then run with);
+* **the row map**: a :class:`~moealign.patches.vllm.rollout.VllmRecorder` (the recorder's own step hooks:
+  ``execute_model`` / ``_model_forward``) notes per step the request ids in row order, ``query_start_loc``, the
+  ``positions`` and ``input_ids`` the model is given; every row is a (request, position) pair. The request is
+  identified by ``SamplingParams.extra_args["moealign_sample"]`` (the sample index), read from the runner's
+  request state, so vLLM's request ids and batching play no part. The same recorder captures, through the
+  routers' ``capture_fn``, the experts that actually ran (read after forcing, not what was set);
+* **gate weights**: recomputed from vLLM's own router logits at the forced ids with moealign's replay math
+  (:func:`moealign.routing_replay.gates.replay_gate_weights`) under the :class:`RouterScoring` that matches the
+  vLLM router (:func:`vllm_router_scoring`): vLLM's CPU router (``CPURouter``, softmax, no groups / bias / custom
+  function) takes ``topk`` of the *logits* and, with ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``), a
+  softmax over the k chosen logits in the logits' dtype, returned as float32: ``RouterScoring("softmax_topk",
+  weights_in_fp32=False)`` (bitwise vLLM's weights at the same ids); without ``renormalize`` it returns
+  ``exp(logit - logsumexp)`` in the logits' dtype, which the replay math has no form for: ``RouterScoring("softmax",
+  weights_in_fp32=False)`` is the same function, equal up to rounding (fp32 logits: 5e-7; bf16 logits: 3e-2, vLLM's
+  bf16 logsumexp being the coarser one), not bitwise. vLLM's CUDA ``FusedTopKRouter`` (``topk_softmax``: float32
+  softmax over all experts, top-k, optional division by the sum) is ``RouterScoring("softmax", renormalize)``
+  (not checked against the CUDA kernel: no GPU test yet). Each is the family's scoring (Qwen3-MoE: softmax, top-k,
+  renormalised) up to rounding; the vLLM form is used so that forcing the ids vLLM itself chose gives vLLM's own
+  weights (bitwise on the CPU router with ``renormalize``). Any other router is refused.
+
+Rows whose position has no recorded route are left to the router (with :func:`score_with_routes`: the last
+token of each sample, whose output no scored log-prob depends on). A row whose input token is not the record's
+token at that position raises :class:`~moealign.errors.ReplayError`.
+
+:func:`score_with_routes` is the main use: it runs each sample's prompt + response through vLLM as a prompt
+(``max_tokens=1``, ``prompt_logprobs=0``) with the sample's routes forced, and returns the log-probs of the response
+tokens. What they are (vLLM 0.32, ``GPUModelRunner._get_prompt_logprobs_dict``): prompt tokens skip the sampling
+processors, so they are ``log_softmax(logits.float())`` of the model's logits at the previous position, i.e.
+**raw log-probs at temperature 1 over the full vocabulary** (no temperature, top-k / top-p / min-p: vLLM applies
+none of the record's sampling to prompt log-probs, in every ``logprobs_mode``). They are therefore comparable with
+a trainer's full-vocabulary log-probs, not with the record's processed (kept-set) log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ...errors import EngineError, InputTypeError, ReplayConfigError, ReplayError, UnsupportedEngineError
+from ...families import get_family
+from ...handle import PatchHandle
+from ...record import RolloutRecord
+from ...routing_replay.gates import RouterScoring, replay_gate_weights
+from ...routing_replay.routes import expand_routes
+from .rollout import VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
+
+__all__ = ["RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
+
+#: ``SamplingParams.extra_args`` key naming the sample a vLLM request scores.
+SAMPLE_KEY = "moealign_sample"
+
+
+def vllm_router_scoring(router: Any, family_scoring: RouterScoring | None = None) -> RouterScoring:
+    """The :class:`RouterScoring` whose replay weights equal what the vLLM ``router`` computes (see the module
+    docstring); :class:`UnsupportedEngineError` for a router whose routing it does not reproduce, and when
+    ``family_scoring`` (the model family's) disagrees with the router on renormalisation."""
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
+
+    name = type(router).__name__
+    if type(router) not in (CPURouter, FusedTopKRouter):
+        raise UnsupportedEngineError(f"vLLM router {name}: routes can be forced through CPURouter and "
+                                     f"FusedTopKRouter (plain softmax top-k) only")
+    if getattr(router, "scoring_func", None) != "softmax":
+        raise UnsupportedEngineError(f"vLLM router {name} scores with {router.scoring_func!r}, not softmax")
+    if isinstance(router, CPURouter) and (router.use_grouped_topk or router.custom_routing_function is not None
+                                          or router.e_score_correction_bias is not None):
+        raise UnsupportedEngineError(f"vLLM router {name} uses grouped top-k, a correction bias or a custom routing "
+                                     f"function: not plain softmax top-k")
+    renormalize = bool(router.renormalize)
+    if family_scoring is not None:
+        if family_scoring.score != "softmax" or family_scoring.grouped or family_scoring.scaling_factor != 1.0:
+            raise UnsupportedEngineError(f"the model family scores {family_scoring}, vLLM's {name} plain softmax")
+        if family_scoring.renormalize != renormalize:
+            raise UnsupportedEngineError(f"vLLM's {name} has renormalize={renormalize}, the model family "
+                                         f"{family_scoring.renormalize}")
+    if isinstance(router, CPURouter):
+        if renormalize:      # softmax over the k chosen logits, in the logits' dtype
+            return RouterScoring("softmax_topk", renormalize=False, weights_in_fp32=False)
+        return RouterScoring("softmax", renormalize=False, weights_in_fp32=False)
+    return RouterScoring("softmax", renormalize=renormalize, weights_in_fp32=True)
+
+
+class RouteForcer(PatchHandle):
+    """Forced routes inside an in-process vLLM engine (scope ``"instance"``; see the module docstring).
+
+    ``tables[i]``: sample ``i``'s route table ``[positions, moe layers, k]`` (any integer dtype; row ``p`` forces
+    position ``p``), ``tokens[i]`` its token ids (each forced row's input token is checked against them). A request
+    is sample ``i`` when its ``SamplingParams.extra_args[SAMPLE_KEY] == i``; requests without it route natively.
+    ``force=False`` forces nothing (the router wrapper only maps requests to samples; the capture of what ran). ``recorder.steps`` holds what
+    ran; :meth:`ran_routes` assembles it per sample.
+    """
+
+    def __init__(self, runner, routers: Sequence[tuple[int, str, Any]], num_experts: int,
+                 tables: Sequence[torch.Tensor | None], tokens: Sequence[torch.Tensor],
+                 scorings: Sequence[RouterScoring], *, force: bool = True):
+        super().__init__(f"forced routes on {type(runner).__name__} ({len(routers)} MoE routers, "
+                         f"{len(tables)} samples)", "instance")
+        self.runner = runner
+        self.routers = list(routers)
+        self.tables = [None if t is None or not force else expand_routes(t) for t in tables]
+        self.tokens = [torch.as_tensor(t).to(torch.int64) for t in tokens]
+        self.scorings = list(scorings)
+        self.force = force
+        self.recorder = VllmRecorder(runner, routers, num_experts, record_routes=True, record_kept_sets=False)
+        self.sample_of: dict[str, int] = {}   # vLLM request id -> sample index
+        self.forced_rows = 0
+        self.stray_calls = 0
+        self._plan_for: Any = None
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---------------------------------------------------------------- the row map
+    def _sample(self, req_id: str) -> int | None:
+        if req_id in self.sample_of:
+            return self.sample_of[req_id]
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        index = extra.get(SAMPLE_KEY)
+        if index is not None and not (isinstance(index, int) and 0 <= index < len(self.tables)):
+            raise ReplayError(f"vLLM request {req_id} names sample {index!r}, not one of {len(self.tables)}")
+        self.sample_of[req_id] = index
+        return index
+
+    def _step_plan(self, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of this step to force, their ids [rows, layers, k] int64), computed once per step."""
+        if self._plan_for is step:
+            return self._plan
+        rows, ids = [], []
+        qsl = step.query_start_loc
+        for j, req_id in enumerate(step.req_ids):
+            i = self._sample(req_id)
+            if i is None or self.tables[i] is None:
+                continue
+            a, b = int(qsl[j]), int(qsl[j + 1])
+            pos = step.positions[a:b]
+            table = self.tables[i]
+            keep = (pos >= 0) & (pos < table.shape[0])
+            if not bool(keep.any()):
+                continue
+            here = torch.arange(a, b)[keep]
+            p = pos[keep]
+            expected = self.tokens[i][p]
+            seen = step.input_ids[here]
+            if not torch.equal(seen, expected):
+                k = int((seen != expected).nonzero()[0, 0])
+                raise ReplayError(f"sample {i} (vLLM request {req_id}): the forward's input at position {int(p[k])} "
+                                  f"is token {int(seen[k])}, the record's token is {int(expected[k])}")
+            rows.append(here)
+            ids.append(table[p])
+        if rows:
+            plan = (torch.cat(rows), torch.cat(ids))
+        else:
+            plan = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0, 0, dtype=torch.int64))
+        self._plan_for, self._plan = step, plan
+        self.forced_rows += int(plan[0].numel())
+        return plan
+
+    def _compute_routing(self, index: int, original, scoring: RouterScoring):
+        layer = self.routers[index][0]
+
+        def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
+            weights, ids = original(hidden_states, router_logits, indices_type, *args, **kwargs)
+            step = self.recorder._current
+            if step is None:
+                self.stray_calls += 1
+                return weights, ids
+            rows, forced = self._step_plan(step)
+            if rows.numel() == 0:
+                return weights, ids
+            if int(rows.max()) >= ids.shape[0]:
+                raise ReplayError(f"the router of layer {layer} saw {ids.shape[0]} rows, the step has "
+                                  f"{int(rows.max()) + 1}")
+            if forced.shape[-1] != ids.shape[-1]:
+                raise ReplayError(f"the record forces {forced.shape[-1]} experts per row, the router of layer "
+                                  f"{layer} chooses {ids.shape[-1]}")
+            rows_d = rows.to(ids.device)
+            chosen = forced[:, index].to(router_logits.device)
+            gate = replay_gate_weights(router_logits[rows_d], chosen, scoring, out_dtype=weights.dtype,
+                                       validate=False)
+            ids = ids.clone()
+            weights = weights.clone()
+            ids[rows_d] = chosen.to(ids.dtype)
+            weights[rows_d] = gate
+            return weights.contiguous(), ids.contiguous()
+        return _compute_routing
+
+    def attach(self) -> "RouteForcer":
+        try:
+            self.add_handle(self.recorder.attach(), "row map and route capture")
+            # installed with force=False too (every table None: nothing forced, requests still mapped to samples)
+            for index, ((layer, _, router), scoring) in enumerate(zip(self.routers, self.scorings)):
+                self.set_attr(router, "_compute_routing",
+                              self._compute_routing(index, router._compute_routing, scoring),
+                              f"router of layer {layer}._compute_routing")
+        except BaseException:
+            self.undo()
+            raise
+        return self
+
+    # ---------------------------------------------------------------- what ran
+    def ran_routes(self, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Per sample, the experts that ran at positions ``0 .. lengths[i] - 1`` (int64 ``[n, layers, k]``, the
+        latest forward of each position), read from the routers' capture hook."""
+        names, (row_req, row_pos, _, routes), _ = self.recorder._flat()
+        by_sample = {self.sample_of.get(name): r for name, r in names.items()}
+        out = []
+        for i, n in enumerate(lengths):
+            if i not in by_sample:
+                raise ReplayError(f"no engine step of sample {i} was seen")
+            mine = (row_req == by_sample[i]).nonzero().flatten()
+            last = _latest(row_pos[mine], torch.arange(n))
+            if bool((last < 0).any()):
+                raise ReplayError(f"sample {i}: no route ran for position {int((last < 0).nonzero()[0, 0])}")
+            out.append(routes[mine[last]].to(torch.int64))
+        return out
+
+
+def _engine_scorings(llm, runner, routers) -> list[RouterScoring]:
+    family = get_family(getattr(llm.llm_engine.model_config.hf_config, "model_type", None))
+    family_scoring = family.scoring(llm.llm_engine.model_config.hf_config)
+    return [vllm_router_scoring(router, family_scoring) for _, _, router in routers]
+
+
+def _check_engine(llm, runner) -> None:
+    config = llm.llm_engine.vllm_config
+    if getattr(config.cache_config, "enable_prefix_caching", False):
+        raise ReplayConfigError("the LLM has prefix caching on: cached positions are never forwarded, so their routes "
+                                "could not be forced; open it with enable_prefix_caching=False")
+    _check_llm(llm, runner)
+
+
+def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> RouteForcer:
+    """Attach a :class:`RouteForcer` for ``record`` (sample ``i`` = requests with ``extra_args[SAMPLE_KEY] == i``)
+    after checking the record against the engine: the record's meta must match :func:`record_meta` (``llm``)
+    (:class:`~moealign.errors.RecordMismatchError`), every sample must carry routes
+    (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`)."""
+    if not isinstance(record, RolloutRecord):
+        raise InputTypeError(f"record must be a moealign RolloutRecord, got {type(record).__name__}")
+    runner = model_runner(llm)
+    _check_engine(llm, runner)
+    meta = record_meta(llm, runner=runner)
+    record.meta.check_matches(meta, what="vLLM engine")
+    if force:
+        missing = [i for i, s in enumerate(record.samples) if s.routes is None]
+        if missing:
+            raise ReplayError(f"samples {missing[:8]} of the record carry no routes: nothing to force")
+    routers = moe_routers(runner.model)
+    scorings = _engine_scorings(llm, runner, routers)
+    tables = [s.routes if force else None for s in record.samples]
+    for i, (s, t) in enumerate(zip(record.samples, tables)):
+        if t is not None and tuple(t.shape) != (s.length - 1, len(meta.moe_layers), meta.top_k):
+            raise ReplayError(f"sample {i}: routes {tuple(t.shape)}, expected "
+                              f"{(s.length - 1, len(meta.moe_layers), meta.top_k)}")
+    return RouteForcer(runner, routers, meta.num_experts, tables, [s.token_ids for s in record.samples], scorings,
+                       force=force).attach()
+
+
+def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, return_routes: bool = False):
+    """Per sample of ``record``, vLLM's log-probs of its response tokens (float32 ``[response_len]``) with the
+    record's routes forced (``force=False``: vLLM's own routing, the same call otherwise).
+
+    Each sample's full token ids run as one prompt (``max_tokens=1``, ``prompt_logprobs=0``); the result is the
+    prompt log-probs at the response positions: raw log-probs at temperature 1 over the full vocabulary
+    (vLLM applies no sampling processor to prompt log-probs; see the module docstring). Positions ``0 .. L-2`` are
+    forced, the last token (whose output none of these log-probs depends on) routes natively. The patches are
+    undone when the call returns or raises. ``return_routes=True`` also returns, per sample, the experts that ran
+    at positions ``0 .. L-2`` (int64 ``[L-1, layers, k]``, read from the routers' capture hook).
+    """
+    from vllm import SamplingParams as VllmSamplingParams
+
+    forcer = force_routes(llm, record, force=force)
+    with forcer:
+        inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
+        params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, logprobs=0,
+                                     detokenize=False, extra_args={SAMPLE_KEY: i})
+                  for i in range(len(inputs))]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+    if len(outputs) != len(inputs):
+        raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} samples")
+    if force and forcer.forced_rows == 0:
+        raise ReplayError("no row was forced (the engine steps were not seen)")
+    result = []
+    for i, (s, out) in enumerate(zip(record.samples, outputs)):
+        plp = out.prompt_logprobs
+        if plp is None or len(plp) != s.length:
+            raise EngineError(f"sample {i}: vLLM returned {None if plp is None else len(plp)} prompt log-probs for "
+                              f"{s.length} tokens")
+        tokens = s.token_ids.tolist()
+        values = []
+        for p in range(s.prompt_len, s.length):
+            entry = plp[p]
+            if entry is None or tokens[p] not in entry:
+                raise EngineError(f"sample {i}: no prompt log-prob for token {tokens[p]} at position {p}")
+            values.append(entry[tokens[p]].logprob)
+        result.append(torch.tensor(values, dtype=torch.float32))
+    if return_routes:
+        return result, forcer.ran_routes([s.length - 1 for s in record.samples])
+    return result
