@@ -274,8 +274,9 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     Each sample's full token ids run as one prompt (``max_tokens=1``, ``prompt_logprobs=0``); the result is the
     prompt log-probs at the response positions: raw log-probs at temperature 1 over the full vocabulary
     (vLLM applies no sampling processor to prompt log-probs; see the module docstring). Positions ``0 .. L-2`` are
-    forced, the last token (whose output none of these log-probs depends on) routes natively. The patches are
-    undone when the call returns or raises. ``return_routes=True`` also returns, per sample, the experts that ran
+    forced, the last token (whose output none of these log-probs depends on) routes natively; after the run the
+    experts that ran (the routers' capture hook) are checked to be exactly the forced ones, slot for slot
+    (:class:`~moealign.errors.ReplayError` otherwise). The patches are undone when the call returns or raises. ``return_routes=True`` also returns, per sample, the experts that ran
     at positions ``0 .. L-2`` (int64 ``[L-1, layers, k]``, read from the routers' capture hook).
     """
     from vllm import SamplingParams as VllmSamplingParams
@@ -305,6 +306,14 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
                 raise EngineError(f"sample {i}: no prompt log-prob for token {tokens[p]} at position {p}")
             values.append(entry[tokens[p]].logprob)
         result.append(torch.tensor(values, dtype=torch.float32))
+    ran = forcer.ran_routes([s.length - 1 for s in record.samples]) if (force or return_routes) else None
+    if force:
+        for i, (s, r) in enumerate(zip(record.samples, ran)):
+            expected = s.routes.to(torch.int64)
+            if not torch.equal(r, expected):
+                p = int((r != expected).any(-1).any(-1).nonzero()[0, 0])
+                raise ReplayError(f"sample {i}: the experts that ran at position {p} are {r[p].tolist()}, the forced "
+                                  f"ones {expected[p].tolist()}")
     if return_routes:
-        return result, forcer.ran_routes([s.length - 1 for s in record.samples])
+        return result, ran
     return result
