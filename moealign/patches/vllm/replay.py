@@ -98,8 +98,8 @@ class RouteForcer(PatchHandle):
     ``tables[i]``: sample ``i``'s route table ``[positions, moe layers, k]`` (any integer dtype; row ``p`` forces
     position ``p``), ``tokens[i]`` its token ids (each forced row's input token is checked against them). A request
     is sample ``i`` when its ``SamplingParams.extra_args[SAMPLE_KEY] == i``; requests without it route natively.
-    ``force=False`` forces nothing (the router wrapper only maps requests to samples; the capture of what ran). ``recorder.steps`` holds what
-    ran; :meth:`ran_routes` assembles it per sample.
+    ``force=False`` forces nothing (the router wrapper only maps requests to samples; the capture of what ran).
+    ``recorder.steps`` holds what ran; :meth:`ran_routes` assembles it per sample.
     """
 
     def __init__(self, runner, routers: Sequence[tuple[int, str, Any]], num_experts: int,
@@ -276,8 +276,9 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     (vLLM applies no sampling processor to prompt log-probs; see the module docstring). Positions ``0 .. L-2`` are
     forced, the last token (whose output none of these log-probs depends on) routes natively; after the run the
     experts that ran (the routers' capture hook) are checked to be exactly the forced ones, slot for slot
-    (:class:`~moealign.errors.ReplayError` otherwise). The patches are undone when the call returns or raises. ``return_routes=True`` also returns, per sample, the experts that ran
-    at positions ``0 .. L-2`` (int64 ``[L-1, layers, k]``, read from the routers' capture hook).
+    (:class:`~moealign.errors.ReplayError` otherwise). The patches are undone when the call returns or raises.
+    ``return_routes=True`` also returns, per sample, the experts that ran at positions ``0 .. L-2`` (int64
+    ``[L-1, layers, k]``, read from the routers' capture hook).
     """
     from vllm import SamplingParams as VllmSamplingParams
 
