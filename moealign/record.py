@@ -86,6 +86,11 @@ _CHECKSUM_KEY = "moealign.checksum"
 _ROUTER_SIGNATURE_RTOL = 2e-2
 
 
+#: The smallest sampling temperature an engine samples with: below vLLM's sampling epsilon (1e-5) vLLM samples
+#: greedily, which a record cannot state, and ``logits / T`` overflows fp32 for tiny ``T``.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one sample. ``top_k=0``, ``top_p=1`` and ``min_p=0`` mean "off"."""

@@ -244,7 +244,7 @@ class VLLMRolloutEngine:
         extra = {k: v for k, v in args.items() if k != "dtype" and v is not None}
         self.batch_invariant, self.attention = False, None
         self.precision, self.device = policy.name, device
-        self.dtype = short_dtype(DTYPES_BY_VLLM[args["dtype"]])
+        self.dtype = short_dtype(policy.dtype)
         self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
         self.version = vllm_version()
 
@@ -259,9 +259,6 @@ class VLLMRolloutEngine:
 
     def close(self) -> None:
         self.llm = None
-
-
-DTYPES_BY_VLLM = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HFTrainEngine:

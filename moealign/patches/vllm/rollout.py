@@ -59,6 +59,7 @@ from ...errors import (
 from ...families import get_family
 from ...handle import PatchHandle
 from ...record import (
+    MIN_TEMPERATURE,
     RecordMeta,
     RolloutRecord,
     Sample,
@@ -75,7 +76,7 @@ from .engine import vllm_version
 __all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta"]
 
 #: vLLM samples greedily below this temperature (``vllm.v1.sample.sampler._SAMPLING_EPS``): no kept set exists.
-VLLM_GREEDY_TEMPERATURE = 1e-5
+VLLM_GREEDY_TEMPERATURE = MIN_TEMPERATURE   # vLLM's _SAMPLING_EPS: below it vLLM samples greedily
 
 
 # --------------------------------------------------------------------------------------------------
