@@ -52,6 +52,7 @@ __all__ = [
     "tree_reduce",
     "tree_sum",
     "tree_matmul",
+    "tree_linear",
     "check_tree_world_size",
     "tree_all_reduce",
     "tree_reduce_scatter",
@@ -201,6 +202,35 @@ def tree_matmul(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFA
         cols = slice(leaf * leaf_width, (leaf + 1) * leaf_width)
         tree.push(torch.matmul(xn[..., cols].contiguous(), wn[:, cols].contiguous().t()))
     return tree.root()
+
+
+def tree_linear(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFAULT_LEAF_WIDTH,
+                node_dtype: torch.dtype | None = None, max_elements: int = 1 << 22) -> torch.Tensor:
+    """``x @ weight.T`` (``F.linear`` layout) from element-wise products and element-wise adds only: each
+    output element is :func:`tree_sum` of its K products (node dtype), so its bits depend on nothing but its
+    own row of ``x`` and row of ``weight``: not on the TP size (a K shard gives its subtree root, an N shard
+    the same columns), nor on the batch size, the thread count or the BLAS library, by construction.
+
+    :func:`tree_matmul` leaves use a stock matmul per leaf, which is fast but whose bits may change with the
+    thread count (measured here: MKL, 1 vs 2 threads); this op is the slower one without that caveat. Output
+    columns are computed in chunks of at most ``max_elements`` products (chunking changes no bits).
+    """
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise TreeReductionError(f"tree_linear needs x [..., K] and weight [N, K] with the same K, got "
+                                 f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise InputTypeError(f"tree_linear: x is {x.dtype} but weight is {weight.dtype}")
+    check_positive_int(max_elements, "max_elements", TreeReductionError, noun="integer")
+    nd = _resolve_node_dtype(x.dtype, node_dtype)
+    lead = x.shape[:-1]
+    xn = x.reshape(-1, x.shape[-1]).to(nd)
+    wn = weight.to(nd)
+    rows, k = xn.shape
+    step = max(1, max_elements // max(1, rows * k))
+    cols = [tree_sum(xn[:, None, :] * wn[None, start:start + step, :], dim=-1, leaf_width=leaf_width)
+            for start in range(0, weight.shape[0], step)]
+    out = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
+    return out.reshape(*lead, weight.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,10 +6,13 @@ import inspect
 
 import torch
 
-from ...errors import InputTypeError
+from ..._validate import check_positive_int
+from ...errors import ConfigError, InputTypeError
 from ...precision.tree import (
     TreeReducePatch,
+    TreeReductionError,
     tree_all_reduce,
+    tree_linear,
 )
 from .._version import (
     UnsupportedEngineError,
@@ -17,6 +20,7 @@ from .._version import (
     engine_version,
     require_attr,
 )
+from .engine import SUPPORTED_VLLM_ENGINE
 
 SUPPORTED_VLLM = ">=0.8,<0.34"
 
@@ -61,4 +65,227 @@ def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
                                  f"{getattr(group_coordinator, 'unique_name', '?')!r}", "instance")
         handle.set_attr(group_coordinator, "_all_reduce_out_place",
                     _tree_all_reduce_out_place.__get__(group_coordinator), "GroupCoordinator (instance)")
+    return handle
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole forward: every TP-size-dependent reduction of a vLLM model (class level, before loading)
+# --------------------------------------------------------------------------------------------------
+
+#: Default leaf width of the vLLM tree forward: it must divide every layer's K shard and output partition at the
+#: largest TP size used (the embedded model at TP = 2: expert intermediate shard 32).
+VLLM_TREE_LEAF_WIDTH = 32
+
+
+def _tp_group():
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().device_group
+
+
+def _check_layer(label: str, widths: dict[str, int], leaf_width: int) -> None:
+    for what, size in widths.items():
+        if size % leaf_width:
+            raise TreeReductionError(f"vLLM layer {label!r}: {what} {size} is not a multiple of the tree leaf "
+                                     f"width {leaf_width} (pass a leaf_width dividing every shard)")
+
+
+class _VllmTree:
+    """The replacement methods, bound to one leaf width (installed on vLLM's classes by
+    :func:`apply_tree_reductions`)."""
+
+    def __init__(self, leaf_width: int):
+        self.leaf_width = leaf_width
+
+    # Linear layers (column / merged / QKV / replicated / gate) and the LM head: weights kept unpacked
+    def keep_linear_weight(self, original):
+        leaf = self.leaf_width
+
+        def process_weights_after_loading(method, layer) -> None:
+            weight = getattr(layer, "weight", None)
+            if weight is None or weight.dim() != 2 or weight.is_meta:
+                return original(method, layer)
+            label = getattr(layer, "prefix", None) or type(layer).__name__
+            _check_layer(label, {"K (input) shard": weight.shape[1]}, leaf)
+            if getattr(layer, "reduce_results", True) is False and hasattr(layer, "input_is_parallel"):
+                raise TreeReductionError(f"vLLM RowParallelLinear {label!r} leaves its reduction to the caller "
+                                         "(reduce_results=False): the tree forward cannot cut it")
+            layer._moealign_tree = True   # weight kept as loaded: no CPU prepacking (the tree reads it)
+        return process_weights_after_loading
+
+    def linear_apply(self, original):
+        leaf = self.leaf_width
+
+        def apply(method, layer, x, bias=None):
+            if not getattr(layer, "_moealign_tree", False):
+                return original(method, layer, x, bias)
+            out = tree_linear(x, layer.weight, leaf_width=leaf)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+            return out.to(x.dtype)
+        return apply
+
+    def row_parallel_forward(self, original):
+        leaf = self.leaf_width
+
+        def forward(layer, input_):
+            if not getattr(layer, "_moealign_tree", False):
+                return original(layer, input_)
+            if layer.input_is_parallel:
+                input_parallel = input_
+            else:
+                input_parallel = input_.chunk(layer.tp_size, dim=-1)[layer.tp_rank].contiguous()
+            local = tree_linear(input_parallel, layer.weight, leaf_width=leaf)   # fp32 subtree roots
+            reduced = tree_all_reduce(local, _tp_group()) if layer.tp_size > 1 else local
+            if layer.bias is not None and not layer.skip_bias_add:
+                reduced = reduced + layer.bias.to(reduced.dtype)
+            output = reduced.to(input_parallel.dtype)
+            if not layer.return_bias:
+                return output
+            return output, (layer.bias if layer.skip_bias_add else None)
+        return forward
+
+    # MoE experts: per-slot fp32 subtree roots reduced across ranks before the top-k weighted sum
+    def keep_expert_weights(self, original):
+        leaf = self.leaf_width
+
+        def process_weights_after_loading(method, layer) -> None:
+            label = getattr(layer, "layer_name", None) or type(layer).__name__
+            config = layer.moe_config
+            activation = getattr(getattr(layer, "activation", None), "value", None)
+            problems = []
+            if activation != "silu":
+                problems.append(f"activation {activation!r} (the tree experts compute SiLU-and-mul)")
+            if getattr(config, "use_ep", False) or getattr(config, "ep_size", 1) != 1:
+                problems.append("expert parallelism")
+            if getattr(config, "is_sequence_parallel", False):
+                problems.append("sequence-parallel MoE")
+            if getattr(layer, "apply_router_weight_on_input", False):
+                problems.append("router weights applied on the input")
+            for name in ("w13_bias", "w2_bias"):
+                if getattr(layer, name, None) is not None:
+                    problems.append(f"expert biases ({name})")
+            if any(getattr(layer, name, None) is not None for name in ("swiglu_limit", "swiglu_alpha", "swiglu_beta")):
+                problems.append("a clamped / scaled SwiGLU")
+            if problems:
+                raise TreeReductionError(f"vLLM MoE layer {label!r}: the tree experts do not apply with "
+                                         + ", ".join(problems))
+            w13 = layer.w13_weight.detach().clone()
+            w2 = layer.w2_weight.detach().clone()
+            _check_layer(label, {"hidden size (K of the gate/up projection)": w13.shape[2],
+                                 "expert intermediate shard": w2.shape[2]}, leaf)
+            if w13.shape[1] != 2 * w2.shape[2]:
+                raise TreeReductionError(f"vLLM MoE layer {label!r}: w13 {tuple(w13.shape)} and w2 "
+                                         f"{tuple(w2.shape)} are not a gated [2I, H] / [H, I] pair")
+            original(method, layer)   # the engine's own packing: its kernel is no longer called
+            layer._moealign_tree_weights = (w13, w2)
+        return process_weights_after_loading
+
+    def experts_forward(self, original):
+        leaf = self.leaf_width
+
+        def forward_modular(layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            weights = getattr(layer, "_moealign_tree_weights", None)
+            if weights is None:
+                return original(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+            if shared_experts is not None:
+                raise TreeReductionError(f"vLLM MoE layer {layer.layer_name!r} has shared experts: the tree "
+                                         "experts do not cover them")
+            return _tree_experts(x, topk_weights, topk_ids, weights, leaf, layer.moe_config.tp_size)
+        return forward_modular
+
+    @staticmethod
+    def runner_final_reduce(original):
+        def _maybe_reduce_final_output(runner, states, trunc_size, output_is_reduced=None):
+            if getattr(runner.routed_experts, "_moealign_tree_weights", None) is None:
+                return original(runner, states, trunc_size, output_is_reduced)
+            # already reduced across ranks inside the tree experts
+            return states[..., :trunc_size] if trunc_size is not None else states
+        return _maybe_reduce_final_output
+
+
+def _tree_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights, leaf_width: int,
+                  tp_size: int) -> torch.Tensor:
+    """The routed experts of one MoE layer with TP-invariant arithmetic: for each (token, slot) the expert's
+    gate / up projections (fp32 roots, column tiles), SiLU-and-mul cast to the activation dtype, the down
+    projection's fp32 subtree root over this rank's intermediate shard; the ``[T, k, H]`` partials tree
+    all-reduced across ranks, then the top-k weighted sum slot by slot in fp32, cast once."""
+    w13, w2 = weights
+    tokens, hidden = x.shape
+    k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    partial = torch.zeros(tokens * k, hidden, dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    for expert in torch.unique(flat).tolist():
+        rows = (flat == expert).nonzero().squeeze(1)
+        xe = x.index_select(0, torch.div(rows, k, rounding_mode="floor"))
+        gate_up = tree_linear(xe, w13[expert], leaf_width=leaf_width)
+        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        partial[rows] = tree_linear(act, w2[expert], leaf_width=leaf_width)
+    partial = partial.view(tokens, k, hidden)
+    full = tree_all_reduce(partial, _tp_group()) if tp_size > 1 else partial
+    gates = topk_weights.to(torch.float32)
+    out = full[:, 0] * gates[:, :1]
+    for slot in range(1, k):
+        out = out + full[:, slot] * gates[:, slot:slot + 1]
+    return out.to(x.dtype)
+
+
+def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH) -> TreeReducePatch:
+    """Make a vLLM model's forward TP-invariant: the log-probs at TP = 2 (4, ...) equal TP = 1 bitwise.
+
+    Class-level (scope ``"process"``), applied *before* the engine loads its model (in each worker: the
+    ``vllm.general_plugins`` entry point, :mod:`moealign.patches.vllm.plugin`, does it from
+    ``MOEALIGN_VLLM_PATCHES=tree``). Every reduction whose order depends on the TP size follows
+    :mod:`moealign.precision.tree`'s canonical tree, and every matmul call has a shape fixed by ``leaf_width``:
+
+    * unquantized linear layers and the LM head (``UnquantizedLinearMethod.apply``,
+      ``UnquantizedEmbeddingMethod.apply``): output columns in tiles, K in leaves, fp32 nodes, cast once. Their
+      weights stay as loaded (the CPU build's weight prepacking is skipped for them);
+    * ``RowParallelLinear.forward``: the K shard's fp32 subtree root, tree all-reduced, bias, cast once;
+    * MoE experts (``RoutedExperts.forward_modular``): per (token, slot) partials tree all-reduced before the
+      top-k weighted sum (so the runner's own all-reduce of the combined output is skipped);
+    * any other all-reduce (``GroupCoordinator``): the tree all-reduce (the vocab-parallel embedding's sum,
+      exact anyway).
+
+    Layers the tree cannot cut raise :class:`TreeReductionError` at load time naming the layer (a shard not a
+    multiple of ``leaf_width``, a row-parallel layer that leaves its reduction to the caller, expert parallelism,
+    shared experts, expert biases, non-SiLU experts). The price: the tree forward is slower than the engine's
+    kernels, and the MoE expert weights are held twice on CPU (the tree reads the unpacked copy).
+    """
+    check_positive_int(leaf_width, "leaf_width", ConfigError)
+    _, version = engine_version("vllm", "moealign.patches.vllm.apply_tree_reductions needs vLLM")
+    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    tree = _VllmTree(leaf_width)
+    targets = [
+        (require_attr(linear, "UnquantizedLinearMethod", "vllm linear"), "process_weights_after_loading",
+         tree.keep_linear_weight, ["self", "layer"]),
+        (linear.UnquantizedLinearMethod, "apply", tree.linear_apply, ["self", "layer", "x", "bias"]),
+        (require_attr(vocab_parallel_embedding, "UnquantizedEmbeddingMethod", "vllm vocab_parallel_embedding"),
+         "process_weights_after_loading", tree.keep_linear_weight, ["self", "layer"]),
+        (vocab_parallel_embedding.UnquantizedEmbeddingMethod, "apply", tree.linear_apply,
+         ["self", "layer", "x", "bias"]),
+        (require_attr(linear, "RowParallelLinear", "vllm linear"), "forward", tree.row_parallel_forward,
+         ["self", "input_"]),
+        (require_attr(unquantized_fused_moe_method, "UnquantizedFusedMoEMethod", "vllm fused_moe"),
+         "process_weights_after_loading", tree.keep_expert_weights, ["self", "layer"]),
+        (require_attr(routed_experts, "RoutedExperts", "vllm fused_moe.routed_experts"), "forward_modular",
+         tree.experts_forward, ["self", "x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input"]),
+        (require_attr(moe_runner, "MoERunner", "vllm fused_moe.runner.moe_runner"), "_maybe_reduce_final_output",
+         tree.runner_final_reduce, ["self", "states", "trunc_size", "output_is_reduced"]),
+    ]
+    for cls, name, _, expected in targets:
+        params = list(inspect.signature(require_attr(cls, name, f"vllm {cls.__name__}")).parameters)
+        if params != expected:
+            raise UnsupportedEngineError(f"vllm {cls.__name__}.{name}{tuple(params)} has a signature this patch "
+                                         "was not written for, nothing was patched")
+    handle = TreeReducePatch(f"vLLM TP-invariant tree forward (linear layers, LM head, row-parallel all-reduce, "
+                             f"MoE experts; leaf_width={leaf_width})", "process")
+    for cls, name, make, _ in targets:
+        handle.set_attr(cls, name, make(getattr(cls, name)), f"{cls.__name__}.{name}")
+    handle.add_handle(patch_vllm_all_reduce(), "GroupCoordinator all-reduce")
     return handle

@@ -1,0 +1,78 @@
+"""moealign's ``vllm.general_plugins`` entry point: patches that must reach the processes running the model.
+
+With ``tensor_parallel_size > 1`` (or the engine core in its own process) vLLM's model lives in worker
+processes that moealign's caller cannot reach. vLLM calls every ``vllm.general_plugins`` entry point once in
+each of its processes before the model is loaded; moealign registers :func:`load` there (``pyproject.toml``).
+:func:`load` applies what the environment variable :data:`ENV` names, so a caller sets the variable before
+opening the engine and every process (workers included) applies the same patches::
+
+    MOEALIGN_VLLM_PATCHES=tree                 # apply_tree_reductions() (TP-invariant forward)
+    MOEALIGN_VLLM_PATCHES=tree:leaf_width=16   # with a leaf width
+
+Unset or empty: nothing is patched (the plugin is inert in every vLLM run that does not ask for it). An unknown
+name or option raises :class:`~moealign.errors.ConfigError` naming it, in the worker that reads it (vLLM then
+fails to start, with that message), never a silent no-op. :func:`loaded` returns the handles applied in this
+process (``undo()`` each to restore vLLM's classes).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...errors import ConfigError
+from ...handle import PatchHandle
+
+__all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for"]
+
+ENV = "MOEALIGN_VLLM_PATCHES"
+
+#: patch name -> (option name -> type) it accepts
+PATCHES = {"tree": {"leaf_width": int}}
+
+_LOADED: dict[str, PatchHandle] = {}
+
+
+def parse_spec(text: str) -> list[tuple[str, dict]]:
+    """``"tree:leaf_width=16,other"`` -> ``[("tree", {"leaf_width": 16}), ("other", {})]`` (checked)."""
+    result = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, opts = item.partition(":")
+        if name not in PATCHES:
+            raise ConfigError(f"{ENV}: unknown patch {name!r}; known: {sorted(PATCHES)}")
+        options = {}
+        for opt in filter(None, (o.strip() for o in opts.split(":"))):
+            key, sep, value = opt.partition("=")
+            if not sep or key not in PATCHES[name]:
+                raise ConfigError(f"{ENV}: patch {name!r} takes {sorted(PATCHES[name])} as key=value, got {opt!r}")
+            try:
+                options[key] = PATCHES[name][key](value)
+            except ValueError:
+                raise ConfigError(f"{ENV}: {name}:{key} must be {PATCHES[name][key].__name__}, got {value!r}") from None
+        result.append((name, options))
+    return result
+
+
+def spec_for(*, tree: bool = False, leaf_width: int | None = None) -> str:
+    """The :data:`ENV` value asking for these patches (``""``: none)."""
+    if not tree:
+        return ""
+    return "tree" if leaf_width is None else f"tree:leaf_width={leaf_width}"
+
+
+def load() -> None:
+    """The entry point vLLM calls in each of its processes: apply the patches :data:`ENV` names (idempotent:
+    a patch already applied in this process is not applied twice)."""
+    for name, options in parse_spec(os.environ.get(ENV, "")):
+        if name in _LOADED and _LOADED[name].active:
+            continue
+        if name == "tree":
+            from .tree_reduce import apply_tree_reductions
+
+            _LOADED[name] = apply_tree_reductions(**options)
+
+
+def loaded() -> dict[str, PatchHandle]:
+    """The patches :func:`load` applied in this process, by name."""
+    return {name: handle for name, handle in _LOADED.items() if handle.active}
