@@ -169,28 +169,48 @@ def _add_mismatch(sub) -> None:
 
 
 def _cmd_tp_check(args: argparse.Namespace) -> int:
-    from .tp_check import format_results, parse_world_sizes, run_tp_check, tree_failures
+    from .tp_check import format_results, parse_world_sizes, run_tp_check, run_vllm_tp_check, tree_failures
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     _check_json_path(args.json)
-    report = run_tp_check(parse_world_sizes(args.world_sizes), seed=args.seed, repeats=args.repeats, log=log)
+    if args.engine == "vllm":
+        if args.repeats is not None:
+            raise ConfigError("--repeats times the op-level check; --engine vllm times one generate per run")
+        sizes = parse_world_sizes(args.world_sizes or "2")
+        report = run_vllm_tp_check(sizes, model=args.model, dtype=args.dtype or "bf16",
+                                   seed=0 if args.seed is None else args.seed, log=log)
+    else:
+        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype)) if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --engine vllm (the op-level check builds its "
+                              "own inputs)")
+        report = run_tp_check(parse_world_sizes(args.world_sizes or "1,2,4"),
+                              seed=0 if args.seed is None else args.seed,
+                              repeats=3 if args.repeats is None else args.repeats, log=log)
     return _finish("tp-check", format_results(report), report, args.json, tree_failures(report))
 
 
 def _add_tp_check(sub) -> None:
     p = sub.add_parser(
         "tp-check",
-        help="tree vs stock TP reductions: bitwise equal to TP=1? (real gloo processes)",
-        description="Spawns torch.distributed gloo processes per world size and runs the row-parallel linear "
-        "(fp32, bf16), the vocab-parallel selected-token log-prob and a sharded sum, each through the "
-        "TP-invariant tree path and the stock path (per-shard op + all_reduce SUM, the negative control). "
-        "Reports per op and world size whether every rank's result equals TP=1 bitwise, and the time. "
-        "Exit code 3 when a tree result differs.")
-    p.add_argument("--world-sizes", default="1,2,4", metavar="LIST",
-                   help="comma-separated powers of two (default 1,2,4)")
+        help="tree vs stock TP reductions: bitwise equal to TP=1? (real gloo processes, or vLLM itself)",
+        description="--engine torch (default): spawns torch.distributed gloo processes per world size and runs "
+        "the row-parallel linear (fp32, bf16), the vocab-parallel selected-token log-prob and a sharded sum, each "
+        "through the TP-invariant tree path and the stock path (per-shard op + all_reduce SUM, the negative "
+        "control). --engine vllm: the whole model in vLLM at each TP size (CPU: one core per rank) against TP=1, "
+        "stock vLLM and with moealign's tree forward in every worker; compares prompt log-probs and sampled "
+        "tokens / log-probs. Reports per op and world size whether every result equals TP=1 bitwise, and the "
+        "time. Exit code 3 when a tree result differs.")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="torch: the ops in gloo processes (default); vllm: the model in vLLM")
+    p.add_argument("--world-sizes", default=None, metavar="LIST",
+                   help="comma-separated powers of two (default 1,2,4; --engine vllm: 2)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="--engine vllm: local checkpoint (default: the embedded model)")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="--engine vllm: default bf16")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per op (default 3; the fastest counts)")
+    p.add_argument("--seed", type=int, default=None, help="default 0")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per op (default 3; the fastest counts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_tp_check)
 

@@ -296,3 +296,108 @@ def format_results(report: dict) -> str:
     if controls and all(row["bitwise_equal"] for row in controls):
         lines.append("note: the stock path equalled TP=1 everywhere; the negative control did not bite")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# --engine vllm: the whole model in vLLM, TP = n against TP = 1, stock and tree forwards
+# --------------------------------------------------------------------------------------------------
+
+#: What ``tp-check --engine vllm`` compares per (world size, path): the prompt log-probs of a prefill (independent
+#: of sampling) and the sampled tokens with their log-probs.
+VLLM_OPS = ("vllm_prompt_logprobs", "vllm_sample_logprobs")
+
+
+def _cpu_bind(world_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` CPU ranks: this process's cores in equal contiguous groups."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < world_size:
+        raise ConfigError(f"vLLM's CPU build binds each TP rank to its own cores: TP={world_size} needs "
+                          f"{world_size} cores, this process may use {len(cores)}")
+    per = len(cores) // world_size
+    return "|".join(",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(world_size))
+
+
+def _vllm_probe(model: str, size: int, tree: bool, *, dtype: str, prompts: list[str], max_tokens: int, seed: int,
+                leaf_width: int | None, timeout: float) -> dict:
+    import json
+    import subprocess
+
+    from .patches.vllm.plugin import ENV, spec_for
+
+    env = dict(os.environ)
+    env.pop(ENV, None)
+    if tree:
+        env[ENV] = spec_for(tree=True, leaf_width=leaf_width)
+    if size > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(size)
+    with tempfile.TemporaryDirectory(prefix="moealign-vllm-tp-") as tmp:
+        out = os.path.join(tmp, "probe.json")
+        cmd = [sys.executable, "-m", "moealign.patches.vllm.tp_probe", "--model", str(model), "--tp", str(size),
+               "--dtype", dtype, "--prompts", json.dumps(prompts), "--max-tokens", str(max_tokens),
+               "--seed", str(seed), "--out", out] + (["--tree"] if tree else [])
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise EngineTimeoutError(f"vLLM at TP={size} ({'tree' if tree else 'stock'}) did not finish within "
+                                     f"{timeout:.0f} s") from None
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
+            raise EngineError(f"vLLM at TP={size} ({'tree' if tree else 'stock'}) failed (exit {proc.returncode}):"
+                              f"\n{tail}")
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def _compare_vllm(run: dict, ref: dict, key: str) -> tuple[bool, float]:
+    values = [v for row in run["rows"] for v in row[key]]
+    ref_values = [v for row in ref["rows"] for v in row[key]]
+    same_tokens = all(a["token_ids"] == b["token_ids"] for a, b in zip(run["rows"], ref["rows"]))
+    a, b = torch.tensor(values, dtype=torch.float64), torch.tensor(ref_values, dtype=torch.float64)
+    if a.shape != b.shape:
+        return False, float("inf")
+    equal = torch.equal(a, b) and (key == "prompt_logprobs" or same_tokens)
+    return equal, float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def run_vllm_tp_check(world_sizes: list[int], *, model: str | None = None, dtype: str = "bf16", seed: int = 0,
+                      num_prompts: int = 4, max_tokens: int = 8, leaf_width: int | None = None,
+                      timeout: float = 600.0, log: Callable[[str], None] = lambda msg: None) -> dict:
+    """The whole model in vLLM at each TP size against TP = 1, twice: stock vLLM (the negative control: its
+    row-parallel and MoE all-reduces sum per-rank partials rounded to the model dtype) and with moealign's tree
+    forward in every worker (:func:`moealign.patches.vllm.apply_tree_reductions` through the
+    ``vllm.general_plugins`` entry point). One engine process per (TP size, path).
+
+    Returns the same shape as :func:`run_tp_check`: ``{"results": [{"op", "world_size", "path",
+    "bitwise_equal", "max_abs_diff", "time_ms"}], "engine": "vllm", "engine_version", "model", "dtype"}``, ops
+    :data:`VLLM_OPS`; sampled log-probs are equal only when the sampled tokens are too. ``time_ms`` is the
+    ``LLM.generate`` time of that run.
+    """
+    from .embedded import default_prompts, embedded_model_path
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+        raise ConfigError(f"--seed must be an integer in [0, 2**63), got {seed!r}")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--dtype must be bf16, fp16 or fp32 for --engine vllm, got {dtype!r}")
+    model = str(model or embedded_model_path())
+    if not os.path.isdir(model):
+        raise ConfigError(f"--model {model}: not a local checkpoint directory")
+    prompts = default_prompts()[:num_prompts]
+    for size in world_sizes:
+        if size > 1 and not torch.cuda.is_available():
+            _cpu_bind(size)   # refuse before starting anything
+    runs = {}
+    for tree in (False, True):
+        for size in sorted(set(world_sizes) | {1}):
+            log(f"tp-check: vLLM at TP={size}, {'tree' if tree else 'stock'} forward ...")
+            runs[(size, tree)] = _vllm_probe(model, size, tree, dtype=dtype, prompts=prompts, max_tokens=max_tokens,
+                                             seed=seed, leaf_width=leaf_width, timeout=timeout)
+    rows = []
+    for op, key in zip(VLLM_OPS, ("prompt_logprobs", "logprobs")):
+        for size in world_sizes:
+            for tree in (True, False):
+                equal, diff = _compare_vllm(runs[(size, tree)], runs[(1, tree)], key)
+                rows.append({"op": op, "world_size": size, "path": "tree" if tree else "stock",
+                             "bitwise_equal": equal, "max_abs_diff": diff,
+                             "time_ms": 1000.0 * runs[(size, tree)]["generate_s"]})
+    return {"results": rows, "engine": "vllm", "engine_version": runs[(1, False)]["vllm_version"], "model": model,
+            "dtype": dtype}

