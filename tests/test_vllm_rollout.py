@@ -151,3 +151,29 @@ def test_generate_with_record_refuses_bad_arguments():
     if VLLM.available:
         with pytest.raises(InputTypeError, match="vllm.LLM"):
             generate_with_record(object(), ["x"], sampling=SamplingParams(), max_new_tokens=4)
+
+
+@needs_vllm
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_available(),
+                    reason="vLLM's CPU build at TP=2 needs 2 cores (one per rank)")
+def test_record_at_tp2_in_worker_processes_equals_tp1_under_the_tree_forward(tmp_path):
+    """At TP = 2 the model runs in two vLLM worker processes: the recorder is attached there (collective_rpc), both
+    ranks' captures must agree, and with the tree forward in both workers (the vllm.general_plugins entry point)
+    the record equals the TP = 1 record bit for bit: tokens, log-probs, routes, kept sets."""
+    from moealign.record import RolloutRecord
+
+    script = pathlib.Path(__file__).with_name("vllm_record_tp.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["MOEALIGN_VLLM_PATCHES"] = "tree"
+    records = {}
+    for tp in (1, 2):
+        path = tmp_path / f"tp{tp}.safetensors"
+        proc = subprocess.run([sys.executable, str(script), str(path), str(tp)], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[tp] = RolloutRecord.load(path)
+    one, two = records[1], records[2]
+    assert one.meta == two.meta and len(one.samples) == len(two.samples) == 4
+    for a, b in zip(one.samples, two.samples):
+        for field in ("token_ids", "logprobs", "routes", "kept_offsets", "kept_ids"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field

@@ -3,8 +3,11 @@
 produces: token ids (prompt + response), prompt lengths, vLLM's processed log-probs of the sampled tokens,
 routes, kept sets and sampling parameters, with ``meta.engine == "vllm"``.
 
-Everything is read inside the engine core, which must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-as :func:`moealign.patches.vllm.engine.open_llm` sets it) on the V1 model runner (vLLM 0.32's CPU build):
+Everything is read where the model runs, on the V1 model runner (vLLM 0.32's CPU build): a recorder is attached
+in every worker through vLLM's ``LLM.collective_rpc`` (in this process when the engine core runs here, as
+:func:`moealign.patches.vllm.engine.open_llm` arranges at TP = 1; in vLLM's worker processes at TP > 1), collected
+and undone after ``generate``; every TP rank routes and samples the same rows, so their captures must agree
+(:class:`~moealign.errors.ReplayError` otherwise) and rank 0's is the record:
 
 * **routes**: every MoE layer's router (``MoERunner.router``, a ``BaseRouter``) gets a capture callback
   (``capture_fn``, vLLM's own hook: called once per layer per engine step with the logical expert ids of every
@@ -96,7 +99,11 @@ def model_runner(llm: Any):
     if runner is None:
         raise EngineError("the vLLM engine core does not run in this process (no in-process driver worker): open "
                           "the LLM with moealign.patches.vllm.open_llm, or set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                          "before vLLM is imported, so that routes and kept sets can be read")
+                          "before vLLM is imported, so that routes can be forced")
+    return _checked_runner(runner)
+
+
+def _checked_runner(runner):
     where = f"vLLM's {type(runner).__name__}"
     for name in ("_model_forward", "execute_model", "input_batch", "query_start_loc", "sampler", "model"):
         require_attr(runner, name, where)
@@ -162,18 +169,37 @@ def _checkpoint_router_weights(path: str, layers: Sequence[int], num_experts: in
     return weights
 
 
+def _rpc_routers(worker) -> list[tuple[int, str, int, int]]:
+    """(In each worker) ``(layer, name, top_k, experts)`` of every MoE router of the worker's live model."""
+    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+    return [(layer, name, int(r.top_k), int(r.global_num_experts)) for layer, name, r in moe_routers(runner.model)]
+
+
+def _engine_routers(llm: Any) -> list[tuple[int, str, int, int]]:
+    """The MoE routers of the model ``llm`` runs, read in its workers (every rank must see the same)."""
+    if getattr(llm, "llm_engine", None) is None:
+        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
+    per_rank = llm.collective_rpc(_rpc_routers)
+    if any(found != per_rank[0] for found in per_rank[1:]):
+        raise UnsupportedEngineError(f"vLLM's workers hold different MoE routers: {per_rank}")
+    return per_rank[0]
+
+
 def record_meta(llm: Any, *, runner=None) -> RecordMeta:
     """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint config vLLM loaded,
-    the MoE layers, experts and top-k of its live routers and the router signature of the checkpoint's router
-    weights (so it matches :func:`moealign.patches.hf.record_meta` of the same checkpoint in any dtype)."""
+    the MoE layers, experts and top-k of its live routers (read in the workers, any TP size) and the router
+    signature of the checkpoint's router weights (so it matches :func:`moealign.patches.hf.record_meta` of the
+    same checkpoint in any dtype). ``runner``: an in-process model runner to read the routers from instead."""
     version = str(vllm_version())
-    runner = runner or model_runner(llm)
     model_config = llm.llm_engine.model_config
     hf_config = model_config.hf_config
     family = get_family(getattr(hf_config, "model_type", None))
-    routers = moe_routers(runner.model)
-    top_k = {int(r.top_k) for _, _, r in routers}
-    experts = {int(r.global_num_experts) for _, _, r in routers}
+    if runner is not None:
+        routers = [(layer, name, int(r.top_k), int(r.global_num_experts)) for layer, name, r in moe_routers(runner.model)]
+    else:
+        routers = _engine_routers(llm)
+    top_k = {k for _, _, k, _ in routers}
+    experts = {e for _, _, _, e in routers}
     if len(top_k) != 1 or len(experts) != 1:
         raise UnsupportedModelError(f"vLLM's routers disagree on top_k {sorted(top_k)} or the number of experts "
                                     f"{sorted(experts)}")
@@ -181,7 +207,7 @@ def record_meta(llm: Any, *, runner=None) -> RecordMeta:
     if experts != {num_experts}:
         raise UnsupportedModelError(f"vLLM's routers have {experts.pop()} experts, the checkpoint config "
                                     f"{num_experts}")
-    moe_layers = tuple(layer for layer, _, _ in routers)
+    moe_layers = tuple(layer for layer, _, _, _ in routers)
     weights = _checkpoint_router_weights(str(model_config.model), moe_layers, num_experts)
     return RecordMeta(
         engine="vllm",
@@ -401,6 +427,78 @@ class VllmRecorder(PatchHandle):
         return names, rows, sampler
 
 
+# --------------------------------------------------------------------------------------------------
+# recording in the workers (any TP size; in-process too): vLLM's collective_rpc runs these in each worker
+# --------------------------------------------------------------------------------------------------
+
+_WORKER_RECORDERS: dict[str, VllmRecorder] = {}   # in each worker process: the recorders attached there
+
+
+def _rpc_attach(worker, key: str, num_experts: int, record_routes: bool, record_kept_sets: bool) -> bool:
+    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+    if getattr(runner, "use_async_scheduling", False):
+        raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
+                                     "(open the LLM with async_scheduling=False)")
+    if key in _WORKER_RECORDERS:
+        raise EngineError(f"a recording {key!r} is already attached in this worker")
+    recorder = VllmRecorder(runner, moe_routers(runner.model), num_experts, record_routes=record_routes,
+                            record_kept_sets=record_kept_sets)
+    _WORKER_RECORDERS[key] = recorder.attach()
+    return True
+
+
+def _rpc_collect(worker, key: str, keep: bool):
+    """Undo this worker's recorder and return what it captured (``keep=False``: only undo)."""
+    recorder = _WORKER_RECORDERS.pop(key, None)
+    if recorder is None:
+        return None
+    try:
+        return recorder._flat() if keep else None
+    finally:
+        recorder.undo()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _WorkerRecording:
+    """Attach a :class:`VllmRecorder` in every worker of ``llm`` (the model may live in worker processes: TP > 1,
+    or the engine core in its own process), collect and undo them on exit. Every rank runs the same routers and
+    sampler on the same rows; their captures must agree (:class:`~moealign.errors.ReplayError` otherwise), and
+    rank 0's is the result."""
+
+    def __init__(self, llm, num_experts: int, record_routes: bool, record_kept_sets: bool):
+        import uuid
+
+        self.llm, self.key = llm, uuid.uuid4().hex
+        self.args = (num_experts, record_routes, record_kept_sets)
+        self.result = None
+
+    def __enter__(self) -> "_WorkerRecording":
+        try:
+            self.llm.collective_rpc(_rpc_attach, args=(self.key, *self.args))
+        except BaseException:
+            self.llm.collective_rpc(_rpc_collect, args=(self.key, False))
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        per_rank = self.llm.collective_rpc(_rpc_collect, args=(self.key, exc_type is None))
+        if exc_type is not None:
+            return
+        if any(r is None for r in per_rank):
+            raise EngineError(f"a vLLM worker lost its recorder (per rank: {[r is not None for r in per_rank]})")
+        for rank, other in enumerate(per_rank[1:], start=1):
+            if not _same(other, per_rank[0]):
+                raise ReplayError(f"vLLM TP rank {rank} recorded other rows / routes / kept sets than rank 0")
+        self.result = per_rank[0]
+
+
 def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
     """Per entry of ``wanted`` (positions), the index of the last row of ``keys`` equal to it (-1 if none)."""
     size = int(max(int(wanted.max()) if wanted.numel() else 0, int(keys.max()) if keys.numel() else 0)) + 1
@@ -411,13 +509,16 @@ def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
 
 
 def _check_llm(llm, runner) -> None:
+    if getattr(llm, "llm_engine", None) is None:
+        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
     config = llm.llm_engine.vllm_config
     if getattr(config.cache_config, "enable_prefix_caching", False):
         raise ConfigError("the LLM has prefix caching on: cached prompt positions are never forwarded, so they "
                           "would have no routes; open it with enable_prefix_caching=False to record")
     if getattr(config, "speculative_config", None) is not None:
         raise UnsupportedEngineError("speculative decoding is on: recording supports one sampled token per step")
-    if getattr(config.scheduler_config, "async_scheduling", False) or getattr(runner, "use_async_scheduling", False):
+    if getattr(config.scheduler_config, "async_scheduling", False) or getattr(runner, "use_async_scheduling",
+                                                                                  False):
         raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
                                      "(open the LLM with async_scheduling=False)")
     mode = getattr(llm.llm_engine.model_config, "logprobs_mode", None)
@@ -489,9 +590,8 @@ def generate_with_record(
     check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(prompts or ()):
         raise ConfigError(f"seed must be an int in [0, 2**63 - len(prompts)), got {seed!r}")
-    runner = model_runner(llm)
-    _check_llm(llm, runner)
-    meta = record_meta(llm, runner=runner)
+    _check_llm(llm, None)
+    meta = record_meta(llm)
     inputs = _prompt_inputs(prompts, tokenizer, meta.vocab_size)
 
     from vllm import SamplingParams as VllmSamplingParams
@@ -500,14 +600,12 @@ def generate_with_record(
                                  top_p=float(sampling.top_p), min_p=float(sampling.min_p), max_tokens=max_new_tokens,
                                  seed=seed + i, logprobs=0, detokenize=False)
               for i in range(len(inputs))]
-    recorder = VllmRecorder(runner, moe_routers(runner.model), meta.num_experts, record_routes=record_routes,
-                            record_kept_sets=record_kept_sets)
-    with recorder.attach():
+    with _WorkerRecording(llm, meta.num_experts, record_routes, record_kept_sets) as recording:
         outputs = llm.generate(inputs, params, use_tqdm=False)
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
 
-    names, (row_req, row_pos, row_tok, routes), (k_req, k_pos, k_off, k_ids, k_tok, k_lp) = recorder._flat()
+    names, (row_req, row_pos, row_tok, routes), (k_req, k_pos, k_off, k_ids, k_tok, k_lp) = recording.result
     internal: dict[str, str] = {}
     for name in names:
         internal.setdefault(name.rsplit("-", 1)[0], name)
