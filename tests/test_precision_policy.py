@@ -71,7 +71,9 @@ def test_to_vllm_engine_args():
     assert head["dtype"] == "float16" and head["hf_overrides"] == {"head_dtype": "float32"}
     assert to_vllm_engine_args("fp8-e4m3-tensor")["quantization"] == "fp8_per_tensor"
     assert to_vllm_engine_args("fp8-e4m3-block")["quantization"] == "fp8_per_block"
-    assert vllm_gaps("fp16") == [] and "router" in vllm_gaps("fp16-fp32-router-head")[0]
+    assert vllm_gaps("fp16") == [] and vllm_gaps("fp16-fp32-router-head") == []   # the vLLM adapter builds fp32
+    narrow = get_policy("fp32").replace(name="fp32-bf16-router", router_dtype=torch.bfloat16)
+    assert "router in bfloat16" in vllm_gaps(narrow)[0]
     with pytest.raises(ValueError, match="e4m3"):
         to_vllm_engine_args(PrecisionPolicy("x", torch.bfloat16, fp8=Fp8Spec("e5m2")))
 

@@ -239,13 +239,23 @@ class VLLMRolloutEngine:
             raise ConfigError(f"--attention {attention} selects the transformers engines' attention; vLLM uses its "
                               f"own (drop --attention with --rollout vllm)")
         from ..patches.vllm.engine import open_llm, vllm_version
+        from ..patches.vllm.precision import apply_precision, audit_vllm, needs_patch
 
         args = to_vllm_engine_args(policy)
         extra = {k: v for k, v in args.items() if k != "dtype" and v is not None}
         self.batch_invariant, self.attention = False, None
         self.precision, self.device = policy.name, device
         self.dtype = short_dtype(policy.dtype)
-        self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
+        # an fp32 router / LM head: built by moealign's class-level patch (this process runs the model), undone
+        # on close; the live model is then audited against the policy
+        self._precision = apply_precision(policy) if needs_patch(policy) else None
+        try:
+            self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
+            if self._precision is not None:
+                audit_vllm(self.llm, policy)
+        except BaseException:
+            self.close()
+            raise
         self.version = vllm_version()
 
     def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
@@ -259,6 +269,9 @@ class VLLMRolloutEngine:
 
     def close(self) -> None:
         self.llm = None
+        if getattr(self, "_precision", None) is not None:
+            self._precision.undo()
+            self._precision = None
 
 
 class HFTrainEngine:

@@ -315,7 +315,8 @@ def to_vllm_engine_args(policy: str | PrecisionPolicy) -> dict[str, Any]:
     checkpoint, 128x128 blocks) for FP8 policies; ``kv_cache_dtype="auto"`` (the KV cache follows
     ``dtype``: the trainer does not quantise attention, so an FP8 KV cache would be a mismatch the
     policy does not ask for); ``hf_overrides={"head_dtype": "float32"}`` for an fp32 LM head.
-    See :func:`vllm_gaps` for what these cannot express (an fp32 router).
+    An fp32 router and fp32 LM-head parameters are built by :func:`moealign.patches.vllm.apply_precision`;
+    :func:`vllm_gaps` lists what neither can express.
     """
     policy = get_policy(policy)
     args: dict[str, Any] = {"dtype": _VLLM_DTYPE[policy.dtype], "quantization": None, "kv_cache_dtype": "auto"}
@@ -332,12 +333,15 @@ def to_vllm_engine_args(policy: str | PrecisionPolicy) -> dict[str, Any]:
 
 
 def vllm_gaps(policy: str | PrecisionPolicy) -> list[str]:
-    """What :func:`to_vllm_engine_args` cannot express for ``policy`` (empty when nothing)."""
+    """What neither :func:`to_vllm_engine_args` nor moealign's vLLM adapter can express for ``policy`` (empty
+    when nothing). An fp32 router or LM head is not a gap: vLLM has no engine argument for fp32 *parameters*,
+    :func:`moealign.patches.vllm.apply_precision` builds them (in every worker through the plugin)."""
     policy = get_policy(policy)
     gaps = []
-    if policy.router_dtype is not None and policy.router_dtype != policy.dtype:
-        gaps.append(f"router in {dtype_name(policy.router_dtype)}: vLLM has no engine argument for the gate's "
-                    f"dtype (its GateLinear follows the model dtype); the vLLM adapter must cast the gate")
+    for what, dtype in (("router", policy.router_dtype), ("LM head", policy.lm_head_dtype)):
+        if dtype is not None and dtype not in (policy.dtype, torch.float32):
+            gaps.append(f"{what} in {dtype_name(dtype)}: vLLM has no argument for it and moealign's vLLM adapter "
+                        f"(moealign.patches.vllm.apply_precision) builds it in fp32 only")
     if policy.fp8 is not None and policy.fp8.scaling == "block" and policy.fp8.act_block != (1, 128):
         gaps.append(f"input tiles {policy.fp8.act_block}: vLLM's fp8_per_block quantises inputs in 1x128 groups")
     return gaps

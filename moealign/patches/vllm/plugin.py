@@ -8,6 +8,7 @@ opening the engine and every process (workers included) applies the same patches
 
     MOEALIGN_VLLM_PATCHES=tree                 # apply_tree_reductions() (TP-invariant forward)
     MOEALIGN_VLLM_PATCHES=tree:leaf_width=16   # with a leaf width
+    MOEALIGN_VLLM_PATCHES=precision:policy=fp16-fp32-router-head,tree   # apply_precision(), then the tree
 
 Unset or empty: nothing is patched (the plugin is inert in every vLLM run that does not ask for it). An unknown
 name or option raises :class:`~moealign.errors.ConfigError` naming it, in the worker that reads it (vLLM then
@@ -27,7 +28,7 @@ __all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for"]
 ENV = "MOEALIGN_VLLM_PATCHES"
 
 #: patch name -> (option name -> type) it accepts
-PATCHES = {"tree": {"leaf_width": int}}
+PATCHES = {"tree": {"leaf_width": int}, "precision": {"policy": str}}
 
 _LOADED: dict[str, PatchHandle] = {}
 
@@ -54,11 +55,14 @@ def parse_spec(text: str) -> list[tuple[str, dict]]:
     return result
 
 
-def spec_for(*, tree: bool = False, leaf_width: int | None = None) -> str:
+def spec_for(*, tree: bool = False, leaf_width: int | None = None, precision: str | None = None) -> str:
     """The :data:`ENV` value asking for these patches (``""``: none)."""
-    if not tree:
-        return ""
-    return "tree" if leaf_width is None else f"tree:leaf_width={leaf_width}"
+    parts = []
+    if precision is not None:
+        parts.append(f"precision:policy={precision}")
+    if tree:
+        parts.append("tree" if leaf_width is None else f"tree:leaf_width={leaf_width}")
+    return ",".join(parts)
 
 
 def load() -> None:
@@ -71,6 +75,12 @@ def load() -> None:
             from .tree_reduce import apply_tree_reductions
 
             _LOADED[name] = apply_tree_reductions(**options)
+        elif name == "precision":
+            if "policy" not in options:
+                raise ConfigError(f"{ENV}: the precision patch needs policy=NAME")
+            from .precision import apply_precision
+
+            _LOADED[name] = apply_precision(options["policy"])
 
 
 def loaded() -> dict[str, PatchHandle]:
