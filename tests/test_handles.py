@@ -373,6 +373,38 @@ def case_patch_vllm_all_reduce_instance(mp, stack):
                 ("GroupCoordinator 'tp:0'",))
 
 
+def case_apply_tree_reductions(mp, stack):
+    pytest.importorskip("vllm")
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    from moealign.patches.vllm.tree_reduce import apply_tree_reductions
+
+    targets = [(linear.UnquantizedLinearMethod, "apply"), (linear.UnquantizedLinearMethod, "process_weights_after_loading"),
+               (vocab_parallel_embedding.UnquantizedEmbeddingMethod, "apply"),
+               (vocab_parallel_embedding.UnquantizedEmbeddingMethod, "process_weights_after_loading"),
+               (linear.RowParallelLinear, "forward"),
+               (unquantized_fused_moe_method.UnquantizedFusedMoEMethod, "process_weights_after_loading"),
+               (routed_experts.RoutedExperts, "forward_modular"), (moe_runner.MoERunner, "_maybe_reduce_final_output"),
+               (parallel_state.GroupCoordinator, "_all_reduce_out_place")]
+    return Case(apply_tree_reductions, lambda: tuple(getattr(cls, name) for cls, name in targets), "process",
+                ("vLLM TP-invariant tree forward",))
+
+
+def case_apply_vllm_precision(mp, stack):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers import vocab_parallel_embedding
+    from vllm.model_executor.layers.fused_moe.router import gate_linear
+
+    from moealign.patches.vllm.precision import apply_precision
+
+    return Case(lambda: apply_precision("fp16-fp32-router-head"),
+                lambda: (gate_linear.GateLinear.__init__, vocab_parallel_embedding.ParallelLMHead.__init__), "process",
+                ("vLLM precision policy 'fp16-fp32-router-head'",))
+
+
 def case_route_capture(mp, stack):
     from moealign.patches.hf.model import describe_model
     from moealign.patches.hf.rollout import RouteCapture
@@ -407,6 +439,8 @@ CASES = {
         case_patch_megatron_vocab_parallel_cross_entropy,
     "moealign.patches.vllm.tree_reduce.patch_vllm_all_reduce": case_patch_vllm_all_reduce,
     "moealign.patches.vllm.tree_reduce.patch_vllm_all_reduce[instance]": case_patch_vllm_all_reduce_instance,
+    "moealign.patches.vllm.tree_reduce.apply_tree_reductions": case_apply_tree_reductions,
+    "moealign.patches.vllm.precision.apply_precision": case_apply_vllm_precision,
     "moealign.patches.hf.rollout.RouteCapture.attach": case_route_capture,
     "moealign.patches.hf.rollout._append_logits_processor": case_append_logits_processor,
 }

@@ -71,3 +71,25 @@ def test_bench_vllm_record_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["plain_s"] > 0 and result["record_s"] > 0 and result["ratio_min"] > 0
+
+
+def test_probe_vllm_megatron_gap_smoke(tmp_path):
+    import math
+
+    import pytest
+
+    from moealign._optional import probe
+
+    if not probe("vllm").available:
+        pytest.skip("vLLM is not installed")
+    out = tmp_path / "gap.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MOEALIGN_VLLM_PATCHES"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_vllm_megatron_gap.py"), "--tokens", "16",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    ops = [row["op"] for row in result["rows"]]
+    assert ops[0] == "embedding" and ops[-1] == "LM head" and len(ops) == 2 + 4 * 5 + 1
+    assert result["rows"][0]["cumulative"] == 0.0          # the same table lookup on both sides
+    assert all(math.isfinite(row["cumulative"]) for row in result["rows"])
+    assert result["rows"][-1]["cumulative"] > 0            # the two engines' forwards do differ somewhere
