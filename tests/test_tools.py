@@ -92,4 +92,3 @@ def test_probe_vllm_megatron_gap_smoke(tmp_path):
     assert ops[0] == "embedding" and ops[-1] == "LM head" and len(ops) == 2 + 4 * 5 + 1
     assert result["rows"][0]["cumulative"] == 0.0          # the same table lookup on both sides
     assert all(math.isfinite(row["cumulative"]) for row in result["rows"])
-    assert result["rows"][-1]["cumulative"] > 0            # the two engines' forwards do differ somewhere
