@@ -177,3 +177,79 @@ def test_record_at_tp2_in_worker_processes_equals_tp1_under_the_tree_forward(tmp
     for a, b in zip(one.samples, two.samples):
         for field in ("token_ids", "logprobs", "routes", "kept_offsets", "kept_ids"):
             assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+# --- the assembly of recorded rows into samples (no engine: synthetic outputs and captures) ----------------
+
+
+def _synthetic(num=3):
+    """vLLM-like outputs for ``num`` requests and the recorder's rows for them: prefill rows in one step, then one
+    decode row per step (interleaved across requests), routes = (position + request) % 8 per layer."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(0)
+    outputs, names = [], {}
+    row_req, row_pos, row_tok, routes = [], [], [], []
+    k_req, k_pos, k_counts, k_ids, k_tok, k_lp = [], [], [], [], [], []
+    for r in range(num):
+        prompt = torch.randint(3, 100, (4 + r,), generator=gen).tolist()
+        response = torch.randint(3, 100, (3,), generator=gen).tolist()
+        tokens = prompt + response
+        names[f"{r}-abc"] = r
+        lps = [-0.5 - 0.1 * j for j in range(len(response))]
+        outputs.append(SimpleNamespace(request_id=str(r), prompt_token_ids=prompt, outputs=[SimpleNamespace(
+            token_ids=response, logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(response, lps)])]))
+        for p in range(len(tokens) - 1):
+            row_req.append(r), row_pos.append(p), row_tok.append(tokens[p])
+            routes.append([[(p + r + i) % 8 for i in range(2)] for _ in range(2)])
+        for j, (t, lp) in enumerate(zip(response, lps)):
+            kept = sorted({t, (t + 1) % 100, (t + 7) % 100})
+            k_req.append(r), k_pos.append(len(prompt) + j), k_counts.append(len(kept)), k_ids.extend(kept)
+            k_tok.append(t), k_lp.append(lp)
+    t64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    counts = t64(k_counts)
+    captured = [names, [t64(row_req), t64(row_pos), t64(row_tok), torch.tensor(routes, dtype=torch.int16)],
+                [t64(k_req), t64(k_pos), torch.cat([t64([0]), counts.cumsum(0)]), torch.tensor(k_ids, dtype=torch.int32),
+                 t64(k_tok), torch.tensor(k_lp, dtype=torch.float32)]]
+    return outputs, captured
+
+
+def test_assembly_maps_rows_to_samples_and_refuses_every_slip():
+    from moealign.errors import ReplayError
+    from moealign.patches.vllm.rollout import _assemble
+
+    sampling = SamplingParams(temperature=1.0)
+    outputs, captured = _synthetic()
+    samples = _assemble(outputs, captured, sampling, True)
+    assert len(samples) == 3
+    for r, s in enumerate(samples):
+        L = s.token_ids.numel()
+        assert s.routes.shape == (L - 1, 2, 2)
+        assert torch.equal(s.routes[:, 0, 0].long(), (torch.arange(L - 1) + r) % 8)
+        assert torch.equal(s.kept_offsets, torch.tensor([0, 3, 6, 9]))
+        assert torch.equal(s.logprobs, torch.tensor([-0.5, -0.6, -0.7]))
+    # the rows in another order (continuous batching interleaves them): the same samples
+    names, rows, sampler = captured
+    perm = torch.randperm(rows[0].numel(), generator=torch.Generator().manual_seed(1))
+    shuffled = [names, [t[perm] for t in rows], sampler]
+    again = _assemble(outputs, shuffled, sampling, True)
+    assert all(torch.equal(a.routes, b.routes) for a, b in zip(samples, again))
+
+    def broken(edit):
+        outs, cap = _synthetic()
+        edit(outs, cap)
+        return outs, cap
+
+    slips = {
+        "the row map is wrong": lambda o, c: c[1][2].__setitem__(5, 99),                 # another input token
+        "no route was recorded for position": lambda o, c: c[1].__setitem__(
+            1, torch.where(c[1][1] == 2, torch.full_like(c[1][1], 0), c[1][1])),        # position 2 never seen
+        "the last sampled token is never forwarded": lambda o, c: c[1][1].__setitem__(0, 40),
+        "sampled token": lambda o, c: c[2][4].__setitem__(0, 5),
+        "no sampler row was recorded": lambda o, c: c[2][1].__setitem__(0, 0),
+        "differ from the sampler's": lambda o, c: c[2][5].__setitem__(4, -3.0),
+        "was recorded": lambda o, c: o[0].__setattr__("request_id", "77"),
+    }
+    for message, edit in slips.items():
+        with pytest.raises(ReplayError, match=message):
+            _assemble(*broken(edit), sampling, True)

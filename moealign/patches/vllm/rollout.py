@@ -72,7 +72,6 @@ from ...record import (
     router_signature,
 )
 from ...routing_replay.routes import compact_routes, route_dtype
-from ...routing_replay.sampling_mask import check_tokens_in_kept
 from .._version import require_attr
 from .engine import vllm_version
 
@@ -183,6 +182,17 @@ def _engine_routers(llm: Any) -> list[tuple[int, str, int, int]]:
     if any(found != per_rank[0] for found in per_rank[1:]):
         raise UnsupportedEngineError(f"vLLM's workers hold different MoE routers: {per_rank}")
     return per_rank[0]
+
+
+def _cached_meta(llm: Any) -> RecordMeta:
+    """:func:`record_meta` once per engine (it describes the checkpoint vLLM loaded and its routers, which a
+    rollout does not change; reading the checkpoint's router weights costs milliseconds per call)."""
+    model = str(llm.llm_engine.model_config.model)
+    cached = getattr(llm, "_moealign_record_meta", None)
+    if cached is None or cached[0] != model:
+        cached = (model, record_meta(llm))
+        llm._moealign_record_meta = cached
+    return cached[1]
 
 
 def record_meta(llm: Any, *, runner=None) -> RecordMeta:
@@ -591,7 +601,7 @@ def generate_with_record(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(prompts or ()):
         raise ConfigError(f"seed must be an int in [0, 2**63 - len(prompts)), got {seed!r}")
     _check_llm(llm, None)
-    meta = record_meta(llm)
+    meta = _cached_meta(llm)
     inputs = _prompt_inputs(prompts, tokenizer, meta.vocab_size)
 
     from vllm import SamplingParams as VllmSamplingParams
@@ -605,11 +615,30 @@ def generate_with_record(
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
 
-    names, (row_req, row_pos, row_tok, routes), (k_req, k_pos, k_off, k_ids, k_tok, k_lp) = recording.result
+    samples = _assemble(outputs, recording.result, sampling, record_kept_sets)
+    _check_and_compact(samples, meta, record_kept_sets)
+    return RolloutRecord(meta, samples, validate=validate)
+
+
+def _exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]])
+
+
+def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``cat([arange(s, s + n) for s, n in zip(starts, sizes)])`` without a Python loop."""
+    total = int(sizes.sum())
+    return torch.repeat_interleave(starts - _exclusive_cumsum(sizes), sizes) + torch.arange(total)
+
+
+def _assemble(outputs, captured, sampling: SamplingParams, record_kept_sets: bool) -> list[Sample]:
+    """The record's samples from vLLM's outputs and the recorder's rows: every sample's route rows and sampler rows
+    found and checked against its tokens in a few whole-batch tensor operations (one Python pass over the outputs
+    for their fields)."""
+    names, (row_req, row_pos, row_tok, routes), (k_req, k_pos, k_off, k_ids, k_tok, k_lp) = captured
     internal: dict[str, str] = {}
     for name in names:
         internal.setdefault(name.rsplit("-", 1)[0], name)
-    samples = []
+    tokens, logprobs, reqs, labels, prompt_lens = [], [], [], [], []
     for b, out in enumerate(outputs):
         if len(out.outputs) != 1:
             raise EngineError(f"vLLM returned {len(out.outputs)} completions for prompt {b}")
@@ -619,76 +648,101 @@ def generate_with_record(
         if not prompt or not response:
             raise EngineError(f"vLLM returned an empty prompt or response for prompt {b} "
                               f"({len(prompt)} prompt, {len(response)} response tokens)")
-        token_ids = torch.tensor(prompt + response, dtype=torch.int64)
-        P, L = len(prompt), token_ids.numel()
         if completion.logprobs is None or len(completion.logprobs) != len(response):
             raise EngineError(f"vLLM returned no log-prob per sampled token for prompt {b}")
-        logprobs = torch.tensor([completion.logprobs[j][t].logprob for j, t in enumerate(response)],
-                                dtype=torch.float32)
-        if not bool(torch.isfinite(logprobs).all()):
-            raise EngineError(f"vLLM returned a non-finite log-prob for a sampled token of prompt {b}: "
-                              f"{logprobs.tolist()}")
         name = internal.get(str(out.request_id))
         if name is None:
             raise ReplayError(f"no engine step of request {out.request_id!r} (prompt {b}) was recorded")
-        r = names[name]
-        where = f"prompt {b} (vLLM request {name})"
+        tokens.append(torch.tensor(prompt + response, dtype=torch.int64))
+        logprobs.append(torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, response)],
+                                     dtype=torch.float32))
+        reqs.append(names[name])
+        labels.append(f"prompt {b} (vLLM request {name})")
+        prompt_lens.append(len(prompt))
+    n = len(tokens)
+    if n == 0:
+        return []
+    Ls = torch.tensor([t.numel() for t in tokens], dtype=torch.int64)
+    Ps = torch.tensor(prompt_lens, dtype=torch.int64)
+    Rs = torch.tensor(reqs, dtype=torch.int64)
+    all_lp = torch.cat(logprobs)
+    finite = torch.isfinite(all_lp)
+    if not bool(finite.all()):
+        b = int(torch.searchsorted((Ls - Ps).cumsum(0), int((~finite).nonzero()[0, 0]), right=True))
+        raise EngineError(f"vLLM returned a non-finite log-prob for a sampled token of prompt {b}: "
+                          f"{logprobs[b].tolist()}")
+    stride = int(Ls.max()) + 1
+    length_of = torch.full((len(names),), -1, dtype=torch.int64)
+    length_of[Rs] = Ls
+    sample_of = torch.full((len(names),), -1, dtype=torch.int64)
+    sample_of[Rs] = torch.arange(n)
 
-        sample_routes = None
-        if routes is not None:
-            mine = (row_req == r).nonzero().flatten()
-            pos = row_pos[mine]
-            if bool((pos >= L - 1).any()) or bool((pos < 0).any()):
-                raise ReplayError(f"{where}: the forward saw position {int(pos.max())} of a sample of {L} tokens "
-                                  f"(the last sampled token is never forwarded)")
-            last = _latest(pos, torch.arange(L - 1))
-            if bool((last < 0).any()):
-                gap = int((last < 0).nonzero()[0, 0])
-                raise ReplayError(f"{where}: no route was recorded for position {gap} (prefix caching, or a step the "
-                                  f"recorder did not see)")
-            rows = mine[last]
-            seen = row_tok[rows]
-            if not torch.equal(seen, token_ids[:L - 1]):
-                p = int((seen != token_ids[:L - 1]).nonzero()[0, 0])
-                raise ReplayError(f"{where}: the forward's input at position {p} was token {int(seen[p])}, the "
-                                  f"record's token is {int(token_ids[p])}: the row map is wrong")
-            sample_routes = routes[rows]            # validated and compacted below, all samples at once
+    def sample_at(flat_index: int, sizes: torch.Tensor) -> tuple[int, int]:
+        b = int(torch.searchsorted(sizes.cumsum(0), flat_index, right=True))
+        return b, flat_index - int(sizes[:b].sum())
 
-        mine = (k_req == r).nonzero().flatten()
-        last = _latest(k_pos[mine], torch.arange(P, L))
+    sample_routes: list = [None] * n
+    if routes is not None:
+        mine = (length_of[row_req] >= 0).nonzero().flatten()          # rows of the returned requests
+        req, pos = row_req[mine], row_pos[mine]
+        bad = (pos >= length_of[req] - 1) | (pos < 0)
+        if bool(bad.any()):
+            b = int(sample_of[req[int(bad.nonzero()[0, 0])]])
+            raise ReplayError(f"{labels[b]}: the forward saw position {int(pos[req == Rs[b]].max())} of a sample of "
+                              f"{int(Ls[b])} tokens (the last sampled token is never forwarded)")
+        sizes = Ls - 1
+        wanted = torch.repeat_interleave(Rs * stride, sizes) + _ranges(torch.zeros(n, dtype=torch.int64), sizes)
+        last = _latest(req * stride + pos, wanted)
         if bool((last < 0).any()):
-            gap = int((last < 0).nonzero()[0, 0])
-            raise ReplayError(f"{where}: no sampler row was recorded for response position {gap}")
+            b, gap = sample_at(int((last < 0).nonzero()[0, 0]), sizes)
+            raise ReplayError(f"{labels[b]}: no route was recorded for position {gap} (prefix caching, or a step the "
+                              f"recorder did not see)")
         rows = mine[last]
-        if not torch.equal(k_tok[rows], token_ids[P:]):
-            j = int((k_tok[rows] != token_ids[P:]).nonzero()[0, 0])
-            raise ReplayError(f"{where}: the sampler row of response position {j} sampled token "
-                              f"{int(k_tok[rows][j])}, vLLM returned {int(token_ids[P + j])}: the row map is wrong")
-        gap = (k_lp[rows] - logprobs).abs().max()
-        if not float(gap) <= 1e-6:
-            raise ReplayError(f"{where}: vLLM's returned log-probs differ from the sampler's by up to {float(gap)}")
-        kept_offsets = kept_ids = None
-        if record_kept_sets:
-            counts = k_off[rows + 1] - k_off[rows]
-            kept_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-            starts = torch.repeat_interleave(k_off[rows], counts)
-            within = torch.arange(int(kept_offsets[-1])) - torch.repeat_interleave(kept_offsets[:-1], counts)
-            kept_ids = k_ids[starts + within]
-        samples.append(Sample(token_ids=token_ids, prompt_len=P, logprobs=logprobs, routes=sample_routes,
-                              kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=sampling))
-    _check_and_compact(samples, meta, record_kept_sets)
-    return RolloutRecord(meta, samples, validate=validate)
+        seen, expected = row_tok[rows], torch.cat([t[:-1] for t in tokens])
+        if not torch.equal(seen, expected):
+            k = int((seen != expected).nonzero()[0, 0])
+            b, p = sample_at(k, sizes)
+            raise ReplayError(f"{labels[b]}: the forward's input at position {p} was token {int(seen[k])}, the "
+                              f"record's token is {int(expected[k])}: the row map is wrong")
+        sample_routes = list(routes[rows].split(sizes.tolist()))   # validated and compacted below
+
+    sizes = Ls - Ps
+    mine = (length_of[k_req] >= 0).nonzero().flatten()
+    wanted = torch.repeat_interleave(Rs * stride, sizes) + _ranges(Ps, sizes)
+    last = _latest(k_req[mine] * stride + k_pos[mine], wanted)
+    if bool((last < 0).any()):
+        b, gap = sample_at(int((last < 0).nonzero()[0, 0]), sizes)
+        raise ReplayError(f"{labels[b]}: no sampler row was recorded for response position {gap}")
+    rows = mine[last]
+    responses = torch.cat([t[p:] for t, p in zip(tokens, prompt_lens)])
+    if not torch.equal(k_tok[rows], responses):
+        k = int((k_tok[rows] != responses).nonzero()[0, 0])
+        b, j = sample_at(k, sizes)
+        raise ReplayError(f"{labels[b]}: the sampler row of response position {j} sampled token "
+                          f"{int(k_tok[rows][k])}, vLLM returned {int(responses[k])}: the row map is wrong")
+    gaps = (k_lp[rows] - all_lp).abs()
+    if not bool((gaps <= 1e-6).all()):
+        b, _ = sample_at(int((~(gaps <= 1e-6)).nonzero()[0, 0]), sizes)
+        worst = float(gaps[int(_exclusive_cumsum(sizes)[b]):int(sizes[:b + 1].sum())].max())
+        raise ReplayError(f"{labels[b]}: vLLM's returned log-probs differ from the sampler's by up to {worst}")
+    kept = [(None, None)] * n
+    if record_kept_sets:
+        counts = k_off[rows + 1] - k_off[rows]
+        ids = k_ids[_ranges(k_off[rows], counts)]
+        per_sample = counts.split(sizes.tolist())
+        totals = torch.stack([c.sum() for c in per_sample]).tolist()
+        kept = [(torch.cat([torch.zeros(1, dtype=torch.int64), c.cumsum(0)]), i)
+                for c, i in zip(per_sample, ids.split(totals))]
+    return [Sample(token_ids=t, prompt_len=p, logprobs=lp, routes=r, kept_offsets=ko, kept_ids=ki, sampling=sampling)
+            for t, p, lp, r, (ko, ki) in zip(tokens, prompt_lens, logprobs, sample_routes, kept)]
 
 
 def _check_and_compact(samples: list[Sample], meta: RecordMeta, kept_sets: bool) -> None:
     """One pass over every sample (not one per sample): route ids in range and distinct, compacted to the
-    record's route dtype; every sampled token inside its kept set."""
+    record's route dtype. Kept sets need no second check here: each is the finite entries of the sampler's
+    processed log-probs, and :func:`_assemble` checked that the sampler drew the returned token with a finite
+    log-prob equal to vLLM's, so the token lies in its kept set by construction (``validate=True`` re-checks)."""
     if samples and samples[0].routes is not None:
         sizes = [s.routes.shape[0] for s in samples]
         for s, r in zip(samples, compact_routes(torch.cat([s.routes for s in samples]), meta.num_experts).split(sizes)):
             s.routes = r
-    if kept_sets and samples:
-        counts = torch.cat([s.kept_offsets.diff() for s in samples])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-        check_tokens_in_kept(offsets, torch.cat([s.kept_ids for s in samples]),
-                             torch.cat([s.response_ids for s in samples]), vocab_size=meta.vocab_size)
