@@ -79,14 +79,9 @@ def test_cli_refusals(monkeypatch, capsys):
 
 
 def _batch_probe(tree: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != "MOEALIGN_VLLM_PATCHES"}
-    if tree:
-        env["MOEALIGN_VLLM_PATCHES"] = "tree"
-    script = os.path.join(os.path.dirname(__file__), "vllm_batch_probe.py")
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    from vllm_util import child_env, run_child
+
+    return run_child("vllm_batch_probe.py", env=child_env({"MOEALIGN_VLLM_PATCHES": "tree"} if tree else {}))
 
 
 def test_tree_forward_is_batch_invariant_in_vllm():

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from moealign._optional import probe
 from moealign.errors import ConfigError
+from vllm_util import run_child
 
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
@@ -22,11 +20,7 @@ SCRIPT = pathlib.Path(__file__).with_name("vllm_generate.py")
 
 
 def _generate(mode: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child(SCRIPT.name, mode)
 
 
 @needs_vllm

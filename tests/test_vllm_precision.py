@@ -5,27 +5,17 @@ every router and the LM head. Engines run in child processes (vLLM keeps process
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
 from moealign._optional import probe
+from vllm_util import run_child
 
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
 
 
 def _child(mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != "MOEALIGN_VLLM_PATCHES"}
-    script = pathlib.Path(__file__).with_name("vllm_precision_child.py")
-    proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child("vllm_precision_child.py", mode)
 
 
 @needs_vllm
