@@ -72,8 +72,8 @@ def patch_vllm_all_reduce(group_coordinator=None) -> TreeReducePatch:
 # The whole forward: every TP-size-dependent reduction of a vLLM model (class level, before loading)
 # --------------------------------------------------------------------------------------------------
 
-#: Default leaf width of the vLLM tree forward: it must divide every layer's K shard and output partition at the
-#: largest TP size used (the embedded model at TP = 2: expert intermediate shard 32).
+#: Default leaf width of the vLLM tree forward: it must divide every layer's K shard (the input width one rank
+#: reduces) at the largest TP size used (the embedded model at TP = 2: expert intermediate shard 32).
 VLLM_TREE_LEAF_WIDTH = 32
 
 
