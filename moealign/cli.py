@@ -215,6 +215,53 @@ def _add_tp_check(sub) -> None:
     p.set_defaults(func=_cmd_tp_check)
 
 
+def _cmd_record_inspect(args: argparse.Namespace) -> int:
+    import pathlib
+    import types
+
+    from .record import RolloutRecord
+    from .record_inspect import format_inspection, inspect_record
+
+    _check_json_path(args.json)
+    model_layers = None
+    if args.model is not None:
+        from .families import get_family
+
+        config_path = pathlib.Path(args.model) / "config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--model {args.model}: no readable config.json ({type(exc).__name__})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"--model {args.model}: config.json is not a JSON object")
+        config = types.SimpleNamespace(**config)
+        pattern = get_family(getattr(config, "model_type", None)).moe_layer_pattern(config)
+        model_layers = tuple(i for i, sparse in enumerate(pattern) if sparse)
+    if args.json and pathlib.Path(args.json).resolve() == pathlib.Path(args.file).resolve():
+        raise ConfigError(f"--json {args.json} is the record being inspected: refusing to overwrite it")
+    result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers)
+    failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
+    return _finish("record inspect", format_inspection(result), result, args.json, failures)
+
+
+def _add_record(sub) -> None:
+    p = sub.add_parser("record", help="rollout records: inspect")
+    rsub = p.add_subparsers(dest="record_command", metavar="ACTION")
+    q = rsub.add_parser(
+        "inspect", help="what a record holds, and the patterns of a broken route capture",
+        description="Prints the record's engine, model, layers, experts, rows, route dtype, missing-row fraction "
+        "and kept sets, and checks it for the patterns of a broken capture: all-zero route rows, a layer that "
+        "routes every token alike, every layer identical, one expert set everywhere, and (with --model) routes "
+        "for layers the model runs dense. Exit code 3 when any is found, 2 when the file does not load (corrupt, "
+        "rows that do not match the tokens, ids out of range).")
+    q.add_argument("file", metavar="FILE", help="a record (.safetensors) written by moealign")
+    q.add_argument("--model", metavar="DIR", default=None, help="the checkpoint it was recorded from (its config "
+                   "decides which layers are MoE)")
+    q.add_argument("--json", metavar="PATH", help="write the summary and findings as JSON")
+    q.set_defaults(func=_cmd_record_inspect)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``moealign mismatch: error: ...`` and exit code 2, no usage dump."""
 
@@ -239,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.set_defaults(func=_cmd_info)
     _add_mismatch(sub)
     _add_tp_check(sub)
+    _add_record(sub)
     return parser
 
 
