@@ -159,19 +159,27 @@ def test_generate_with_record_refuses_bad_arguments():
 def test_record_at_tp2_in_worker_processes_equals_tp1_under_the_tree_forward(tmp_path):
     """At TP = 2 the model runs in two vLLM worker processes: the recorder is attached there (collective_rpc), both
     ranks' captures must agree, and with the tree forward in both workers (the vllm.general_plugins entry point)
-    the record equals the TP = 1 record bit for bit: tokens, log-probs, routes, kept sets."""
+    the record equals the TP = 1 record bit for bit: tokens, log-probs, routes, kept sets. Its routes forced back
+    in both workers (score_with_routes) run exactly and give vLLM's own log-probs."""
     from moealign.record import RolloutRecord
 
     script = pathlib.Path(__file__).with_name("vllm_record_tp.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env["MOEALIGN_VLLM_PATCHES"] = "tree"
-    records = {}
+    records, scored = {}, {}
     for tp in (1, 2):
         path = tmp_path / f"tp{tp}.safetensors"
         proc = subprocess.run([sys.executable, str(script), str(path), str(tp)], capture_output=True, text=True,
                               timeout=600, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-3000:]
         records[tp] = RolloutRecord.load(path)
+        scored[tp] = json.loads(lines[-1][len("RESULT "):])
+    # routes forced in both workers: exactly the recorded experts ran (checked in the child), the log-probs equal
+    # vLLM's own routing bit for bit (own routes), and TP = 2 equals TP = 1
+    for tp in (1, 2):
+        assert scored[tp]["forced"] == scored[tp]["native"], tp
+    assert scored[2]["forced"] == scored[1]["forced"]
     one, two = records[1], records[2]
     assert one.meta == two.meta and len(one.samples) == len(two.samples) == 4
     for a, b in zip(one.samples, two.samples):

@@ -2,6 +2,9 @@
 (TP > 1: vLLM's multiprocessing workers, one CPU core per rank), optionally with the tree forward in every
 worker (MOEALIGN_VLLM_PATCHES=tree, set by the caller), save it and print one JSON line.
 
+Then the record is scored with its own routes forced in every worker (``score_with_routes``) and unforced; the
+RESULT line carries both log-prob lists.
+
 usage: python tests/vllm_record_tp.py OUT.safetensors TP
 """
 
@@ -29,5 +32,10 @@ if __name__ == "__main__":
     record = generate_with_record(llm, prompts, sampling=SamplingParams(temperature=0.9, top_p=0.9), max_new_tokens=10,
                                   seed=5)
     record.save(out)
-    print("RESULT " + json.dumps({"samples": len(record.samples), "rows": sum(s.routes.shape[0] for s in record.samples)}),
+    from moealign.patches.vllm.replay import score_with_routes
+
+    forced = score_with_routes(llm, record)        # raises unless the experts that ran are the recorded ones
+    native = score_with_routes(llm, record, force=False)
+    print("RESULT " + json.dumps({"samples": len(record.samples), "rows": sum(s.routes.shape[0] for s in record.samples),
+                                  "forced": [t.tolist() for t in forced], "native": [t.tolist() for t in native]}),
           flush=True)

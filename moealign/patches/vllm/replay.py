@@ -1,8 +1,10 @@
 """vLLM adapter, replay side: force recorded routes inside a vLLM forward (no engine offers this).
 
 :class:`RouteForcer` (a :class:`~moealign.handle.PatchHandle`, scope ``"instance"``) replaces, in every MoE router
-of an in-process vLLM engine (:func:`moealign.patches.vllm.rollout.moe_routers`), the router's top-k by the
-recorded expert ids of the rows of the current engine step:
+of a vLLM model runner (:func:`moealign.patches.vllm.rollout.moe_routers`), the router's top-k by the recorded
+expert ids of the rows of the current engine step. :func:`score_with_routes` attaches one in every worker through
+``LLM.collective_rpc`` (vLLM's worker processes at TP > 1; this process at TP = 1), and the ranks must agree on
+what ran; :func:`force_routes` attaches one to an in-process engine directly:
 
 * **patch point**: each router's ``_compute_routing(hidden_states, router_logits, indices_type, *, input_ids)``
   (an instance attribute over the class method; ``BaseRouter._select_experts`` calls it, then the capture hook,
@@ -50,9 +52,10 @@ import torch
 from ...errors import EngineError, InputTypeError, ReplayConfigError, ReplayError, UnsupportedEngineError
 from ...families import get_family
 from ...handle import PatchHandle
-from ...record import RolloutRecord
+from ...record import RecordMeta, RolloutRecord
 from ...routing_replay.gates import RouterScoring, replay_gate_weights
 from ...routing_replay.routes import expand_routes
+from .._version import require_attr
 from .rollout import VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
 
 __all__ = ["RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
@@ -93,7 +96,7 @@ def vllm_router_scoring(router: Any, family_scoring: RouterScoring | None = None
 
 
 class RouteForcer(PatchHandle):
-    """Forced routes inside an in-process vLLM engine (scope ``"instance"``; see the module docstring).
+    """Forced routes inside one vLLM model runner (scope ``"instance"``; see the module docstring).
 
     ``tables[i]``: sample ``i``'s route table ``[positions, moe layers, k]`` (any integer dtype; row ``p`` forces
     position ``p``), ``tokens[i]`` its token ids (each forced row's input token is checked against them). A request
@@ -246,9 +249,19 @@ def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> Rout
     after checking the record against the engine: the record's meta must match :func:`record_meta` (``llm``)
     (:class:`~moealign.errors.RecordMismatchError`), every sample must carry routes
     (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`)."""
+    runner = model_runner(llm)
+    meta = _checked_record(llm, record, force, runner=runner)
+    routers = moe_routers(runner.model)
+    scorings = _engine_scorings(llm, runner, routers)
+    tables = [s.routes if force else None for s in record.samples]
+    return RouteForcer(runner, routers, meta.num_experts, tables, [s.token_ids for s in record.samples], scorings,
+                       force=force).attach()
+
+
+def _checked_record(llm: Any, record: RolloutRecord, force: bool, *, runner=None) -> RecordMeta:
+    """The engine's record meta, after checking ``record`` against it (meta, routes present and shaped)."""
     if not isinstance(record, RolloutRecord):
         raise InputTypeError(f"record must be a moealign RolloutRecord, got {type(record).__name__}")
-    runner = model_runner(llm)
     _check_engine(llm, runner)
     meta = record_meta(llm, runner=runner)
     record.meta.check_matches(meta, what="vLLM engine")
@@ -256,15 +269,76 @@ def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> Rout
         missing = [i for i, s in enumerate(record.samples) if s.routes is None]
         if missing:
             raise ReplayError(f"samples {missing[:8]} of the record carry no routes: nothing to force")
+        for i, s in enumerate(record.samples):
+            if tuple(s.routes.shape) != (s.length - 1, len(meta.moe_layers), meta.top_k):
+                raise ReplayError(f"sample {i}: routes {tuple(s.routes.shape)}, expected "
+                                  f"{(s.length - 1, len(meta.moe_layers), meta.top_k)}")
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# forcing in the workers (any TP size; in-process too): vLLM's collective_rpc runs these in each worker
+# --------------------------------------------------------------------------------------------------
+
+_WORKER_FORCERS: dict[str, RouteForcer] = {}
+
+
+def _rpc_force_attach(worker, key: str, num_experts: int, tables, tokens, force: bool) -> bool:
+    from .rollout import _checked_runner
+
+    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+    hf_config = require_attr(getattr(worker, "model_config", None) or runner.model_config, "hf_config",
+                             "vLLM's model config")
+    family_scoring = get_family(getattr(hf_config, "model_type", None)).scoring(hf_config)
     routers = moe_routers(runner.model)
-    scorings = _engine_scorings(llm, runner, routers)
-    tables = [s.routes if force else None for s in record.samples]
-    for i, (s, t) in enumerate(zip(record.samples, tables)):
-        if t is not None and tuple(t.shape) != (s.length - 1, len(meta.moe_layers), meta.top_k):
-            raise ReplayError(f"sample {i}: routes {tuple(t.shape)}, expected "
-                              f"{(s.length - 1, len(meta.moe_layers), meta.top_k)}")
-    return RouteForcer(runner, routers, meta.num_experts, tables, [s.token_ids for s in record.samples], scorings,
-                       force=force).attach()
+    scorings = [vllm_router_scoring(router, family_scoring) for _, _, router in routers]
+    if key in _WORKER_FORCERS:
+        raise EngineError(f"a route forcer {key!r} is already attached in this worker")
+    _WORKER_FORCERS[key] = RouteForcer(runner, routers, num_experts, tables, tokens, scorings, force=force).attach()
+    return True
+
+
+def _rpc_force_collect(worker, key: str, lengths, keep: bool):
+    """Undo this worker's forcer; return ``(forced rows, experts that ran per sample)`` (``keep=False``: undo)."""
+    forcer = _WORKER_FORCERS.pop(key, None)
+    if forcer is None:
+        return None
+    try:
+        return (forcer.forced_rows, forcer.ran_routes(lengths)) if keep else None
+    finally:
+        forcer.undo()
+
+
+class _WorkerForcing:
+    """A :class:`RouteForcer` attached in every worker of ``llm`` (the model may live in worker processes: TP > 1),
+    collected and undone on exit; every rank forces and runs the same rows, so their captures must agree."""
+
+    def __init__(self, llm, num_experts: int, tables, tokens, force: bool, lengths):
+        import uuid
+
+        self.llm, self.key, self.lengths = llm, uuid.uuid4().hex, list(lengths)
+        self.args = (num_experts, tables, tokens, force)
+        self.forced_rows, self.ran = 0, None
+
+    def __enter__(self) -> "_WorkerForcing":
+        try:
+            self.llm.collective_rpc(_rpc_force_attach, args=(self.key, *self.args))
+        except BaseException:
+            self.llm.collective_rpc(_rpc_force_collect, args=(self.key, self.lengths, False))
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        per_rank = self.llm.collective_rpc(_rpc_force_collect, args=(self.key, self.lengths, exc_type is None))
+        if exc_type is not None:
+            return
+        if any(r is None for r in per_rank):
+            raise EngineError(f"a vLLM worker lost its route forcer (per rank: {[r is not None for r in per_rank]})")
+        first = per_rank[0]
+        for rank, (rows, ran) in enumerate(per_rank[1:], start=1):
+            if rows != first[0] or any(not torch.equal(a, b) for a, b in zip(ran, first[1])):
+                raise ReplayError(f"vLLM TP rank {rank} forced or ran other routes than rank 0")
+        self.forced_rows, self.ran = first
 
 
 def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, return_routes: bool = False):
@@ -282,8 +356,11 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     """
     from vllm import SamplingParams as VllmSamplingParams
 
-    forcer = force_routes(llm, record, force=force)
-    with forcer:
+    meta = _checked_record(llm, record, force)
+    tables = [s.routes if force else None for s in record.samples]
+    lengths = [s.length - 1 for s in record.samples]
+    forcing = _WorkerForcing(llm, meta.num_experts, tables, [s.token_ids for s in record.samples], force, lengths)
+    with forcing:
         inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
         params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, logprobs=0,
                                      detokenize=False, extra_args={SAMPLE_KEY: i})
@@ -291,7 +368,7 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
         outputs = llm.generate(inputs, params, use_tqdm=False)
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} samples")
-    if force and forcer.forced_rows == 0:
+    if force and forcing.forced_rows == 0:
         raise ReplayError("no row was forced (the engine steps were not seen)")
     result = []
     for i, (s, out) in enumerate(zip(record.samples, outputs)):
@@ -307,7 +384,7 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
                 raise EngineError(f"sample {i}: no prompt log-prob for token {tokens[p]} at position {p}")
             values.append(entry[tokens[p]].logprob)
         result.append(torch.tensor(values, dtype=torch.float32))
-    ran = forcer.ran_routes([s.length - 1 for s in record.samples]) if (force or return_routes) else None
+    ran = forcing.ran
     if force:
         for i, (s, r) in enumerate(zip(record.samples, ran)):
             expected = s.routes.to(torch.int64)
