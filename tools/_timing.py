@@ -1,7 +1,10 @@
-"""The timing loop the benchmark scripts share: interleaved rounds, minimum and median per variant."""
+"""What the benchmark scripts share: the interleaved timing loop (minimum and median per variant) and the
+atomic JSON write of their results."""
 
 from __future__ import annotations
 
+import json
+import pathlib
 import statistics
 import time
 
@@ -27,3 +30,11 @@ def interleaved(fns: dict, repeats: int, device: str = "cpu") -> dict[str, float
     out = {name: min(ts) for name, ts in times.items()}
     out.update({f"{name}_median": statistics.median(ts) for name, ts in times.items()})
     return out
+
+
+def write_json(path: str, result) -> None:
+    """Write ``result`` as indented JSON at ``path``, atomically (``moealign._files.atomic_write``)."""
+    from moealign._files import atomic_write
+
+    text = json.dumps(result, indent=2)
+    atomic_write(path, lambda tmp: pathlib.Path(tmp).write_text(text), flag="--json")

@@ -12,7 +12,6 @@ Each pair is timed in interleaved rounds (tools/_timing.py); the ratio is ours /
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _timing import interleaved  # noqa: E402
+from _timing import interleaved, write_json  # noqa: E402
 
 from moealign.precision.batch_invariant import (  # noqa: E402
     DEFAULT_ROW_TILE,
@@ -118,8 +117,7 @@ def main(argv=None) -> int:
               f"{r['ratio']:>6.2f}x {r['ratio_median']:>8.2f}x")
     if args.json:
         meta = {k: v for k, v in vars(args).items() if k != "json"}
-        with open(args.json, "w") as fh:
-            json.dump({"args": meta, "threads": torch.get_num_threads(), "rows": rows}, fh, indent=2)
+        write_json(args.json, {"args": meta, "threads": torch.get_num_threads(), "rows": rows})
     return 0
 
 

@@ -12,7 +12,6 @@ entry point: IS + RS + every metric it computes, with one host sync (as a traini
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from moealign.correction import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import interleaved as _interleaved  # noqa: E402
+from _timing import write_json  # noqa: E402
 
 PRESETS = ("decoupled_geo_rs_seq_tis", "decoupled_token_icepop")
 
@@ -107,9 +107,8 @@ def main(argv=None) -> int:
         print(f"{name:<58} {ms:9.2f} {ms / base:8.2f}")
         rows.append({"case": name, "ms": ms, "ratio_to_floor": ms / base})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "tokens": args.tokens, "device": args.device, "warm_allocator": warm,
-                       "rows": rows}, f, indent=2)
+        write_json(args.json, {"batch": args.batch, "tokens": args.tokens, "device": args.device,
+                               "warm_allocator": warm, "rows": rows})
     return 0
 
 

@@ -15,7 +15,6 @@ compute the same network. Printed: minimum and median of interleaved rounds, and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _timing import interleaved  # noqa: E402
+from _timing import interleaved, write_json  # noqa: E402
 
 from moealign.embedded import embedded_model_path  # noqa: E402
 from moealign.routing_replay.protocol import ReplayBatch  # noqa: E402
@@ -115,8 +114,7 @@ def main(argv=None) -> int:
           f"(median {result['ratio_median']:.3f}x; target <= 1.03x); set_routes alone {result['set_routes_ms']:.2f} ms "
           f"= {100 * result['set_routes_share']:.2f}% of the plain step")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from moealign.routing_replay.protocol import AUX_LOSS_MODES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved as _interleaved  # noqa: E402
+from _timing import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -146,8 +146,7 @@ def main(argv=None) -> int:
     print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
           f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.json, result)
     return 0
 
 

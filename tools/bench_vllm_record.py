@@ -12,7 +12,6 @@ seconds of each and their ratio (target: at most 1.03x, aim 1.01x).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ def main(argv=None) -> int:
     from moealign.patches.vllm.rollout import generate_with_record
     from moealign.record import SamplingParams
 
-    from _timing import interleaved
+    from _timing import interleaved, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(embedded_model_path()))
@@ -65,8 +64,7 @@ def main(argv=None) -> int:
           f"{t['plain'] * 1e3:.0f} ms, with recording {t['record'] * 1e3:.0f} ms -> {out['ratio_min']:.3f}x (min), "
           f"{out['ratio_median']:.3f}x (median of {args.repeats})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        write_json(args.json, out)
     return 0
 
 

@@ -14,11 +14,11 @@ vLLM (its CPU build, in this process) prefills one token sequence with forward h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _hook_all(model, store: dict) -> list:
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     from moealign.embedded import default_prompts, embedded_model_path
     from moealign.mismatch.engines import MegatronTrainEngine
     from moealign.patches.vllm.engine import open_llm
+
+    from _timing import write_json
 
     path = str(embedded_model_path())
     llm = open_llm(path, dtype="fp32", max_num_seqs=2, enable_prefix_caching=False)
@@ -118,9 +120,8 @@ def main(argv=None) -> int:
     for name, cum, local in rows:
         print(f"{name:<52} {cum:>11.3g} {'-' if local is None else format(local, '.3g'):>10}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"vllm_patches": tree, "tokens": T, "rows": [{"op": n, "cumulative": c, "local": lo}
-                                                                    for n, c, lo in rows]}, fh, indent=1)
+        write_json(args.json, {"vllm_patches": tree, "tokens": T,
+                               "rows": [{"op": n, "cumulative": c, "local": lo} for n, c, lo in rows]})
     engine.close()
     return 0
 
