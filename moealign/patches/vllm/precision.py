@@ -30,6 +30,7 @@ from ...handle import PatchHandle
 from ...precision.policy import PrecisionPolicy, dtype_name, get_policy
 from .._version import check_engine_version, engine_version, require_attr
 from .engine import SUPPORTED_VLLM_ENGINE
+from .rollout import InWorkers
 
 __all__ = ["VllmPrecisionPatch", "apply_precision", "audit_vllm", "needs_patch"]
 
@@ -56,7 +57,8 @@ def _check_fp32(policy: PrecisionPolicy, dtype: torch.dtype, what: str) -> None:
                           f"it in fp32 only")
 
 
-def _wrap_init(cls, overrides: dict[str, Any], check=None):
+def _wrap_init(cls, overrides: dict[str, Any]):
+    """``cls.__init__`` with ``overrides`` forced onto its keyword arguments."""
     original = cls.__init__
     params = inspect.signature(original).parameters
     missing = [name for name in overrides if name not in params]
@@ -67,12 +69,10 @@ def _wrap_init(cls, overrides: dict[str, Any], check=None):
     def __init__(self, *args, **kwargs):
         bound = dict(zip(names, args))
         bound.update(kwargs)
-        if check is not None:
-            check(bound)
         bound.update(overrides)
         original(self, **bound)
 
-    return original, __init__
+    return __init__
 
 
 def apply_precision(policy: str | PrecisionPolicy) -> VllmPrecisionPatch:
@@ -89,15 +89,14 @@ def apply_precision(policy: str | PrecisionPolicy) -> VllmPrecisionPatch:
         from vllm.model_executor.layers.fused_moe.router import gate_linear
 
         cls = require_attr(gate_linear, "GateLinear", "vllm fused_moe.router.gate_linear")
-        original, init = _wrap_init(cls, {"params_dtype": torch.float32, "out_dtype": torch.float32,
-                                          "force_fp32_compute": True})
+        init = _wrap_init(cls, {"params_dtype": torch.float32, "out_dtype": torch.float32, "force_fp32_compute": True})
         handle.set_attr(cls, "__init__", init, "GateLinear.__init__ (fp32 router)")
     if _wider(policy, policy.lm_head_dtype):
         _check_fp32(policy, policy.lm_head_dtype, "LM head")
         from vllm.model_executor.layers import vocab_parallel_embedding
 
         cls = require_attr(vocab_parallel_embedding, "ParallelLMHead", "vllm vocab_parallel_embedding")
-        original, init = _wrap_init(cls, {"params_dtype": torch.float32})
+        init = _wrap_init(cls, {"params_dtype": torch.float32})
         handle.set_attr(cls, "__init__", init, "ParallelLMHead.__init__ (fp32 LM head)")
     return handle
 
@@ -106,65 +105,52 @@ def apply_precision(policy: str | PrecisionPolicy) -> VllmPrecisionPatch:
 # audit (in the workers)
 # --------------------------------------------------------------------------------------------------
 
-_AUDIT_HOOKS: dict[str, list] = {}
-
-
-def _rpc_audit_begin(worker, key: str) -> bool:
+def _attach_audit(runner) -> PatchHandle:
+    """(In each worker) forward hooks noting the dtype each gate and the logits processor compute in."""
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
-    model = worker.model_runner.model
-    seen: dict[str, str] = {}
-    hooks = []
+    handle = PatchHandle("vLLM precision audit hooks (gates, logits processor)", "instance")
+    handle.model, handle.seen = runner.model, {}
 
     def note(name):
         def hook(module, inputs, output):
             out = output[0] if isinstance(output, tuple) else output
             if isinstance(out, torch.Tensor):
-                seen.setdefault(name, str(out.dtype).replace("torch.", ""))
+                handle.seen.setdefault(name, str(out.dtype).replace("torch.", ""))
         return hook
 
-    for name, module in model.named_modules():
+    for name, module in runner.model.named_modules():
         if isinstance(module, GateLinear) or name.endswith("logits_processor"):
-            hooks.append(module.register_forward_hook(note(name)))
-    _AUDIT_HOOKS[key] = [hooks, seen]
-    return True
+            handle.add_hook(module.register_forward_hook(note(name)), f"{name} forward hook")
+    return handle
 
 
-def _rpc_audit_end(worker, key: str) -> dict:
+def _read_audit(handle: PatchHandle) -> dict:
+    """(In each worker) the parameter dtype of every linear layer by role, and the computed dtypes noted."""
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    hooks, seen = _AUDIT_HOOKS.pop(key, [[], {}])
-    for hook in hooks:
-        hook.remove()
-    model = worker.model_runner.model
     params = {}
-    for name, module in model.named_modules():
+    for name, module in handle.model.named_modules():
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or not hasattr(module, "quant_method"):
             continue   # (the CPU build empties packed linear weights but keeps their dtype)
         role = "router" if isinstance(module, GateLinear) else "lm_head" if isinstance(module, ParallelLMHead) \
             else "embedding" if "embed" in name else "linear"
         params[name] = (role, str(weight.dtype).replace("torch.", ""))
-    return {"parameters": params, "computed": seen}
+    return {"parameters": params, "computed": dict(handle.seen)}
 
 
 def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(x):") -> dict:
     """Check the model ``llm`` runs, in every worker, against ``policy``: the parameter dtype of the routers, the
-    LM head and the other linear layers, and, through one
-    generated token, the dtype of the router logits and of the logits. Returns ``{"parameters", "computed"}``
+    LM head and the other linear layers, and, through one generated token, the dtype of the router logits and of the logits. Returns ``{"parameters", "computed"}``
     (rank 0); raises :class:`~moealign.errors.PrecisionAuditError` with every deviation on any rank."""
-    import uuid
-
     from vllm import SamplingParams
 
     policy = get_policy(policy)
-    key = uuid.uuid4().hex
-    llm.collective_rpc(_rpc_audit_begin, args=(key,))
-    try:
+    with InWorkers(llm, _attach_audit, (), _read_audit) as hooked:
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
-    finally:
-        per_rank = llm.collective_rpc(_rpc_audit_end, args=(key,))
+    per_rank = hooked.per_rank
     want = {"router": dtype_name(policy.router_dtype or policy.dtype),
             "lm_head": dtype_name(policy.lm_head_dtype or policy.dtype),
             "linear": dtype_name(policy.dtype), "embedding": dtype_name(policy.dtype)}

@@ -56,7 +56,7 @@ from ...record import RecordMeta, RolloutRecord
 from ...routing_replay.gates import RouterScoring, replay_gate_weights
 from ...routing_replay.routes import expand_routes
 from .._version import require_attr
-from .rollout import VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
+from .rollout import InWorkers, VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
 
 __all__ = ["RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
 
@@ -230,18 +230,12 @@ class RouteForcer(PatchHandle):
         return out
 
 
-def _engine_scorings(llm, runner, routers) -> list[RouterScoring]:
-    family = get_family(getattr(llm.llm_engine.model_config.hf_config, "model_type", None))
-    family_scoring = family.scoring(llm.llm_engine.model_config.hf_config)
-    return [vllm_router_scoring(router, family_scoring) for _, _, router in routers]
-
-
-def _check_engine(llm, runner) -> None:
+def _check_engine(llm) -> None:
     config = llm.llm_engine.vllm_config
     if getattr(config.cache_config, "enable_prefix_caching", False):
         raise ReplayConfigError("the LLM has prefix caching on: cached positions are never forwarded, so their routes "
                                 "could not be forced; open it with enable_prefix_caching=False")
-    _check_llm(llm, runner)
+    _check_llm(llm)
 
 
 def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> RouteForcer:
@@ -250,20 +244,17 @@ def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> Rout
     (:class:`~moealign.errors.RecordMismatchError`), every sample must carry routes
     (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`)."""
     runner = model_runner(llm)
-    meta = _checked_record(llm, record, force, runner=runner)
-    routers = moe_routers(runner.model)
-    scorings = _engine_scorings(llm, runner, routers)
-    tables = [s.routes if force else None for s in record.samples]
-    return RouteForcer(runner, routers, meta.num_experts, tables, [s.token_ids for s in record.samples], scorings,
-                       force=force).attach()
+    meta = _checked_record(llm, record, force)
+    return _attach_forcer(runner, meta.num_experts, [s.routes if force else None for s in record.samples],
+                          [s.token_ids for s in record.samples], force)
 
 
-def _checked_record(llm: Any, record: RolloutRecord, force: bool, *, runner=None) -> RecordMeta:
+def _checked_record(llm: Any, record: RolloutRecord, force: bool) -> RecordMeta:
     """The engine's record meta, after checking ``record`` against it (meta, routes present and shaped)."""
     if not isinstance(record, RolloutRecord):
         raise InputTypeError(f"record must be a moealign RolloutRecord, got {type(record).__name__}")
-    _check_engine(llm, runner)
-    meta = record_meta(llm, runner=runner)
+    _check_engine(llm)
+    meta = record_meta(llm)
     record.meta.check_matches(meta, what="vLLM engine")
     if force:
         missing = [i for i, s in enumerate(record.samples) if s.routes is None]
@@ -276,69 +267,18 @@ def _checked_record(llm: Any, record: RolloutRecord, force: bool, *, runner=None
     return meta
 
 
-# --------------------------------------------------------------------------------------------------
-# forcing in the workers (any TP size; in-process too): vLLM's collective_rpc runs these in each worker
-# --------------------------------------------------------------------------------------------------
-
-_WORKER_FORCERS: dict[str, RouteForcer] = {}
-
-
-def _rpc_force_attach(worker, key: str, num_experts: int, tables, tokens, force: bool) -> bool:
-    from .rollout import _checked_runner
-
-    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
-    hf_config = require_attr(getattr(worker, "model_config", None) or runner.model_config, "hf_config",
-                             "vLLM's model config")
+def _attach_forcer(runner, num_experts: int, tables, tokens, force: bool) -> RouteForcer:
+    """(In each worker, through :class:`~moealign.patches.vllm.rollout.InWorkers`) a :class:`RouteForcer` on the
+    worker's model runner, its routers scored as the model family says."""
+    hf_config = require_attr(runner.model_config, "hf_config", "vLLM's model config")
     family_scoring = get_family(getattr(hf_config, "model_type", None)).scoring(hf_config)
     routers = moe_routers(runner.model)
     scorings = [vllm_router_scoring(router, family_scoring) for _, _, router in routers]
-    if key in _WORKER_FORCERS:
-        raise EngineError(f"a route forcer {key!r} is already attached in this worker")
-    _WORKER_FORCERS[key] = RouteForcer(runner, routers, num_experts, tables, tokens, scorings, force=force).attach()
-    return True
+    return RouteForcer(runner, routers, num_experts, tables, tokens, scorings, force=force).attach()
 
 
-def _rpc_force_collect(worker, key: str, lengths, keep: bool):
-    """Undo this worker's forcer; return ``(forced rows, experts that ran per sample)`` (``keep=False``: undo)."""
-    forcer = _WORKER_FORCERS.pop(key, None)
-    if forcer is None:
-        return None
-    try:
-        return (forcer.forced_rows, forcer.ran_routes(lengths)) if keep else None
-    finally:
-        forcer.undo()
-
-
-class _WorkerForcing:
-    """A :class:`RouteForcer` attached in every worker of ``llm`` (the model may live in worker processes: TP > 1),
-    collected and undone on exit; every rank forces and runs the same rows, so their captures must agree."""
-
-    def __init__(self, llm, num_experts: int, tables, tokens, force: bool, lengths):
-        import uuid
-
-        self.llm, self.key, self.lengths = llm, uuid.uuid4().hex, list(lengths)
-        self.args = (num_experts, tables, tokens, force)
-        self.forced_rows, self.ran = 0, None
-
-    def __enter__(self) -> "_WorkerForcing":
-        try:
-            self.llm.collective_rpc(_rpc_force_attach, args=(self.key, *self.args))
-        except BaseException:
-            self.llm.collective_rpc(_rpc_force_collect, args=(self.key, self.lengths, False))
-            raise
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        per_rank = self.llm.collective_rpc(_rpc_force_collect, args=(self.key, self.lengths, exc_type is None))
-        if exc_type is not None:
-            return
-        if any(r is None for r in per_rank):
-            raise EngineError(f"a vLLM worker lost its route forcer (per rank: {[r is not None for r in per_rank]})")
-        first = per_rank[0]
-        for rank, (rows, ran) in enumerate(per_rank[1:], start=1):
-            if rows != first[0] or any(not torch.equal(a, b) for a, b in zip(ran, first[1])):
-                raise ReplayError(f"vLLM TP rank {rank} forced or ran other routes than rank 0")
-        self.forced_rows, self.ran = first
+def _read_forcer(forcer: RouteForcer, lengths) -> tuple[int, list[torch.Tensor]]:
+    return forcer.forced_rows, forcer.ran_routes(lengths)
 
 
 def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, return_routes: bool = False):
@@ -359,7 +299,8 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     meta = _checked_record(llm, record, force)
     tables = [s.routes if force else None for s in record.samples]
     lengths = [s.length - 1 for s in record.samples]
-    forcing = _WorkerForcing(llm, meta.num_experts, tables, [s.token_ids for s in record.samples], force, lengths)
+    forcing = InWorkers(llm, _attach_forcer, (meta.num_experts, tables, [s.token_ids for s in record.samples], force),
+                        _read_forcer, (lengths,), agree="forced or ran other routes")
     with forcing:
         inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
         params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, logprobs=0,
@@ -368,7 +309,8 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
         outputs = llm.generate(inputs, params, use_tqdm=False)
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} samples")
-    if force and forcing.forced_rows == 0:
+    forced_rows, ran = forcing.result
+    if force and forced_rows == 0:
         raise ReplayError("no row was forced (the engine steps were not seen)")
     result = []
     for i, (s, out) in enumerate(zip(record.samples, outputs)):
@@ -384,7 +326,6 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
                 raise EngineError(f"sample {i}: no prompt log-prob for token {tokens[p]} at position {p}")
             values.append(entry[tokens[p]].logprob)
         result.append(torch.tensor(values, dtype=torch.float32))
-    ran = forcing.ran
     if force:
         for i, (s, r) in enumerate(zip(record.samples, ran)):
             expected = s.routes.to(torch.int64)

@@ -170,7 +170,7 @@ def _checkpoint_router_weights(path: str, layers: Sequence[int], num_experts: in
 
 def _rpc_routers(worker) -> list[tuple[int, str, int, int]]:
     """(In each worker) ``(layer, name, top_k, experts)`` of every MoE router of the worker's live model."""
-    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+    runner = _worker_runner(worker)
     return [(layer, name, int(r.top_k), int(r.global_num_experts)) for layer, name, r in moe_routers(runner.model)]
 
 
@@ -178,10 +178,7 @@ def _engine_routers(llm: Any) -> list[tuple[int, str, int, int]]:
     """The MoE routers of the model ``llm`` runs, read in its workers (every rank must see the same)."""
     if getattr(llm, "llm_engine", None) is None:
         raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
-    per_rank = llm.collective_rpc(_rpc_routers)
-    if any(found != per_rank[0] for found in per_rank[1:]):
-        raise UnsupportedEngineError(f"vLLM's workers hold different MoE routers: {per_rank}")
-    return per_rank[0]
+    return _agreed(llm.collective_rpc(_rpc_routers), "holds other MoE routers", UnsupportedEngineError)
 
 
 def _cached_meta(llm: Any) -> RecordMeta:
@@ -195,19 +192,16 @@ def _cached_meta(llm: Any) -> RecordMeta:
     return cached[1]
 
 
-def record_meta(llm: Any, *, runner=None) -> RecordMeta:
+def record_meta(llm: Any) -> RecordMeta:
     """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint config vLLM loaded,
     the MoE layers, experts and top-k of its live routers (read in the workers, any TP size) and the router
     signature of the checkpoint's router weights (so it matches :func:`moealign.patches.hf.record_meta` of the
-    same checkpoint in any dtype). ``runner``: an in-process model runner to read the routers from instead."""
+    same checkpoint in any dtype)."""
     version = str(vllm_version())
     model_config = llm.llm_engine.model_config
     hf_config = model_config.hf_config
     family = get_family(getattr(hf_config, "model_type", None))
-    if runner is not None:
-        routers = [(layer, name, int(r.top_k), int(r.global_num_experts)) for layer, name, r in moe_routers(runner.model)]
-    else:
-        routers = _engine_routers(llm)
+    routers = _engine_routers(llm)
     top_k = {k for _, _, k, _ in routers}
     experts = {e for _, _, _, e in routers}
     if len(top_k) != 1 or len(experts) != 1:
@@ -438,34 +432,32 @@ class VllmRecorder(PatchHandle):
 
 
 # --------------------------------------------------------------------------------------------------
-# recording in the workers (any TP size; in-process too): vLLM's collective_rpc runs these in each worker
+# patches in the workers (any TP size; in-process too): vLLM's collective_rpc runs these in each worker
 # --------------------------------------------------------------------------------------------------
 
-_WORKER_RECORDERS: dict[str, VllmRecorder] = {}   # in each worker process: the recorders attached there
+_WORKER_HANDLES: dict[str, PatchHandle] = {}   # in each worker process: the handles attached there, by key
 
 
-def _rpc_attach(worker, key: str, num_experts: int, record_routes: bool, record_kept_sets: bool) -> bool:
-    runner = _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
-    if getattr(runner, "use_async_scheduling", False):
-        raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
-                                     "(open the LLM with async_scheduling=False)")
-    if key in _WORKER_RECORDERS:
-        raise EngineError(f"a recording {key!r} is already attached in this worker")
-    recorder = VllmRecorder(runner, moe_routers(runner.model), num_experts, record_routes=record_routes,
-                            record_kept_sets=record_kept_sets)
-    _WORKER_RECORDERS[key] = recorder.attach()
+def _worker_runner(worker):
+    return _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+
+
+def _rpc_attach(worker, key: str, build, args: tuple) -> bool:
+    if key in _WORKER_HANDLES:
+        raise EngineError(f"a moealign patch {key!r} is already attached in this worker")
+    _WORKER_HANDLES[key] = build(_worker_runner(worker), *args)
     return True
 
 
-def _rpc_collect(worker, key: str, keep: bool):
-    """Undo this worker's recorder and return what it captured (``keep=False``: only undo)."""
-    recorder = _WORKER_RECORDERS.pop(key, None)
-    if recorder is None:
+def _rpc_detach(worker, key: str, read, args: tuple, keep: bool):
+    """Undo this worker's handle; return ``read(handle, *args)`` first (``keep=False``: only undo)."""
+    handle = _WORKER_HANDLES.pop(key, None)
+    if handle is None:
         return None
     try:
-        return recorder._flat() if keep else None
+        return read(handle, *args) if keep else None
     finally:
-        recorder.undo()
+        handle.undo()
 
 
 def _same(a, b) -> bool:
@@ -473,40 +465,67 @@ def _same(a, b) -> bool:
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, (tuple, list)):
         return isinstance(b, (tuple, list)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
 
 
-class _WorkerRecording:
-    """Attach a :class:`VllmRecorder` in every worker of ``llm`` (the model may live in worker processes: TP > 1,
-    or the engine core in its own process), collect and undo them on exit. Every rank runs the same routers and
-    sampler on the same rows; their captures must agree (:class:`~moealign.errors.ReplayError` otherwise), and
-    rank 0's is the result."""
+def _agreed(per_rank: list, what: str, error_cls=None):
+    """Rank 0's result, after checking every rank returned the same (``error_cls``: :class:`ReplayError`)."""
+    for rank, other in enumerate(per_rank[1:], start=1):
+        if not _same(other, per_rank[0]):
+            raise (error_cls or ReplayError)(f"vLLM TP rank {rank} {what} than rank 0")
+    return per_rank[0]
 
-    def __init__(self, llm, num_experts: int, record_routes: bool, record_kept_sets: bool):
+
+class InWorkers:
+    """A patch built in every worker of ``llm`` (``build(runner, *build_args)`` returns an attached
+    :class:`~moealign.handle.PatchHandle`; the model may live in vLLM's worker processes at TP > 1, or in this
+    process), read on exit (``read(handle, *read_args)``) and undone there, also on an exception. ``per_rank``
+    holds each worker's reading; with ``agree`` (a phrase naming what must match), ``result`` is rank 0's after
+    checking every rank read the same. ``build`` and ``read`` are module-level functions (they are sent to the
+    workers)."""
+
+    def __init__(self, llm, build, build_args: tuple, read, read_args: tuple = (), *, agree: str | None = None):
         import uuid
 
         self.llm, self.key = llm, uuid.uuid4().hex
-        self.args = (num_experts, record_routes, record_kept_sets)
+        self.build, self.build_args, self.read, self.read_args, self.agree = build, build_args, read, read_args, agree
+        self.per_rank: list | None = None
         self.result = None
 
-    def __enter__(self) -> "_WorkerRecording":
+    def _detach(self, keep: bool) -> list:
+        return self.llm.collective_rpc(_rpc_detach, args=(self.key, self.read, self.read_args, keep))
+
+    def __enter__(self) -> "InWorkers":
         try:
-            self.llm.collective_rpc(_rpc_attach, args=(self.key, *self.args))
+            self.llm.collective_rpc(_rpc_attach, args=(self.key, self.build, self.build_args))
         except BaseException:
-            self.llm.collective_rpc(_rpc_collect, args=(self.key, False))
+            self._detach(False)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        per_rank = self.llm.collective_rpc(_rpc_collect, args=(self.key, exc_type is None))
+        per_rank = self._detach(exc_type is None)
         if exc_type is not None:
             return
         if any(r is None for r in per_rank):
-            raise EngineError(f"a vLLM worker lost its recorder (per rank: {[r is not None for r in per_rank]})")
-        for rank, other in enumerate(per_rank[1:], start=1):
-            if not _same(other, per_rank[0]):
-                raise ReplayError(f"vLLM TP rank {rank} recorded other rows / routes / kept sets than rank 0")
-        self.result = per_rank[0]
+            raise EngineError(f"a vLLM worker lost its moealign patch (per rank: {[r is not None for r in per_rank]})")
+        self.per_rank = per_rank
+        if self.agree is not None:
+            self.result = _agreed(per_rank, self.agree)
+
+
+def _attach_recorder(runner, num_experts: int, record_routes: bool, record_kept_sets: bool) -> VllmRecorder:
+    if getattr(runner, "use_async_scheduling", False):
+        raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
+                                     "(open the LLM with async_scheduling=False)")
+    return VllmRecorder(runner, moe_routers(runner.model), num_experts, record_routes=record_routes,
+                        record_kept_sets=record_kept_sets).attach()
+
+
+def _read_recorder(recorder: VllmRecorder):
+    return recorder._flat()
 
 
 def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
@@ -518,7 +537,7 @@ def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
     return last[wanted]
 
 
-def _check_llm(llm, runner) -> None:
+def _check_llm(llm) -> None:
     if getattr(llm, "llm_engine", None) is None:
         raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
     config = llm.llm_engine.vllm_config
@@ -527,8 +546,7 @@ def _check_llm(llm, runner) -> None:
                           "would have no routes; open it with enable_prefix_caching=False to record")
     if getattr(config, "speculative_config", None) is not None:
         raise UnsupportedEngineError("speculative decoding is on: recording supports one sampled token per step")
-    if getattr(config.scheduler_config, "async_scheduling", False) or getattr(runner, "use_async_scheduling",
-                                                                                  False):
+    if getattr(config.scheduler_config, "async_scheduling", False):
         raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
                                      "(open the LLM with async_scheduling=False)")
     mode = getattr(llm.llm_engine.model_config, "logprobs_mode", None)
@@ -600,7 +618,7 @@ def generate_with_record(
     check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(prompts or ()):
         raise ConfigError(f"seed must be an int in [0, 2**63 - len(prompts)), got {seed!r}")
-    _check_llm(llm, None)
+    _check_llm(llm)
     meta = _cached_meta(llm)
     inputs = _prompt_inputs(prompts, tokenizer, meta.vocab_size)
 
@@ -610,13 +628,14 @@ def generate_with_record(
                                  top_p=float(sampling.top_p), min_p=float(sampling.min_p), max_tokens=max_new_tokens,
                                  seed=seed + i, logprobs=0, detokenize=False)
               for i in range(len(inputs))]
-    with _WorkerRecording(llm, meta.num_experts, record_routes, record_kept_sets) as recording:
+    with InWorkers(llm, _attach_recorder, (meta.num_experts, record_routes, record_kept_sets), _read_recorder,
+                   agree="recorded other rows / routes / kept sets") as recording:
         outputs = llm.generate(inputs, params, use_tqdm=False)
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
 
     samples = _assemble(outputs, recording.result, sampling, record_kept_sets)
-    _check_and_compact(samples, meta, record_kept_sets)
+    _check_and_compact(samples, meta)
     return RolloutRecord(meta, samples, validate=validate)
 
 
@@ -729,15 +748,15 @@ def _assemble(outputs, captured, sampling: SamplingParams, record_kept_sets: boo
     if record_kept_sets:
         counts = k_off[rows + 1] - k_off[rows]
         ids = k_ids[_ranges(k_off[rows], counts)]
-        per_sample = counts.split(sizes.tolist())
-        totals = torch.stack([c.sum() for c in per_sample]).tolist()
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])[sizes.cumsum(0)]
+        totals = bounds.diff(prepend=torch.zeros(1, dtype=torch.int64)).tolist()
         kept = [(torch.cat([torch.zeros(1, dtype=torch.int64), c.cumsum(0)]), i)
-                for c, i in zip(per_sample, ids.split(totals))]
+                for c, i in zip(counts.split(sizes.tolist()), ids.split(totals))]
     return [Sample(token_ids=t, prompt_len=p, logprobs=lp, routes=r, kept_offsets=ko, kept_ids=ki, sampling=sampling)
             for t, p, lp, r, (ko, ki) in zip(tokens, prompt_lens, logprobs, sample_routes, kept)]
 
 
-def _check_and_compact(samples: list[Sample], meta: RecordMeta, kept_sets: bool) -> None:
+def _check_and_compact(samples: list[Sample], meta: RecordMeta) -> None:
     """One pass over every sample (not one per sample): route ids in range and distinct, compacted to the
     record's route dtype. Kept sets need no second check here: each is the finite entries of the sampler's
     processed log-probs, and :func:`_assemble` checked that the sampler drew the returned token with a finite
