@@ -15,6 +15,13 @@ Conventions (vLLM's, so its ``routed_experts`` drop in):
   and layer, or twice that).
 * ``meta.moe_layers`` are the decoder-layer numbers of the route table's layer axis (dense layers are
   not stored; :func:`routes_from_all_layers` converts vLLM's all-layer arrays).
+* Rows without a recorded route (an engine that did not report them: a prompt prefix served from cache, a -1
+  sentinel, a stitched turn's row no engine computed) are explicit: ``Sample.route_missing`` (bool, one per route
+  row) marks them, their routes hold 0, and they are never replayed (the replay batch's ``route_mask`` leaves them
+  out, so the router picks its own experts there and the replay verifier counts them as unrouted).
+* ``Sample.route_version`` (int64, one per route row, optional) is the weight version each row's route was
+  computed under (a multi-turn record stitched across versions, :mod:`moealign.record_stitch`);
+  ``Sample.stale_rows()`` names the rows of an older version.
 * Kept sets are CSR: ``kept_offsets`` int64 ``[response_len + 1]`` and ``kept_ids`` int32, one row per
   generated token, ids ascending.
 
@@ -376,6 +383,8 @@ class Sample:
     kept_offsets: torch.Tensor | None = None  # int64 [L - prompt_len + 1]
     kept_ids: torch.Tensor | None = None      # int32 [nnz]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    route_missing: torch.Tensor | None = None  # bool [L - 1]: rows without a recorded route (routes hold 0 there)
+    route_version: torch.Tensor | None = None  # int64 [L - 1]: weight version each row's route was computed under
 
     @property
     def length(self) -> int:
@@ -388,6 +397,23 @@ class Sample:
     @property
     def response_ids(self) -> torch.Tensor:
         return self.token_ids[self.prompt_len:]
+
+    @property
+    def routed_rows(self) -> torch.Tensor:
+        """bool ``[L - 1]``: the rows that carry a recorded route (all of them unless :attr:`route_missing` says
+        otherwise)."""
+        if self.route_missing is None:
+            return torch.ones(self.length - 1, dtype=torch.bool)
+        return ~self.route_missing
+
+    def stale_rows(self, version: int | None = None) -> torch.Tensor:
+        """bool ``[L - 1]``: recorded rows whose route was computed under another weight version than ``version``
+        (default: the newest version in the sample); all False without :attr:`route_version`."""
+        if self.route_version is None:
+            return torch.zeros(self.length - 1, dtype=torch.bool)
+        if version is None:
+            version = int(self.route_version.max())
+        return (self.route_version != int(version)) & self.routed_rows
 
     def validate(self, meta: RecordMeta, index: int = 0) -> None:
         where = f"sample {index}"
@@ -415,10 +441,26 @@ class Sample:
             if tuple(self.routes.shape) != want:
                 raise RecordError(f"{where}: routes have shape {tuple(self.routes.shape)}, expected {want} "
                                   f"= [len(token_ids) - 1, len(moe_layers), top_k]")
+            _check_row_mask(self.route_missing, "route_missing", torch.bool, self.length - 1, where)
+            _check_row_mask(self.route_version, "route_version", torch.int64, self.length - 1, where)
+            present = self.routes
+            if self.route_missing is not None:
+                held = (self.routes[self.route_missing] != 0).any(dim=-1)
+                if bool(held.any()):
+                    row = int(self.route_missing.nonzero().flatten()[held.nonzero()[0, 0]])
+                    raise RecordError(f"{where}: route row {row} is marked missing but holds experts "
+                                      f"{self.routes[row, 0].tolist()}...: a missing row holds 0 (it is not replayed)")
+                present = self.routes[~self.route_missing]
             try:
-                validate_routes(self.routes, meta.num_experts, name=f"{where} routes")
+                validate_routes(present, meta.num_experts, name=f"{where} routes")
             except RouteError as exc:
                 raise RecordError(str(exc)) from None
+            if self.route_version is not None and self.length > 1 and int(self.route_version.min()) < 0:
+                raise RecordError(f"{where}: route_version holds a negative weight version "
+                                  f"{int(self.route_version.min())}")
+        elif self.route_missing is not None or self.route_version is not None:
+            raise RecordError(f"{where}: route_missing / route_version describe route rows, but the sample has no "
+                              f"routes")
         if (self.kept_offsets is None) != (self.kept_ids is None):
             raise RecordError(f"{where}: kept_offsets and kept_ids must be given together")
         if self.kept_offsets is not None:
@@ -428,6 +470,15 @@ class Sample:
             except ValueError as exc:
                 raise RecordError(f"{where}: {exc}") from None
             _check_tokens_in_kept(self, where)
+
+
+def _check_row_mask(value, name: str, dtype: torch.dtype, rows: int, where: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != (rows,):
+        raise RecordError(f"{where}: {name} must be {str(dtype).replace('torch.', '')} [{rows}] (one per route row), "
+                          f"got {getattr(value, 'dtype', type(value).__name__)} "
+                          f"{tuple(getattr(value, 'shape', ()))}")
 
 
 def _check_tokens_in_kept(sample: Sample, where: str) -> None:
@@ -507,6 +558,13 @@ class PackedBatch:
                                   moe_layers=self.moe_layers, route_mask=self.route_mask)
 
 
+def _missing_from_mask(routes: torch.Tensor | None, route_mask: torch.Tensor) -> torch.Tensor | None:
+    """A sample's ``route_missing`` from a batch's ``route_mask`` over its route rows (None: none missing)."""
+    if routes is None or bool(route_mask.all()):
+        return None
+    return ~route_mask.to(torch.bool).clone()
+
+
 def concat_kept_sets(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The samples' kept sets as one CSR (rows in sample order); ``(None, None)`` when there are none."""
     if not samples or samples[0].kept_offsets is None:
@@ -562,6 +620,15 @@ class RolloutRecord:
     def num_response_tokens(self) -> int:
         return sum(s.response_len for s in self.samples)
 
+    @property
+    def missing_row_fraction(self) -> float:
+        """Fraction of route rows without a recorded route (0.0 when none is missing; the record needs routes)."""
+        if not self.has_routes:
+            raise RecordError("this record has no routes")
+        rows = sum(s.length - 1 for s in self.samples)
+        missing = sum(int(s.route_missing.sum()) for s in self.samples if s.route_missing is not None)
+        return missing / rows if rows else 0.0
+
     def validate(self) -> None:
         if not self.samples:
             raise RecordError("a rollout record needs at least one sample")
@@ -602,7 +669,7 @@ class RolloutRecord:
             attention[b, sl] = 1
             resp[b, start + P:start + L] = True
             logp[b, start + P:start + L] = s.logprobs.to(torch.float32)
-            route_mask[b, start:start + L - 1] = True
+            route_mask[b, start:start + L - 1] = s.routed_rows
             if routes is not None:
                 routes[b, start:start + L - 1] = s.routes
             kept_row[b, start + P:start + L] = torch.arange(row_base, row_base + L - P)
@@ -620,7 +687,7 @@ class RolloutRecord:
         resp = torch.cat([torch.arange(s.length) >= s.prompt_len for s in self.samples])
         logp = torch.cat([torch.cat([torch.zeros(s.prompt_len), s.logprobs.to(torch.float32)])
                           for s in self.samples])
-        route_mask = torch.cat([torch.arange(L) < L - 1 for L in lengths])
+        route_mask = torch.cat([torch.cat([s.routed_rows, torch.zeros(1, dtype=torch.bool)]) for s in self.samples])
         routes = None
         if self.has_routes:
             n, k = len(self.meta.moe_layers), self.meta.top_k
@@ -655,7 +722,8 @@ class RolloutRecord:
                 routes=None if batch.routes is None else batch.routes[b, start:start + L - 1].clone(),
                 kept_offsets=None if kept is None else kept[b][0],
                 kept_ids=None if kept is None else kept[b][1],
-                sampling=sampling[b]))
+                sampling=sampling[b],
+                route_missing=_missing_from_mask(batch.routes, batch.route_mask[b, start:start + L - 1])))
         return cls(meta, samples)
 
     @classmethod
@@ -679,7 +747,8 @@ class RolloutRecord:
                 routes=None if batch.routes is None else batch.routes[lo:hi - 1].clone(),
                 kept_offsets=None if kept is None else kept[b][0],
                 kept_ids=None if kept is None else kept[b][1],
-                sampling=sampling[b]))
+                sampling=sampling[b],
+                route_missing=_missing_from_mask(batch.routes, batch.route_mask[lo:hi - 1])))
         return cls(meta, samples)
 
     # ---------------------------------------------------------------- routes for the trainer
@@ -709,6 +778,14 @@ class RolloutRecord:
         }
         if self.has_routes:
             tensors["routes"] = torch.cat([s.routes for s in self.samples]).contiguous()
+            if any(s.route_missing is not None for s in self.samples):
+                tensors["route_missing"] = torch.cat([~s.routed_rows for s in self.samples])
+            if any(s.route_version is not None for s in self.samples):
+                missing = [i for i, s in enumerate(self.samples) if s.route_version is None]
+                if missing:
+                    raise RecordError(f"samples {missing[:8]} have no route_version while others have one: give every "
+                                      f"sample its weight versions (or none)")
+                tensors["route_version"] = torch.cat([s.route_version for s in self.samples])
         if self.has_kept_sets:
             tensors["kept_offsets"], tensors["kept_ids"] = concat_kept_sets(self.samples)
         return tensors
@@ -788,6 +865,7 @@ def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str
 _FILE_TENSORS = {
     "token_ids": torch.int64, "seq_offsets": torch.int64, "prompt_lens": torch.int64, "logprobs": torch.float32,
     "sampling": torch.float64, "routes": None, "kept_offsets": torch.int64, "kept_ids": torch.int32,
+    "route_missing": torch.bool, "route_version": torch.int64,
 }
 
 
@@ -853,6 +931,11 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
         if tuple(routes.shape) != want:
             raise RecordMismatchError(f"{path}: routes have shape {tuple(routes.shape)}, the metadata implies "
                                       f"{want} (layers {list(meta.moe_layers)}, top_k {meta.top_k})")
+    row_tensors = {name: tensors.get(name) for name in ("route_missing", "route_version")}
+    for name, t in row_tensors.items():
+        if t is not None and (routes is None or t.numel() != off[-1] - B):
+            raise RecordFormatError(f"{path}: {name} has {t.numel()} entries, the record has "
+                                    f"{0 if routes is None else off[-1] - B} route rows")
     kept = None
     if ("kept_offsets" in tensors) != ("kept_ids" in tensors):
         raise RecordFormatError(f"{path}: record file has only one of kept_offsets / kept_ids")
@@ -879,7 +962,8 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
             routes=None if routes is None else routes[rt:rt + L - 1],
             kept_offsets=None if kept is None else kept[b][0],
             kept_ids=None if kept is None else kept[b][1],
-            sampling=sampling))
+            sampling=sampling,
+            **{name: None if t is None else t[rt:rt + L - 1] for name, t in row_tensors.items()}))
         lp += resp_lens[b]
         rt += L - 1
     return samples

@@ -2,18 +2,14 @@
 
 Replay that "silently did nothing" usually starts with a record whose routes are not the routes the rollout ran:
 a fused MoE kernel that never called the capture hook (all-zero or default rows), a capture that wrote one layer's
-routes into every layer, a constant default written for every token, a layer list that names dense layers. Each
-check below is one such pattern, computed on the whole record in a few tensor operations:
-
-* ``zero_rows``: (row, layer) pairs whose expert ids are all 0 (a buffer never written);
-* ``constant_layer``: a MoE layer in which every row of every sample routes to the same expert set;
-* ``identical_layers``: every row has the same expert set in every MoE layer (one layer copied into all);
-* ``repeated_set``: one expert set for every token of every layer;
-* ``dense_layers`` (with the model's config): the record's MoE layers include layers the model runs dense.
+routes into every layer, a constant default written for every token, a layer list that names dense layers. The
+patterns and their thresholds live in :mod:`moealign.routing_replay.degenerate` (every replay adapter refuses the same
+patterns at ``set_routes``); this module adds the record's summary: engine, model, layers, rows, route dtype, the
+fraction of rows the record marks missing (``Sample.route_missing``, left out of every check) and the stale rows of a
+record stitched across weight versions. A record whose every row is missing is reported as ``zero_rows``.
 
 A record whose row count does not match its tokens, or whose ids are out of range, does not load at all
-(:meth:`moealign.record.RolloutRecord.load` refuses it, naming the problem). Checks need at least
-:data:`MIN_ROWS` rows to speak (a short record may legitimately route every token alike).
+(:meth:`moealign.record.RolloutRecord.load` refuses it, naming the problem).
 """
 
 from __future__ import annotations
@@ -23,18 +19,10 @@ from typing import Any
 import torch
 
 from .record import RolloutRecord
+from .routing_replay.degenerate import DEGENERATE_CHECKS as CHECKS
+from .routing_replay.degenerate import MIN_ROWS, find_degenerate
 
 __all__ = ["MIN_ROWS", "CHECKS", "inspect_record", "format_inspection"]
-
-#: Fewest route rows for the constant / identical / repeated checks to be meaningful.
-MIN_ROWS = 16
-
-CHECKS = ("zero_rows", "constant_layer", "identical_layers", "repeated_set", "dense_layers")
-
-
-def _sorted_sets(routes: torch.Tensor) -> torch.Tensor:
-    """``[rows, layers, k]`` -> the same with each expert set sorted (slot order is not part of a route)."""
-    return routes.long().sort(dim=-1).values
 
 
 def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -53,46 +41,24 @@ def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] |
         "moe_layers": list(meta.moe_layers), "num_experts": meta.num_experts, "top_k": meta.top_k,
         "samples": len(samples), "response_tokens": sum(s.response_len for s in samples),
         "route_rows": rows, "route_dtype": str(samples[0].routes.dtype).replace("torch.", "") if has_routes else None,
-        "missing_row_fraction": 0.0 if has_routes else None,
+        "missing_row_fraction": record.missing_row_fraction if has_routes else None,
+        "stale_rows": sum(int(s.stale_rows().sum()) for s in samples) if has_routes else None,
         "kept_sets": bool(samples) and samples[0].kept_offsets is not None,
         "router_signature": bool(meta.router_signature),
     }
-    findings: list[dict[str, str]] = []
-    if model_moe_layers is not None:
-        dense = sorted(set(meta.moe_layers) - set(model_moe_layers))
-        if dense:
-            findings.append({"check": "dense_layers", "detail": f"the record has routes for layers {dense}, which "
-                             f"the model runs dense (its MoE layers: {sorted(model_moe_layers)})"})
     if not has_routes or rows == 0:
-        return {"summary": summary, "findings": findings}
-    routes = torch.cat([s.routes for s in samples])                    # [rows, layers, k]
-    zero = (routes == 0).all(dim=-1)                                   # [rows, layers]
-    if bool(zero.any()):
-        count = int(zero.sum())
-        layers = [meta.moe_layers[i] for i in zero.any(dim=0).nonzero().flatten().tolist()]
-        findings.append({"check": "zero_rows", "detail": f"{count} of {zero.numel()} (row, layer) routes are all "
-                         f"expert 0, in layers {layers}: a capture buffer that was never written"})
-    if rows < MIN_ROWS:
-        return {"summary": summary, "findings": findings}
-    sets = _sorted_sets(routes)
-    same_as_first = (sets == sets[:1]).all(dim=-1)                     # [rows, layers]
-    constant = same_as_first.all(dim=0)                                # per layer
-    if bool(constant.all()):
-        if len(meta.moe_layers) > 1 and bool((sets == sets[:, :1]).all()):
-            expert = sets[0, 0].tolist()
-            findings.append({"check": "repeated_set", "detail": f"every one of {rows} rows routes to experts {expert} "
-                             f"in every MoE layer: a default written for every token, not a capture"})
-        else:
-            findings.append({"check": "constant_layer", "detail": f"every MoE layer routes all {rows} rows to one "
-                             f"expert set each"})
-    elif bool(constant.any()):
-        layers = [meta.moe_layers[i] for i in constant.nonzero().flatten().tolist()]
-        findings.append({"check": "constant_layer", "detail": f"layers {layers} route all {rows} rows to one expert "
-                         f"set each"})
-    if len(meta.moe_layers) > 1 and not bool(constant.all()) and bool((sets == sets[:, :1]).all()):
-        findings.append({"check": "identical_layers", "detail": f"all {rows} rows have the same expert set in every "
-                         f"one of the {len(meta.moe_layers)} MoE layers: one layer's routes copied into all"})
+        return {"summary": summary, "findings": find_degenerate(torch.zeros(0, len(meta.moe_layers), meta.top_k),
+                                                                meta.moe_layers, model_moe_layers=model_moe_layers)}
+    present = torch.cat([s.routed_rows for s in samples])
+    routes = torch.cat([s.routes for s in samples])[present]           # [recorded rows, layers, k]
+    findings = find_degenerate(routes, meta.moe_layers, model_moe_layers=model_moe_layers)
+    if routes.shape[0] == 0:
+        findings.append({"check": "zero_rows", "detail": "every route row is marked missing: nothing would replay"})
     return {"summary": summary, "findings": findings}
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
 
 
 def format_inspection(result: dict[str, Any]) -> str:
@@ -102,7 +68,8 @@ def format_inspection(result: dict[str, Any]) -> str:
              f"{s['dtype']}",
              f"layers {s['num_layers']}, MoE layers {s['moe_layers']}, {s['num_experts']} experts, top-{s['top_k']}",
              f"{s['samples']} samples, {s['response_tokens']} response tokens, {s['route_rows']} route rows "
-             f"({s['route_dtype'] or 'no routes'}), missing rows {s['missing_row_fraction']}, "
+             f"({s['route_dtype'] or 'no routes'}), missing rows {_fraction(s['missing_row_fraction'])}, "
+             f"stale rows {s['stale_rows'] if s['stale_rows'] is not None else '-'}, "
              f"kept sets {'yes' if s['kept_sets'] else 'no'}, router signature {'yes' if s['router_signature'] else 'no'}"]
     if result["findings"]:
         lines += [f"FOUND {f['check']}: {f['detail']}" for f in result["findings"]]

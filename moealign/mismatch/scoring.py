@@ -53,9 +53,13 @@ class SideScores:
         """``[N]`` bool: the recorded kept set vs the one the trainer uses (``masked``) or its own truncation."""
         return torch.cat(self.used_support_mismatch if masked else self.own_support_mismatch)
 
-    def finish(self, recorded_routes: torch.Tensor) -> "SideScores":
-        """Measure the router flips of the trainer's routes against ``recorded_routes`` (``[rows, L, k]``)."""
-        self.flips = route_flip_metrics(torch.cat(self.routes), recorded_routes)
+    def finish(self, recorded_routes: torch.Tensor, recorded: torch.Tensor | None = None) -> "SideScores":
+        """Measure the router flips of the trainer's routes against ``recorded_routes`` (``[rows, L, k]``) on the
+        ``recorded`` rows (bool ``[rows]``; default all: rows the record marks missing have no route to compare)."""
+        ran = torch.cat(self.routes)
+        if recorded is not None:
+            ran, recorded_routes = ran[recorded], recorded_routes[recorded]
+        self.flips = route_flip_metrics(ran, recorded_routes)
         return self
 
 
@@ -110,4 +114,5 @@ def score_record(record: RolloutRecord, trainer: TrainEngine, *, batch_size: int
     if bar is not None:
         bar.close()
     recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
-    return {replay: side.finish(recorded_routes) for replay, side in sides.items()}
+    recorded = torch.cat([s.routed_rows for s in record.samples])
+    return {replay: side.finish(recorded_routes, recorded) for replay, side in sides.items()}

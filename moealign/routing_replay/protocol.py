@@ -37,6 +37,7 @@ import torch
 
 from .._validate import check_binary_mask, check_offsets
 from ..errors import ConfigError, ReplayError, RouteError
+from .degenerate import find_degenerate
 
 __all__ = [
     "AUX_LOSS_MODES",
@@ -91,6 +92,7 @@ class ReplayBatch:
     attention_mask: torch.Tensor | None = None
     padding_side: str | None = None
     cu_seqlens: torch.Tensor | None = None
+    allow_degenerate: bool = False
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded batch's ``(routes [batch, seq, n_layers, k], route_mask [batch, seq])``: what
@@ -103,7 +105,8 @@ class ReplayBatch:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def padded(cls, routes: torch.Tensor, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None) -> "ReplayBatch":
+               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None,
+               allow_degenerate: bool = False) -> "ReplayBatch":
         """A padded ``[batch, seq]`` batch. ``routes`` ``[batch, seq, n_layers, k]``; ``route_mask`` ``[batch, seq]``
         (default: every attended position). Flat ``[batch*seq, ...]`` tables are refused: they do not say whether
         their rows are batch-major (transformers) or sequence-first (Megatron's ``[s*b]``), and with equal token
@@ -129,7 +132,8 @@ class ReplayBatch:
                              f"input_ids")
         mask = mask.reshape(-1)
         batch = cls(layout="padded", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
-                    input_ids=input_ids, attention_mask=am.to(torch.int64), padding_side=_padding_side(am))
+                    input_ids=input_ids, attention_mask=am.to(torch.int64), padding_side=_padding_side(am),
+                    allow_degenerate=bool(allow_degenerate))
         batch._validate()
         masked = batch.route_mask.cpu() & ~am.reshape(-1)
         if bool(masked.any()):
@@ -141,7 +145,8 @@ class ReplayBatch:
 
     @classmethod
     def packed(cls, routes: torch.Tensor, *, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | Sequence[int],
-               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None) -> "ReplayBatch":
+               moe_layers: Sequence[int], route_mask: torch.Tensor | None = None,
+               allow_degenerate: bool = False) -> "ReplayBatch":
         """A packed row (THD): ``input_ids`` ``[tokens]``, ``cu_seqlens`` ``[samples + 1]`` from 0 to ``tokens``;
         ``routes`` ``[tokens, n_layers, k]``; ``route_mask`` ``[tokens]`` (default: all)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
@@ -153,7 +158,7 @@ class ReplayBatch:
                              f"got {cu.tolist()}")
         mask = torch.ones(input_ids.numel(), dtype=torch.bool) if route_mask is None else route_mask
         batch = cls(layout="packed", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
-                    input_ids=input_ids, cu_seqlens=cu)
+                    input_ids=input_ids, cu_seqlens=cu, allow_degenerate=bool(allow_degenerate))
         batch._validate()
         return batch
 
@@ -219,16 +224,38 @@ class ReplayBatch:
                 f"layers {list(self.moe_layers)}, k={self.routes.shape[2]})")
 
 
-def model_routes(batch: ReplayBatch, moe_layers: Sequence[int], top_k: int) -> torch.Tensor:
+def model_routes(batch: ReplayBatch, moe_layers: Sequence[int], top_k: int, *,
+                 dense_layers: Sequence[int] = ()) -> torch.Tensor:
     """What every adapter's ``set_routes`` starts with: ``batch`` must be a :class:`ReplayBatch` with routes for
     each of the model's ``moe_layers`` and ``top_k`` ids per row; returns its int64 ``[rows, len(moe_layers),
-    top_k]`` columns for those layers, in the model's layer order."""
+    top_k]`` columns for those layers, in the model's layer order.
+
+    Refused (:class:`ReplayError`): routes for any of ``dense_layers`` (decoder layers this model holds and runs
+    dense: a stale or shifted layer list), and the broken-capture patterns of
+    :func:`moealign.routing_replay.degenerate.find_degenerate` on the routed rows (unless the batch was built with
+    ``allow_degenerate=True``)."""
     if not isinstance(batch, ReplayBatch):
         raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
                          f".packed), got {type(batch).__name__}")
     cols = batch.layer_columns(moe_layers)
     if batch.routes.shape[2] != top_k:
         raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{top_k}")
+    for name, t in (("routes", batch.routes), ("route_mask", batch.route_mask), ("input_ids", batch.input_ids)):
+        if t.device.type == "meta":
+            raise RouteError(f"{name} is on the meta device (shapes only, no values): replay needs the recorded expert "
+                             f"ids and tokens")
+    findings = find_degenerate(batch.routes[batch.route_mask.to(batch.routes.device)], batch.moe_layers)
+    dense = sorted(set(batch.moe_layers) & set(dense_layers))
+    if dense:   # a superset of the model's MoE layers is fine (a pipeline stage holds some layers), a dense one is not
+        findings.insert(0, {"check": "dense_layers", "detail": f"routes for layers {dense}, which the model runs dense"
+                            f" (its MoE layers: {sorted(moe_layers)})"})
+    if batch.allow_degenerate:
+        findings = [f for f in findings if f["check"] == "dense_layers"]
+    if findings:
+        detail = "; ".join(f"{f['check']}: {f['detail']}" for f in findings)
+        raise ReplayError(f"refusing to replay a broken route capture ({detail}); check the record with `moealign "
+                          f"record inspect`" + ("" if batch.allow_degenerate else
+                                                 " (a batch built with allow_degenerate=True skips the pattern checks)"))
     return batch.routes[:, cols]
 
 

@@ -118,10 +118,22 @@ def validate_routes(ids: torch.Tensor, num_experts: int, *, name: str = "routes"
             )
 
 
-def compact_routes(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Validate ``ids[..., k]`` and cast it to :func:`route_dtype` ``(num_experts)`` for storage."""
-    validate_routes(ids, num_experts)
-    return ids.to(route_dtype(num_experts))
+def compact_routes(ids: torch.Tensor, num_experts: int, *, missing: torch.Tensor | None = None) -> torch.Tensor:
+    """Validate ``ids[..., k]`` and cast it to :func:`route_dtype` ``(num_experts)`` for storage.
+
+    ``missing`` (bool ``[rows]``, one flag per row ``ids[r]``): rows without a recorded route; they are not
+    validated and are stored as 0 (the record's filler for a missing row, :attr:`moealign.record.Sample.route_missing`).
+    """
+    if missing is None:
+        validate_routes(ids, num_experts)
+        return ids.to(route_dtype(num_experts))
+    check_integer_tensor(ids, "routes")
+    if not isinstance(missing, torch.Tensor) or missing.dtype != torch.bool or missing.shape != ids.shape[:1]:
+        raise RouteError(f"missing must be a bool tensor with one flag per route row {tuple(ids.shape[:1])}, got "
+                         f"{getattr(missing, 'dtype', type(missing).__name__)} {tuple(getattr(missing, 'shape', ()))}")
+    validate_routes(ids[~missing], num_experts)
+    out = ids.to(torch.int64).masked_fill(missing.reshape(-1, *([1] * (ids.dim() - 1))), 0)
+    return out.to(route_dtype(num_experts))
 
 
 def expand_routes(ids: torch.Tensor) -> torch.Tensor:

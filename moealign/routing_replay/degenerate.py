@@ -1,0 +1,81 @@
+"""The route-table patterns that mean a route capture broke, in one place: ``moealign record inspect`` reports them,
+and every replay adapter refuses a batch that shows them (:func:`moealign.routing_replay.protocol.model_routes`).
+
+A capture that "silently did nothing" leaves a recognisable table: a buffer never written (all expert 0), one layer's
+routes copied into every layer, one default expert set written for every token, or a layer list naming layers the
+model runs dense. Each check takes the *recorded* rows only (rows marked missing or padding are left out by the
+caller) and is a few tensor operations on the whole table; no check speaks below :data:`MIN_ROWS` rows, where a
+short batch may legitimately route every token alike.
+
+* ``zero_rows``: with ``k >= 2`` an all-zero row repeats expert 0 and is refused by route validation already; with
+  ``k = 1`` and several layers a row is suspicious if it is expert 0 in *every* layer, and the pattern is reported when
+  at least 4 rows are, and they are at least half of the rows with expert 0 in *some* layer: a real router's choices
+  of expert 0 in different layers are nearly independent (``1/E`` each, so rows zero everywhere are a small share of
+  rows zero somewhere), a never-written buffer is zero in every layer at once. One MoE layer of top-1 routes cannot
+  tell a written expert 0 from an unwritten one, and is not judged;
+* ``constant_layer``: a layer in which every row routes to one expert set;
+* ``identical_layers``: every row has the same expert set in every layer;
+* ``repeated_set``: one expert set for every row of every layer;
+* ``dense_layers``: the table's layers include layers the model runs dense.
+
+Pure torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["DEGENERATE_CHECKS", "MIN_ROWS", "find_degenerate"]
+
+#: Fewest recorded rows for the constant / identical / repeated / zero checks to be meaningful.
+MIN_ROWS = 16
+
+DEGENERATE_CHECKS = ("zero_rows", "constant_layer", "identical_layers", "repeated_set", "dense_layers")
+
+_ZERO_MIN_ROWS = 4
+_ZERO_SHARE = 0.5
+
+
+def find_degenerate(routes: torch.Tensor, moe_layers: Sequence[int], *,
+                    model_moe_layers: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """The broken-capture patterns in ``routes`` (integer ``[rows, len(moe_layers), k]``, recorded rows only) as
+    ``[{"check", "detail"}]`` (empty: none seen). ``model_moe_layers``: the layers the model runs as MoE."""
+    moe_layers = list(moe_layers)
+    findings: list[dict[str, str]] = []
+    if model_moe_layers is not None:
+        dense = sorted(set(moe_layers) - set(model_moe_layers))
+        if dense:
+            findings.append({"check": "dense_layers", "detail": f"routes for layers {dense}, which the model runs "
+                             f"dense (its MoE layers: {sorted(model_moe_layers)})"})
+    rows = int(routes.shape[0])
+    if rows < MIN_ROWS:
+        return findings
+    sets = routes.long().sort(dim=-1).values                            # slot order is not part of a route
+    if sets.shape[-1] == 1 and len(moe_layers) > 1:
+        zero = sets[..., 0] == 0                                         # [rows, layers]
+        everywhere, anywhere = int(zero.all(dim=-1).sum()), int(zero.any(dim=-1).sum())
+        if everywhere >= _ZERO_MIN_ROWS and everywhere >= _ZERO_SHARE * anywhere:
+            findings.append({"check": "zero_rows", "detail": f"{everywhere} of {rows} rows route to expert 0 in every "
+                             f"layer ({anywhere} rows have expert 0 in some layer): a capture buffer that was never "
+                             f"written"})
+    same_as_first = (sets == sets[:1]).all(dim=-1)                      # [rows, layers]
+    constant = same_as_first.all(dim=0)                                 # per layer
+    one_set = len(moe_layers) > 1 and bool((sets == sets[:, :1]).all())
+    if bool(constant.all()):
+        if one_set:
+            findings.append({"check": "repeated_set", "detail": f"every one of {rows} rows routes to experts "
+                             f"{sets[0, 0].tolist()} in every layer: a default written for every token, not a capture"})
+        else:
+            findings.append({"check": "constant_layer", "detail": f"every layer routes all {rows} rows to one expert "
+                             f"set each"})
+    else:
+        if bool(constant.any()):
+            layers = [moe_layers[i] for i in constant.nonzero().flatten().tolist()]
+            findings.append({"check": "constant_layer", "detail": f"layers {layers} route all {rows} rows to one "
+                             f"expert set each"})
+        if one_set:
+            findings.append({"check": "identical_layers", "detail": f"all {rows} rows have the same expert set in "
+                             f"every one of the {len(moe_layers)} layers: one layer's routes copied into all"})
+    return findings
