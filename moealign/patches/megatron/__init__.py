@@ -22,7 +22,7 @@ from ...routing_replay.layouts import (
     packed_source_rows,
     pad_packed_rows,
 )
-from .audit import audit_replay_config
+from .audit import audit_layers, audit_replay_config, check_record_layers
 from .replay import RouterReplayDriver, moe_routers, replay_routing
 from .version import SUPPORTED_MEGATRON, megatron_version
 from .vocab_parallel import kept_logprob
@@ -43,7 +43,9 @@ __all__ = [
     "MegatronCPUMode",
     "MegatronWorld",
     "init_single_process",
+    "audit_layers",
     "audit_replay_config",
+    "check_record_layers",
     "moe_routers",
     "RouterReplayDriver",
     "replay_routing",

@@ -1,4 +1,12 @@
-"""Replay safety audit of a Megatron ``TransformerConfig``: every setting in which routing replay would not apply."""
+"""Replay safety audit of a Megatron model: every setting in which routing replay would not apply.
+
+:func:`audit_replay_config` (the ``TransformerConfig``): no RouterReplay, the fused router (its top-k returns before
+the replay hook), sinkhorn / quantile-balancing routing (bypasses RouterReplay), token dropping by capacity, forced load
+balancing, a CUDA graph that captures the router. Aux-loss-free routing (``moe_router_enable_expert_bias`` with
+sigmoid scores) is *not* refused: Megatron 0.16 takes the top-k of ``scores + expert_bias`` through the same replay
+point, and the gate weights are gathered from the unbiased scores at the replayed experts.
+:func:`audit_layers` (the model): the global layer numbering of every block (pipeline / virtual-pipeline offsets) and
+the layers it runs dense; :func:`check_record_layers`: routes for layers past the decoder (MTP)."""
 
 from __future__ import annotations
 
@@ -84,3 +92,59 @@ def audit_replay_config(config, *, aux_loss: str = "warn") -> list[str]:
             warnings.warn(msg, MoealignWarning, stacklevel=2)
         notes.append(msg)
     return notes
+
+
+# --------------------------------------------------------------------------------------------------
+# the model's layers: numbering, dense layers, MTP
+# --------------------------------------------------------------------------------------------------
+
+
+def audit_layers(model) -> tuple[int, ...]:
+    """Check the decoder-layer numbering of every ``TransformerBlock`` in ``model`` (MTP blocks aside) and return the
+    0-based numbers of the layers this model holds and runs dense.
+
+    Routes are bound to routers by their ``layer_number`` (global, 1-based: the block's pipeline / virtual-pipeline
+    offset plus the layer's index). A block whose layers are not numbered ``offset + 1, offset + 2, ...`` with
+    Megatron's own offset for its ``vp_stage`` (a model chunk built with another ``vp_stage``, a custom spec that
+    renumbers, layers re-ordered after build) would bind every route to another layer: :class:`ReplayConfigError`
+    naming the block, its ``vp_stage``, the expected and the actual numbers."""
+    megatron_version()
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense: list[int] = []
+    for name, block in model.named_modules():
+        if not isinstance(block, TransformerBlock) or ".mtp." in f".{name}." or name.startswith("mtp"):
+            continue
+        vp_stage = getattr(block, "vp_stage", None)
+        try:
+            pp = getattr(getattr(block, "pg_collection", None), "pp", None)
+            pp_rank = pp.rank() if pp is not None and hasattr(pp, "rank") else None
+            offset = get_transformer_layer_offset(block.config, vp_stage, pp_rank)
+        except Exception as exc:  # noqa: BLE001 - Megatron asserts on an inconsistent pipeline layout
+            raise ReplayConfigError(f"block {name or 'decoder'!r} (vp_stage={vp_stage}): Megatron cannot compute its "
+                                    f"layer offset ({type(exc).__name__}: {exc}); replay binds routes by global layer "
+                                    f"number and needs it") from None
+        numbers = [int(getattr(layer, "layer_number", -1)) for layer in block.layers]
+        want = list(range(offset + 1, offset + 1 + len(numbers)))
+        if numbers != want:
+            raise ReplayConfigError(f"block {name or 'decoder'!r} (vp_stage={vp_stage}) numbers its layers {numbers}, "
+                                    f"Megatron's offset for this stage gives {want}: routes bound by layer number would "
+                                    f"reach other layers (a chunk built with another vp_stage, or renumbered layers)")
+        dense += [n - 1 for n, layer in zip(numbers, block.layers) if not isinstance(getattr(layer, "mlp", None),
+                                                                                      MoELayer)]
+    return tuple(sorted(dense))
+
+
+def check_record_layers(config, moe_layers) -> None:
+    """Refuse routes for layers the decoder does not have: with multi-token prediction (``mtp_num_layers``) the MTP
+    layers' routers are numbered after the decoder's, and a record (rollout engines record the decoder only) that
+    names them hands decoder routes to MTP routers."""
+    num_layers = int(getattr(config, "num_layers", 0) or 0)
+    beyond = sorted(x for x in moe_layers if x >= num_layers)
+    if beyond:
+        mtp = getattr(config, "mtp_num_layers", None)
+        what = (f"the model's {mtp} MTP layer(s) sit there, and their routers are not the decoder's: rollout engines "
+                f"record decoder layers only" if mtp else "there is no such layer")
+        raise ReplayConfigError(f"the routes name layers {beyond}, beyond the decoder's {num_layers} layers: {what}")
