@@ -8,6 +8,11 @@ Each figure is a ratio against its baseline measured in the same run, interleave
                 (target: at most 1.03x). The replayed step is what a trainer does per micro-batch: attach,
                 ``set_routes(record.replay_batch(...))`` (validation, device copy), the forward (the model's
                 tokens checked against the batch's), ``check(calls=1)``, undo.
+* verify:       the same replayed step with the replay verifier on (the default: a pre-hook on each experts module
+                reads the ``top_k_index`` they receive into device counters; ``verify_report()`` once after the step)
+                vs ``verify=False`` (target: at most 1.01x). On a shared machine that ratio is within the noise, so
+                the verifier's own work is also timed alone: every router's ``observe`` on the tensors of one step
+                plus the report (the host read), as a share of the replayed step (``verify_share``).
 * storage:      bytes per (token, MoE layer) of the saved route table (target: top_k bytes for <= 256
                 experts; vLLM's capture and SGLang use 4 bytes per id, verl 2).
 
@@ -49,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backward", action="store_true", help="time forward + backward in the training step")
     ap.add_argument("--aux-loss", default="own", choices=AUX_LOSS_MODES,
                     help="replay_routing's aux_loss mode (default own: the model's aux loss left alone)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="record once, skip the generate() timing (the training-step and verify figures only)")
     ap.add_argument("--json", help="write the figures as JSON")
     ap.add_argument("--prompts", help="JSON list of prompts (default: the shipped set)")
     args = ap.parse_args(argv)
@@ -81,7 +88,8 @@ def main(argv=None) -> int:
 
     # no EOS stop in either path so both generate the same number of tokens
     record = recorded_generate()
-    gen = _interleaved({"plain": plain_generate, "record": recorded_generate}, args.repeats, args.device)
+    gen = None if args.train_only else _interleaved({"plain": plain_generate, "record": recorded_generate},
+                                                    args.repeats, args.device)
 
     train_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtypes[args.train_dtype]).to(args.device)
     train_model.train(args.backward)
@@ -102,15 +110,32 @@ def main(argv=None) -> int:
             with torch.no_grad(), forward:
                 train_model(input_ids=x, attention_mask=xm, use_cache=False)
 
-    def replayed_step():
-        with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss).attach() as replay:
+    def replayed_step(verify=True):
+        with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss, verify=verify).attach() as replay:
             replay.set_routes(batch)
             step(replay)
-            replay.check(calls=1)
+            replay.check(calls=1)       # with verify: reads the verifier's device counters (one sync)
 
     step()
     replayed_step()
-    train = _interleaved({"plain": step, "replay": replayed_step}, args.repeats * 3, args.device)
+    replayed_step(False)
+    train = _interleaved({"plain": step, "replay": replayed_step, "replay_noverify": lambda: replayed_step(False)},
+                         args.repeats * 3, args.device)
+
+    # the verifier's own work per step, alone: what the experts' pre-hooks queue (same shapes as in the step)
+    # and the one read of the counters that check() does
+    with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss).attach() as replay:
+        replay.set_routes(batch)
+        verifier, ran, expected, mask, n = (replay.verifier, replay._targets, replay._expected, replay._mask,
+                                            replay._rows_replayed)
+
+        def verify_work():
+            verifier.reset()
+            for i in range(len(ran)):
+                verifier.observe(i, ran[i], expected[i], mask, replayed_rows=n, expected_sorted=True)
+            verifier.report()
+
+        alone = _interleaved({"verify": verify_work}, args.repeats * 20, args.device)
 
     with tempfile.TemporaryDirectory() as tmp:
         file = os.path.join(tmp, "record.safetensors")
@@ -125,24 +150,33 @@ def main(argv=None) -> int:
         "model": "embedded:tiny_moe" if not args.model else args.model,
         "device": args.device, "threads": torch.get_num_threads(),
         "batch": args.batch, "new_tokens": args.new_tokens, "gen_dtype": args.dtype, "train_dtype": args.train_dtype,
-        "generate_plain_ms": gen["plain"] * 1e3, "generate_record_ms": gen["record"] * 1e3,
-        "generate_ratio": gen["record"] / gen["plain"],
-        "generate_ratio_median": gen["record_median"] / gen["plain_median"],
         "train_step": "forward+backward" if args.backward else "forward", "aux_loss": args.aux_loss,
         "train_plain_ms": train["plain"] * 1e3, "train_replay_ms": train["replay"] * 1e3,
         "train_ratio": train["replay"] / train["plain"],
         "train_ratio_median": train["replay_median"] / train["plain_median"],
+        "train_replay_noverify_ms": train["replay_noverify"] * 1e3,
+        "verify_ratio": train["replay"] / train["replay_noverify"],
+        "verify_ratio_median": train["replay_median"] / train["replay_noverify_median"],
+        "verify_work_ms": alone["verify"] * 1e3, "verify_share": alone["verify"] / train["replay_noverify"],
         "route_bytes_per_token_layer": bytes_per_token_layer, "top_k": k, "num_experts": record.meta.num_experts,
         "route_dtype": str(record.meta.route_dtype).replace("torch.", ""),
     }
     print(f"model {result['model']} on {args.device} ({result['threads']} threads), batch {args.batch} x "
           f"{args.new_tokens} new tokens")
-    print(f"generate() {args.dtype}:  plain {result['generate_plain_ms']:8.2f} ms   record "
-          f"{result['generate_record_ms']:8.2f} ms   ratio {result['generate_ratio']:.3f}x  (target <= 1.03x; "
-          f"medians {result['generate_ratio_median']:.3f}x)")
+    if gen is not None:
+        result.update({"generate_plain_ms": gen["plain"] * 1e3, "generate_record_ms": gen["record"] * 1e3,
+                       "generate_ratio": gen["record"] / gen["plain"],
+                       "generate_ratio_median": gen["record_median"] / gen["plain_median"]})
+        print(f"generate() {args.dtype}:  plain {result['generate_plain_ms']:8.2f} ms   record "
+              f"{result['generate_record_ms']:8.2f} ms   ratio {result['generate_ratio']:.3f}x  (target <= 1.03x; "
+              f"medians {result['generate_ratio_median']:.3f}x)")
     print(f"train {result['train_step']} {args.train_dtype}:  plain {result['train_plain_ms']:8.2f} ms   replay "
           f"{result['train_replay_ms']:8.2f} ms   ratio {result['train_ratio']:.3f}x  (target <= 1.03x; "
           f"medians {result['train_ratio_median']:.3f}x)")
+    print(f"replay verifier:  replay verify=False {result['train_replay_noverify_ms']:8.2f} ms   verify=True "
+          f"{result['train_replay_ms']:8.2f} ms   ratio {result['verify_ratio']:.4f}x  (target <= 1.01x; "
+          f"medians {result['verify_ratio_median']:.4f}x); its work alone {result['verify_work_ms']:.3f} ms = "
+          f"{100 * result['verify_share']:.2f}% of the replayed step")
     print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
           f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
     if args.json:

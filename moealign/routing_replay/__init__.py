@@ -26,6 +26,18 @@ Every bad input raises :class:`RouteError` (a ``ValueError``) naming the tensor,
 """
 
 from .flips import RouteFlipMetrics, route_flip_metrics
+from .formats import (
+    RouteRows,
+    routes_from_nemo_rl,
+    routes_from_sglang,
+    routes_from_slime,
+    routes_from_trtllm,
+    routes_from_verl,
+    routes_from_vllm_0_21,
+    routes_to_nemo_rl,
+    routes_to_slime,
+    routes_to_verl,
+)
 from .gates import (
     SCORES,
     RouterScoring,
@@ -52,12 +64,16 @@ from .sampling_mask import (
     truncation_mask,
     validate_kept_sets,
 )
+from .verify import LayerVerifyReport, ReplayVerifier, VerifyReport, expected_ids, expected_map
 from .vocab_parallel import vocab_parallel_full_logprob, vocab_parallel_kept_logprob
 
 __all__ = [
     "SCORES",
+    "LayerVerifyReport",
+    "ReplayVerifier",
     "RouteError",
     "RouteFlipMetrics",
+    "RouteRows",
     "RouterScoring",
     "check_tokens_in_kept",
     "compact_routes",
@@ -71,11 +87,23 @@ __all__ = [
     "replay_recorded_gate_weights",
     "route_dtype",
     "route_flip_metrics",
+    "routes_from_nemo_rl",
+    "routes_from_sglang",
+    "routes_from_slime",
+    "routes_from_trtllm",
+    "routes_from_verl",
+    "routes_from_vllm_0_21",
+    "routes_to_nemo_rl",
+    "routes_to_slime",
+    "routes_to_verl",
     "select_topk",
     "support_mismatch",
     "support_mismatch_rate",
     "truncation_mask",
     "validate_kept_sets",
+    "VerifyReport",
+    "expected_ids",
+    "expected_map",
     "vocab_parallel_full_logprob",
     "vocab_parallel_kept_logprob",
     "validate_routes",

@@ -22,6 +22,13 @@ each router call checks its row count, and the model's forward checks every rout
 replayed choices. ``forward()`` / ``backward()`` only mark phases in this adapter (transformers re-runs
 the patched routers during activation recompute with the same targets); they exist so that code
 written for one adapter runs on all.
+
+With ``verify=True`` (the default) a forward pre-hook on each MoE block's experts module reads the ``top_k_index``
+the experts actually receive and feeds a :class:`~moealign.routing_replay.verify.ReplayVerifier` (device counters,
+no host sync in the forward): :meth:`RoutingReplay.verify_report` says per router whether the experts that ran are
+the recorded ones (as sets) and the fraction of rows that ran without a recorded route; :meth:`RoutingReplay.check`
+raises :class:`~moealign.errors.ReplayError` when they are not, e.g. when a router's ``forward`` was replaced after
+the replay was attached. ``verify=False`` installs no hook.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._validate import check_binary_mask, check_token_ids
-from ...errors import InputError, ReplayError, RouteError
+from ...errors import InputError, ReplayError, RouteError, UnsupportedModelError
 from ...handle import PatchHandle
 from ...routing_replay.gates import (
     load_balancing_loss,
@@ -50,6 +57,7 @@ from ...routing_replay.protocol import (
     model_routes,
 )
 from ...routing_replay.routes import validate_routes
+from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
 from .model import MoEModelInfo, describe_model
 
 __all__ = ["RoutingReplay", "replay_routing"]
@@ -61,9 +69,13 @@ class RoutingReplay(PatchHandle):
     experts; ``"warn"`` - transformers' own aux loss is kept and ``aux_disagreement`` records, per router
     call, the fraction of replayed rows whose own top-k differs from the replayed one (a warning once);
     ``"own"`` - left alone.
+
+    ``verify`` (default True): verify what the experts receive against the routes set (module docstring);
+    :meth:`verify_report` and :meth:`check` read it.
     """
 
-    def __init__(self, model: torch.nn.Module, info: MoEModelInfo | None = None, *, aux_loss: str = "replayed"):
+    def __init__(self, model: torch.nn.Module, info: MoEModelInfo | None = None, *, aux_loss: str = "replayed",
+                 verify: bool = True):
         self.model = model
         self.info = info or describe_model(model)
         self.aux_loss = check_aux_loss_mode(aux_loss)
@@ -71,6 +83,12 @@ class RoutingReplay(PatchHandle):
                                    f"{list(self.info.moe_layers)} of {type(model).__name__}, aux_loss={aux_loss!r}",
                              "instance")
         self.counters = ReplayCounters(self.moe_layers)
+        self.verifier: ReplayVerifier | None = None
+        self._experts: list[torch.nn.Module] = []
+        if verify:
+            self._experts = self._experts_modules()
+            self.verifier = ReplayVerifier(self.moe_layers, source=f"the top_k_index {type(self._experts[0]).__name__} received")
+        self._expected: list[torch.Tensor] | None = None
         self.aux_disagreement: list[float] = []
         self._batch: ReplayBatch | None = None
         self._targets: list[torch.Tensor] | None = None
@@ -111,6 +129,7 @@ class RoutingReplay(PatchHandle):
         self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
         self._mask = None if bool(mask.all()) else mask.to(device)
         self._rows_replayed = int(mask.sum())
+        self._expected = None if self.verifier is None else [expected_ids(t) for t in self._targets]
         if recorded_weights is not None:
             if recorded_weights.shape != batch.routes.shape:
                 raise RouteError(f"recorded_weights shape {tuple(recorded_weights.shape)} != routes shape "
@@ -131,15 +150,28 @@ class RoutingReplay(PatchHandle):
         return contextlib.nullcontext()
 
     def check(self, calls: int = 1) -> None:
-        """Raise :class:`ReplayError` unless every router ran ``calls`` times, replaying its rows each time."""
+        """Raise :class:`ReplayError` unless every router ran ``calls`` times, replaying its rows each time, and
+        (with ``verify``) the experts that ran were the recorded ones on every replayed row, each router call
+        followed by its experts."""
+        if self.verifier is not None:
+            # routers called directly (check_tokens=False) run no experts: only the rows that ran are compared
+            router_calls = [c.calls for c in self.counters.counts] if self._check_tokens else None
+            self.verifier.check(router_calls)
         self.counters.check(calls, self._rows_replayed)
+
+    def verify_report(self) -> VerifyReport | None:
+        """Per router since the last :meth:`reset_counters`: the experts that ran against the routes set, and the
+        fraction of rows that ran without a recorded route (None with ``verify=False``)."""
+        return None if self.verifier is None else self.verifier.report()
 
     def reset_counters(self) -> None:
         self.counters.reset()
+        if self.verifier is not None:
+            self.verifier.reset()
 
     def clear(self) -> None:
         """Drop the targets (a router call without new ``set_routes`` is then an error)."""
-        self._targets = self._mask = self._weights = self._batch = None
+        self._targets = self._mask = self._weights = self._batch = self._expected = None
         self._rows_replayed = 0
         self._verified = False
 
@@ -196,6 +228,37 @@ class RoutingReplay(PatchHandle):
             warnings.warn(f"transformers computes the MoE aux loss from the router's own top-k, which differs from "
                           f"the replayed experts on {rate:.1%} of replayed rows; replay_routing(model, "
                           f"aux_loss='replayed') counts the replayed experts instead", stacklevel=3)
+
+    # ------------------------------------------------------------ verification: what the experts received
+    def _experts_modules(self) -> list[torch.nn.Module]:
+        """Each router's sibling experts module (``mlp.experts`` next to ``mlp.gate`` in every supported family)."""
+        found: dict[int, torch.nn.Module] = {}
+        for module in self.model.modules():
+            gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+            if isinstance(gate, torch.nn.Module) and isinstance(experts, torch.nn.Module):
+                found[id(gate)] = experts
+        missing = [layer for layer, router in self.info.routers if id(router) not in found]
+        if missing:
+            raise UnsupportedModelError(f"the routers of layers {missing} have no sibling 'experts' module whose input "
+                                        f"could be verified; pass verify=False to replay without verification")
+        return [found[id(router)] for _, router in self.info.routers]
+
+    def _experts_hook(self, index: int):
+        layer = self.info.routers[index][0]
+
+        def hook(module, args, kwargs):
+            expected = self._expected
+            if expected is None:
+                return None
+            ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            if not isinstance(ids, torch.Tensor):
+                raise ReplayError(f"layer {layer}: the experts module was called without top_k_index; the replay "
+                                  f"cannot verify which experts ran")
+            self.verifier.observe(index, ids, expected[index], self._mask, replayed_rows=self._rows_replayed,
+                                  expected_sorted=True)
+            return None
+
+        return hook
 
     # ------------------------------------------------------------ the patched model forward
     def _check_batch(self, arguments: dict) -> None:
@@ -281,6 +344,9 @@ class RoutingReplay(PatchHandle):
         self.add_callback(self._live.clear)
         for index, (layer, module) in enumerate(self.info.routers):
             self.set_attr(module, "forward", self._router_forward(index, module), f"router forward (layer {layer})")
+        for index, experts in enumerate(self._experts):
+            self.add_hook(experts.register_forward_pre_hook(self._experts_hook(index), with_kwargs=True),
+                          f"experts forward pre-hook (layer {self.info.routers[index][0]}, verify)")
         # wraps whatever forward the model has (a wrapper of accelerate or a profiler is kept and put back)
         self.set_attr(self.model, "forward", self._model_forward(self.model.forward),
                       f"{type(self.model).__name__}.forward (token check, aux loss)")
@@ -288,13 +354,14 @@ class RoutingReplay(PatchHandle):
 
 
 def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *,
-                   aux_loss: str = "replayed") -> RoutingReplay:
+                   aux_loss: str = "replayed", verify: bool = True) -> RoutingReplay:
     """Force the routers of ``model`` to recorded expert ids; returns the attached :class:`RoutingReplay`
     (a context manager: ``with hf.replay_routing(model) as replay: ...`` undoes on exit).
 
-    ``batch`` (optional) is passed to :meth:`RoutingReplay.set_routes`.
+    ``batch`` (optional) is passed to :meth:`RoutingReplay.set_routes`; ``verify`` (default True): the experts'
+    input is verified against the routes (:meth:`RoutingReplay.verify_report`).
     """
-    replay = RoutingReplay(model, describe_model(model), aux_loss=aux_loss).attach()
+    replay = RoutingReplay(model, describe_model(model), aux_loss=aux_loss, verify=verify).attach()
     if batch is not None:
         try:
             replay.set_routes(batch)

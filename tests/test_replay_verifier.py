@@ -1,0 +1,224 @@
+"""The replay verifier (issue 13, section 3): did the experts that ran equal the experts the record asked for?
+
+``moealign.routing_replay.verify.ReplayVerifier`` on its own (pure torch), then in each adapter, where it reads what
+the experts / the dispatcher *received* (transformers: the experts module's ``top_k_index``; Megatron-core: the
+``routing_map`` ``token_dispatcher.dispatch_preprocess`` receives; vLLM: the ``topk_ids`` ``RoutedExperts.forward_modular``
+receives), never what the adapter set. Per engine:
+
+1. a correct replay verifies clean (0 mismatched rows) and reports the fraction of rows that ran without a recorded
+   route equal to the one counted here from the batch's ``route_mask``. The routes replayed are the model's own
+   choices shifted by one expert (``(e + 1) % E``), so they differ from the router's own choice on every row by
+   construction (asserted): a clean report means the replayed experts ran;
+2. a replay that was set but bypassed (the router's forward swapped for a plain top-k after ``set_routes``, so the
+   experts that run are the router's own) is caught: ``check()`` raises ``ReplayError`` naming the layer, and the
+   report counts every replayed row of that layer as mismatched (and no other layer's);
+3. ``verify=False`` adds no hook and no wrapper.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moealign.errors import ReplayError
+from moealign.routing_replay.verify import ReplayVerifier, expected_ids, expected_map
+
+# --------------------------------------------------------------------------------------------------
+# the verifier alone
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sets_not_slots_and_masked_rows_ignored():
+    v = ReplayVerifier([3, 7], source="unit")
+    expected = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    ran = torch.tensor([[1, 0], [3, 2], [4, 6], [0, 7]])            # rows 0, 1 permuted slots; rows 2, 3 differ
+    mask = torch.tensor([True, True, True, False])                   # row 3 has no recorded route
+    v.observe(0, ran, expected, mask)
+    v.observe(1, ran.to(torch.int32), expected_ids(expected), None, expected_sorted=True)
+    r = v.report()
+    a, b = r.layers
+    assert (a.calls, a.rows, a.replayed_rows, a.unrouted_rows, a.mismatched_rows) == (1, 4, 3, 1, 1)
+    assert a.first_mismatch == (0, 2) and a.first_ran == (4, 6) and a.first_expected == (4, 5)
+    assert (b.replayed_rows, b.unrouted_rows, b.mismatched_rows, b.first_mismatch) == (4, 0, 2, (0, 2))
+    assert r.unrouted_fraction == 1 / 8 and r.mismatched_rows == 3 and not r.clean
+    with pytest.raises(ReplayError, match=r"3 of 7 replayed rows in layers \[3, 7\]: layer 3: 1 of 3 rows "
+                                          r"\(first: call 0, row 2: ran \[4, 6\], record \[4, 5\]\)"):
+        v.check()
+    v.reset()
+    v.observe(0, ran[:2], expected[:2])
+    assert v.check(router_calls=[1, 0]).clean
+    with pytest.raises(ReplayError, match=r"layers \[7\] were observed on fewer calls.*layer 7: 0 of 1"):
+        v.check(router_calls=[1, 1])
+
+
+def test_routing_maps_first_bad_call_and_shapes():
+    v = ReplayVerifier([0])
+    ids = torch.tensor([[0, 1], [2, 3], [1, 3]])
+    want = expected_map(ids, 4)
+    v.observe(0, want.clone(), want, replayed_rows=3)
+    other = want.clone()
+    other[1] = expected_map(torch.tensor([[0, 3]]), 4)[0]
+    v.observe(0, other, want, torch.tensor([True, True, False]), replayed_rows=2)
+    layer = v.report().layers[0]
+    assert (layer.calls, layer.rows, layer.replayed_rows, layer.mismatched_rows) == (2, 6, 5, 1)
+    assert layer.first_mismatch == (1, 1) and layer.first_ran == (0, 3) and layer.first_expected == (2, 3)
+    with pytest.raises(ReplayError, match="received"):
+        v.observe(0, ids, want)                       # ids against a map
+    with pytest.raises(ReplayError, match="rows must match"):
+        v.observe(0, ids[:2], ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers shared by the engine tests
+# --------------------------------------------------------------------------------------------------
+
+
+def assert_differs_everywhere(own: torch.Tensor, replayed: torch.Tensor) -> None:
+    """The replayed table differs from the router's own choice on every row and layer, as sets."""
+    a, b = own.to(torch.int64).sort(-1).values, replayed.to(torch.int64).sort(-1).values
+    assert bool((a != b).any(-1).all())
+
+
+def unrouted_fraction(route_mask: torch.Tensor) -> float:
+    m = route_mask.reshape(-1).bool()
+    return int((~m).sum()) / m.numel()
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers (the embedded Qwen3-MoE)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_setup():
+    pytest.importorskip("transformers")
+    from moealign.embedded import embedded_model_path
+    from moealign.patches import hf
+    from moealign.patches.hf.loading import load_model
+    from moealign.routing_replay.protocol import ReplayBatch
+
+    model, _ = load_model(embedded_model_path(), "fp32")
+    info = hf.describe_model(model)
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 14
+    ids = torch.randint(3, info.vocab_size, (B, T), generator=g)
+    am = torch.ones_like(ids)
+    am[1, 10:] = 0
+    am[2, 6:] = 0
+    ids[am == 0] = 1
+    with torch.no_grad(), hf.capture_routes(model) as cap:
+        model(ids, attention_mask=am, use_cache=False)
+    own = cap.last_forward().to(torch.int64)                        # [B*T, layers, k], batch-major
+    shifted = (own + 1) % info.num_experts
+    assert_differs_everywhere(own, shifted)
+    mask = am.bool().clone()
+    lengths = am.sum(1)
+    mask[torch.arange(B), lengths - 1] = False                      # each sample's last token
+    mask[0, 4] = False                                              # a row the record marks missing
+    batch = ReplayBatch.padded(shifted.reshape(B, T, *own.shape[1:]), input_ids=ids, attention_mask=am,
+                               moe_layers=info.moe_layers, route_mask=mask)
+    return dict(model=model, info=info, ids=ids, am=am, own=own, shifted=shifted, mask=mask, batch=batch, hf=hf)
+
+
+def _hook_state(model):
+    return {name: (tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._forward_hooks_with_kwargs),
+                   tuple(m._forward_pre_hooks_with_kwargs), "forward" in vars(m))
+            for name, m in model.named_modules()}
+
+
+def test_hf_correct_replay_verifies_clean(hf_setup):
+    s = hf_setup
+    model, hf, batch, mask = s["model"], s["hf"], s["batch"], s["mask"]
+    model.train()
+    try:
+        with hf.replay_routing(model, batch, aux_loss="own") as replay:
+            out = model(input_ids=s["ids"], attention_mask=s["am"], use_cache=False)
+            out.logits.float().logsumexp(-1).mean().backward()
+            report = replay.verify_report()
+            replay.check(calls=1)
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    rows = mask.numel()
+    assert report.clean and report.mismatched_rows == 0
+    assert len(report.layers) == len(s["info"].moe_layers)
+    for layer in report.layers:
+        assert (layer.calls, layer.rows, layer.replayed_rows) == (1, rows, int(mask.sum()))
+        assert layer.unrouted_fraction == unrouted_fraction(mask)
+    assert report.unrouted_fraction == unrouted_fraction(mask) > 0
+
+
+def _plain_topk(router):
+    """A router forward that ignores the replay: the router's own softmax top-k (what transformers computes)."""
+    def forward(hidden_states):
+        h = hidden_states.reshape(-1, router.hidden_dim)
+        logits = torch.nn.functional.linear(h, router.weight)
+        probs = logits.float().softmax(-1)
+        w, i = probs.topk(router.top_k, dim=-1)
+        return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), i
+    return forward
+
+
+def test_hf_bypassed_router_is_caught(hf_setup):
+    s = hf_setup
+    model, hf, info, mask = s["model"], s["hf"], s["info"], s["mask"]
+    index = 0                      # the first MoE layer: its input is the unreplayed one, its own choice is `own`
+    layer, router = info.routers[index]
+    with torch.no_grad(), hf.replay_routing(model, aux_loss="own") as replay:
+        replay.set_routes(s["batch"])
+        router.forward = _plain_topk(router)          # swapped after the replay bound (and set) the router
+        model(input_ids=s["ids"], attention_mask=s["am"], use_cache=False)
+        report = replay.verify_report()
+        with pytest.raises(ReplayError, match=rf"differ from the record on {int(mask.sum())} of .* in layers "
+                                              rf"\[{layer}\]: layer {layer}: {int(mask.sum())} of"):
+            replay.check(calls=1)
+    assert "forward" not in vars(router)             # undo put the class forward back
+    bad = report.layer(layer)
+    assert bad.mismatched_rows == bad.replayed_rows == int(mask.sum())
+    assert all(x.mismatched_rows == 0 for x in report.layers if x.layer != layer)
+    # the first bad row is the first replayed row, and what ran there is the router's own choice
+    first = int(mask.reshape(-1).nonzero()[0, 0])
+    assert bad.first_mismatch == (0, first)
+    assert list(bad.first_ran) == sorted(s["own"][first, index].tolist())
+    assert list(bad.first_expected) == sorted(s["shifted"][first, index].tolist())
+
+
+def test_hf_unobserved_experts_are_caught(hf_setup):
+    """Experts module replaced after the replay attached: the router replays, but nothing observes what ran."""
+    s = hf_setup
+    model, hf, info = s["model"], s["hf"], s["info"]
+    layer, router = info.routers[1]
+    block = next(m for m in model.modules() if getattr(m, "gate", None) is router)
+    with torch.no_grad(), hf.replay_routing(model, s["batch"], aux_loss="own") as replay:
+        original = block.experts
+        block.experts = type(original)(model.config)               # a fresh module (no hooks), same weights
+        block.experts.load_state_dict(original.state_dict())
+        try:
+            model(input_ids=s["ids"], attention_mask=s["am"], use_cache=False)
+        finally:
+            block.experts = original
+        with pytest.raises(ReplayError, match=rf"cannot be verified: .* layers \[{layer}\] were observed on fewer "
+                                              rf"calls .*layer {layer}: 0 of 1"):
+            replay.check(calls=1)
+
+
+def test_hf_verify_off_adds_no_hooks(hf_setup):
+    s = hf_setup
+    model, hf = s["model"], s["hf"]
+    before = _hook_state(model)
+    with torch.no_grad(), hf.replay_routing(model, s["batch"], aux_loss="own", verify=False) as replay:
+        during = _hook_state(model)
+        model(input_ids=s["ids"], attention_mask=s["am"], use_cache=False)
+        replay.check(calls=1)
+        assert replay.verify_report() is None and replay.verifier is None
+        assert not any("verify" in p for p in replay.patched)
+    # only the router and model forwards are patched (as before the verifier existed): no hook anywhere
+    changed = {name for name in before if before[name] != during[name]}
+    routers = {name for name, m in model.named_modules() if any(m is r for _, r in s["info"].routers)}
+    assert changed == routers | {""}
+    assert all(before[n][:4] == during[n][:4] for n in before)
+    with torch.no_grad(), hf.replay_routing(model, s["batch"], aux_loss="own") as replay:
+        assert sum(len(m._forward_pre_hooks) for m in model.modules()) > \
+            sum(len(before[n][1]) for n in before)
+        assert any("verify" in p for p in replay.patched)
+    assert _hook_state(model) == before
