@@ -45,6 +45,11 @@ class MoEModelInfo:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(layer for layer, _ in self.routers)
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Decoder layers the model runs dense (a record's routes for them are refused at ``set_routes``)."""
+        return tuple(layer for layer in range(self.num_layers) if layer not in self.moe_layers)
+
 
 def transformers_version() -> str:
     _, version = engine_version("transformers", "moealign.patches.hf needs transformers")

@@ -115,7 +115,7 @@ class RoutingReplay(PatchHandle):
         forward then does not have to run, and nothing checks that the rows belong to the batch's tokens.
         """
         k, E = self.info.top_k, self.info.num_experts
-        routes = model_routes(batch, self.moe_layers, k)
+        routes = model_routes(batch, self.moe_layers, k, dense_layers=self.info.dense_layers)
         if not self.active:
             raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
         check_token_ids(batch.input_ids, "batch.input_ids", self.info.vocab_size, RouteError)
