@@ -236,7 +236,15 @@ def test_kept_sets_come_out_ascending():
     assert torch.equal(record.samples[0].kept_ids, case["kept_ids"])
 
 
-def test_prompt_start_is_refused_with_routes_and_read_from_vllm_params():
+def _assert_started(sample, case: dict, start: int) -> None:
+    """The rows from ``start`` are the case's routes; the rows before it are missing and hold 0 (never made up)."""
+    want = case["routes"].clone()
+    want[:start] = 0
+    assert sample.routes.dtype == case["routes"].dtype and torch.equal(sample.routes, want)
+    assert torch.equal(sample.route_missing, torch.arange(want.shape[0]) < start)
+
+
+def test_prompt_start_marks_the_rows_before_it_missing_and_is_read_from_vllm_params():
     from vllm import SamplingParams as VllmSamplingParams
 
     from moealign.patches.vllm import record_from_outputs
@@ -246,11 +254,18 @@ def test_prompt_start_is_refused_with_routes_and_read_from_vllm_params():
     out = _output(case, meta, start=4)                     # vLLM 0.33 with routed_experts_prompt_start=4
     assert out.outputs[0].routed_experts.shape[0] == 6 + 3 - 1 - 4
     params = VllmSamplingParams(temperature=0.8, top_k=5, routed_experts_prompt_start=4)
-    with pytest.raises(ConfigError, match=r"routed_experts_prompt_start=4.*no way to mark route rows missing"):
-        record_from_outputs([out], meta, sampling=params, validate=False)
-    with pytest.raises(ConfigError, match=r"routed_experts_prompt_start=4"):
-        record_from_outputs([out], meta, sampling=SamplingParams(), prompt_starts=4, validate=False)
-    # without routes the rest converts; the routes of the start-0 rows are not made up
+    record = record_from_outputs([out], meta, sampling=params)
+    _assert_started(record.samples[0], case, 4)
+    assert record.samples[0].routed_rows.tolist() == [False] * 4 + [True] * 4
+    record = record_from_outputs([out], meta, sampling=SamplingParams(), prompt_starts=4)
+    _assert_started(record.samples[0], case, 4)
+    # the rows are read from the start on: a wrong start does not fit the rows vLLM sent
+    with pytest.raises(InputError, match=r"routed_experts has 4 rows, expected 5"):
+        record_from_outputs([out], meta, sampling=SamplingParams(), prompt_starts=3, validate=False)
+    # the whole prompt left out (start = P): every prompt row missing, the generated rows kept
+    whole = _output(case, meta, start=6)
+    _assert_started(record_from_outputs([whole], meta, sampling=SamplingParams(), prompt_starts=6).samples[0], case, 6)
+    # without routes the rest converts
     record = record_from_outputs([out], meta, sampling=params, record_routes=False)
     _assert_sample(record.samples[0], case, SamplingParams(temperature=0.8, top_k=5), meta, routes=False)
     # an explicit start must agree with the vLLM parameters'; a start outside the prompt is refused
@@ -534,13 +549,15 @@ def test_round_trip_prompt_start(recorded):
     for p in started:
         p.routed_experts_prompt_start = 2
     rebuilt = _as_vllm_033(record, outputs, start=2)
-    with pytest.raises(ConfigError, match=r"routed_experts_prompt_start=2"):
-        record_from_outputs(rebuilt, record.meta, sampling=started)
-    converted = record_from_outputs(rebuilt, record.meta, sampling=started, record_routes=False)
-    assert not converted.has_routes
+    converted = record_from_outputs(rebuilt, record.meta, sampling=started)
     for a, b in zip(converted.samples, record.samples):
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)
         assert torch.equal(a.kept_offsets, b.kept_offsets) and torch.equal(a.kept_ids, b.kept_ids)
+        # rows 0 and 1 are missing (vLLM left them out), every later row is the recorder's
+        assert torch.equal(a.route_missing, torch.arange(b.length - 1) < 2)
+        assert not bool(a.routes[:2].any()) and torch.equal(a.routes[2:], b.routes[2:])
+    without = record_from_outputs(rebuilt, record.meta, sampling=started, record_routes=False)
+    assert not without.has_routes
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ The conversion, per completion (one record sample each; ``n > 1`` completions of
   array by layer number, never by position among MoE layers; every layer the meta calls dense must be all zero
   (anything else means the meta's layer mapping is not the model vLLM ran: :class:`RecordMismatchError`); ids
   are checked in ``[0, num_experts)`` and distinct per token (:class:`RouteError`) and stored in the record's route
-  dtype (``uint8`` up to 256 experts, ``int16`` above: vLLM's uint16 is cast only after the range check). A record
-  has no way to mark route rows missing, so ``routed_experts_prompt_start > 0`` (vLLM then leaves out the first
-  prompt rows) is refused (:class:`ConfigError`) rather than filled with zeros; convert such outputs with
-  ``record_routes=False``.
+  dtype (``uint8`` up to 256 experts, ``int16`` above: vLLM's uint16 is cast only after the range check). With
+  ``routed_experts_prompt_start > 0`` vLLM leaves out the routes of the first prompt tokens: those rows are marked
+  missing (``Sample.route_missing``; they hold 0 and are never replayed), never filled in.
 * **kept sets**: the lists become the record's CSR (``kept_offsets`` int64, ``kept_ids`` int32 ascending per row);
   every row must be non-empty, hold distinct ids in ``[0, vocab_size)`` and contain its sampled token.
 * **log-probs**: the sampled token's entry of each position (float32); all finite and <= 0.
@@ -339,24 +338,23 @@ def samples_from_output(
                              f"[0, vocab_size={meta.vocab_size})")
         L, R = int(token_ids.numel()), len(response)
         logprobs = _logprobs(completion, response, where)
-        routes = None
+        routes = route_missing = None
         if record_routes:
-            if start > 0:
-                raise ConfigError(
-                    f"{where}: routed_experts_prompt_start={start}: vLLM left out the routes of input tokens "
-                    f"0..{start - 1}, and a record has no way to mark route rows missing (its routes cover every "
-                    f"input token); request with routed_experts_prompt_start=0, or convert with record_routes=False")
             if completion.routed_experts is None:
                 raise EngineError(f"{where}: vLLM returned no routed_experts; {_NEEDS_ROUTES}")
             routes = _routes(completion.routed_experts, meta, rows=L - 1 - start, start=start, prompt_len=P,
                              response_len=R, where=where)
+            if start > 0:             # vLLM left out input tokens 0..start-1: those rows are missing, held as 0
+                routes = torch.cat([routes.new_zeros(start, *routes.shape[1:]), routes])
+                route_missing = torch.arange(L - 1) < start
         kept_offsets = kept_ids = None
         if record_kept_sets:
             if completion.sampling_mask is None:
                 raise EngineError(f"{where}: vLLM returned no sampling_mask; {_NEEDS_MASK}")
             kept_offsets, kept_ids = _kept_sets(completion.sampling_mask, token_ids[P:], meta.vocab_size, where)
         samples.append(Sample(token_ids=token_ids, prompt_len=P, logprobs=logprobs, routes=routes,
-                              kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=params))
+                              kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=params,
+                              route_missing=route_missing))
     return samples
 
 
@@ -386,8 +384,8 @@ def record_from_outputs(
     ``sampling``: per output (a list) or for all, a moealign :class:`~moealign.record.SamplingParams` or the
     ``vllm.SamplingParams`` the request ran with (then its ``routed_experts_prompt_start`` is read, and options a
     record cannot state, such as penalties or a logit bias, are refused). ``prompt_starts``: per output or for all,
-    the requests' ``routed_experts_prompt_start`` (default: from vLLM's parameters, else 0); a start above 0 is refused
-    while routes are recorded (a record cannot mark route rows missing). ``record_routes`` /
+    the requests' ``routed_experts_prompt_start`` (default: from vLLM's parameters, else 0); the route rows before a
+    start above 0 are marked missing (``Sample.route_missing``). ``record_routes`` /
     ``record_kept_sets``: convert ``routed_experts`` / ``sampling_mask`` (required then) or leave them out.
     ``validate``: also run the record's full validation (every check above runs either way).
     """
