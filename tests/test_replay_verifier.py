@@ -222,3 +222,137 @@ def test_hf_verify_off_adds_no_hooks(hf_setup):
             sum(len(before[n][1]) for n in before)
         assert any("verify" in p for p in replay.patched)
     assert _hook_state(model) == before
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-core (the tiny GPT-MoE of tests/megatron_util.py, allgather dispatcher)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mg_world():
+    pytest.importorskip("megatron.core")
+    from moealign.patches import megatron as mg
+
+    with mg.init_single_process(seed=123):
+        yield mg
+
+
+def _mg_model(mg, **overrides):
+    from megatron_util import build, config
+
+    torch.manual_seed(0)
+    model = build(config(**overrides))
+    with torch.no_grad():       # peaked routers (as in test_patches_megatron)
+        for _, router in mg.moe_routers(model):
+            router.weight.mul_(20)
+    return model
+
+
+def _mg_case(mg, model):
+    """The model's own routes on a token batch (record order b*T + t), shifted by one expert, and a route_mask
+    with each sample's last token and two more rows unrouted."""
+    from megatron_util import B, E, K, T, inputs, replay_batch, routing_maps
+
+    ids, pos, attn = inputs(1)
+    routers = mg.moe_routers(model)
+    maps, handles = routing_maps(model, routers)
+    try:
+        with torch.no_grad():
+            model(ids, pos, attention_mask=attn)
+    finally:
+        for h in handles:
+            h.remove()
+    own = torch.stack([m.reshape(T, B, E).transpose(0, 1).reshape(B * T, E).nonzero()[:, 1].reshape(-1, K)
+                       for m in maps], dim=1)
+    shifted = (own + 1) % E
+    assert_differs_everywhere(own, shifted)
+    route_mask = torch.ones(B * T, dtype=torch.bool)
+    route_mask[T - 1::T] = False
+    route_mask[[4, T + 2]] = False
+    return dict(ids=ids, pos=pos, attn=attn, own=own, shifted=shifted, mask=route_mask,
+                batch=replay_batch(shifted, ids, route_mask), routers=routers)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_megatron_correct_replay_verifies_clean(mg_world, recompute):
+    mg = mg_world
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    model = _mg_model(mg, **extra)
+    model.train()
+    c = _mg_case(mg, model)
+    with mg.replay_routing(model, aux_loss="own") as driver:
+        driver.set_routes(c["batch"])
+        with driver.forward():
+            out = model(c["ids"], c["pos"], attention_mask=c["attn"])
+        with driver.backward():
+            out.float().logsumexp(-1).mean().backward()
+        report = driver.verify_report()
+        calls = 2 if recompute else 1           # full recompute re-runs router and dispatcher in backward
+        driver.check(calls=calls)
+    mask = c["mask"]
+    assert report.clean and report.mismatched_rows == 0
+    assert [x.layer for x in report.layers] == [0, 1]
+    for layer in report.layers:
+        assert (layer.calls, layer.rows, layer.replayed_rows) == (calls, calls * mask.numel(), calls * int(mask.sum()))
+        assert layer.unrouted_fraction == unrouted_fraction(mask)
+    assert report.unrouted_fraction == unrouted_fraction(mask) > 0
+
+
+def _mg_plain_topk(router, E, K):
+    """A TopKRouter forward that never asks RouterReplay: softmax top-k of the router's own logits."""
+    def forward(input, padding_mask=None):
+        logits = router.gating(input).reshape(-1, E)
+        probs, idx = logits.softmax(-1).topk(K, dim=-1)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+        return torch.zeros_like(logits).scatter(1, idx, probs), routing_map
+    return forward
+
+
+def test_megatron_bypassed_router_is_caught(mg_world):
+    from megatron_util import B, E, K, T
+
+    mg = mg_world
+    model = _mg_model(mg)
+    c = _mg_case(mg, model)
+    layer, router = c["routers"][0]          # layer 0 sees the unreplayed input: its own choice is c["own"][:, 0]
+    replayed = int(c["mask"].sum())
+    with torch.no_grad(), mg.replay_routing(model, aux_loss="own") as driver:
+        driver.set_routes(c["batch"])
+        router.forward = _mg_plain_topk(router, E, K)        # swapped after the driver bound the routers
+        try:
+            with driver.forward():
+                model(c["ids"], c["pos"], attention_mask=c["attn"])
+        finally:
+            del router.forward
+        report = driver.verify_report()
+        with pytest.raises(ReplayError, match=rf"differ from the record on {replayed} of .* in layers \[{layer}\]: "
+                                              rf"layer {layer}: {replayed} of {replayed} rows"):
+            driver.check(calls=1)
+    bad = report.layer(layer)
+    assert bad.mismatched_rows == bad.replayed_rows == replayed
+    assert report.layer(1).mismatched_rows == 0
+    # dispatcher rows are sequence-first (t*B + b): the first routed row is token (b=0, t=0), record row 0
+    assert bad.first_mismatch == (0, 0)
+    assert list(bad.first_ran) == sorted(c["own"][0, 0].tolist())
+    assert list(bad.first_expected) == sorted(c["shifted"][0, 0].tolist())
+    assert (B, T) == tuple(c["ids"].shape)
+
+
+def test_megatron_verify_off_adds_no_wrapper(mg_world):
+    mg = mg_world
+    model = _mg_model(mg)
+    c = _mg_case(mg, model)
+    dispatchers = [m.token_dispatcher for m in model.modules() if getattr(m, "token_dispatcher", None) is not None]
+    assert len(dispatchers) == 2
+    with torch.no_grad(), mg.replay_routing(model, aux_loss="own", verify=False) as driver:
+        assert all("dispatch_preprocess" not in vars(d) for d in dispatchers)
+        driver.set_routes(c["batch"])
+        with driver.forward():
+            model(c["ids"], c["pos"], attention_mask=c["attn"])
+        driver.check(calls=1)
+        assert driver.verify_report() is None and driver.verifier is None
+        assert not any("verify" in p for p in driver.patched)
+    with torch.no_grad(), mg.replay_routing(model, aux_loss="own") as driver:
+        assert all("dispatch_preprocess" in vars(d) for d in dispatchers)
+    assert all("dispatch_preprocess" not in vars(d) for d in dispatchers)

@@ -8,6 +8,12 @@ REPLAY_BACKWARD around the backward (activation recompute re-runs the routers th
 compute the same network. Printed: minimum and median of interleaved rounds, and replay / plain
 (target: at most 1.03).
 
+The replayed step runs with the replay verifier on (the default: each token dispatcher's ``dispatch_preprocess``
+feeds the routing map it receives into device counters, read once by ``check``); the same step with
+``verify=False`` is timed too, and their ratio is the verifier's cost (target: at most 1.01). On a shared machine
+that ratio is within the noise, so the verifier's own work is also timed alone: every router's ``observe`` on the
+routing maps of one step (twice with ``--recompute``) plus the report, as a share of the replayed step.
+
     python tools/bench_megatron_replay.py                  # embedded model, CPU
     python tools/bench_megatron_replay.py --batch 8 --seq 512 --recompute --json out.json
 """
@@ -80,26 +86,51 @@ def main(argv=None) -> int:
             model(ids, pos, mask).float().logsumexp(-1).mean().backward()
             model.zero_grad(set_to_none=True)
 
-        driver = mg.replay_routing(model, aux_loss="own")
         batch = ReplayBatch.padded(routes.reshape(B, T, *routes.shape[1:]), input_ids=ids.cpu(), attention_mask=torch.ones(B, T, dtype=torch.int64),
                                    moe_layers=moe_layers)
+        calls = 2 if args.recompute else 1
 
-        def replayed():
+        def replayed(driver):
             driver.reset_counters()
             driver.set_routes(batch)
             with driver.forward():
                 out = model(ids, pos, mask)
             with driver.backward():
                 out.float().logsumexp(-1).mean().backward()
-            driver.check(calls=2 if args.recompute else 1)
+            driver.check(calls=calls)
             model.zero_grad(set_to_none=True)
 
+        driver = mg.replay_routing(model, aux_loss="own")             # verify=True, the default
         plain()
-        replayed()
-        t = interleaved({"plain": plain, "replay": replayed}, args.repeats, device)
+        replayed(driver)
+        t = interleaved({"plain": plain, "replay": lambda: replayed(driver)}, args.repeats, device)
+        driver.undo()
+
+        # verifier on vs off: two drivers cannot be attached to one model at once, so each variant attaches its
+        # own driver per round (the same attach / undo cost on both sides)
+        def with_driver(verify):
+            def run():
+                with mg.replay_routing(model, aux_loss="own", verify=verify) as d:
+                    replayed(d)
+            return run
+
+        with_driver(False)()
+        tv = interleaved({"verify": with_driver(True), "noverify": with_driver(False)}, args.repeats, device)
+        driver = mg.replay_routing(model, aux_loss="own")
         # the host-side part of replay on its own: record layout -> validated sequence-first targets
         conv = interleaved({"set_routes": lambda: driver.set_routes(batch)},
                            max(20, args.repeats), device)
+        # the verifier's own work on one step's routing maps (the ones the dispatchers receive), alone
+        verifier, expected, vmask, n = driver.verifier, driver._expected_maps, driver._verify_mask, driver._verify_replayed
+
+        def verify_work():
+            verifier.reset()
+            for _ in range(calls):
+                for i in range(len(expected)):
+                    verifier.observe(i, expected[i], expected[i], vmask, replayed_rows=n)
+            verifier.report()
+
+        alone = interleaved({"verify": verify_work}, max(50, 10 * args.repeats), device)
         driver.undo()
 
     result = {
@@ -108,11 +139,17 @@ def main(argv=None) -> int:
         "plain_ms": t["plain"] * 1e3, "replay_ms": t["replay"] * 1e3, "ratio": t["replay"] / t["plain"],
         "ratio_median": t["replay_median"] / t["plain_median"],
         "set_routes_ms": conv["set_routes"] * 1e3, "set_routes_share": conv["set_routes"] / t["plain"],
+        "replay_verify_ms": tv["verify"] * 1e3, "replay_noverify_ms": tv["noverify"] * 1e3,
+        "verify_ratio": tv["verify"] / tv["noverify"], "verify_ratio_median": tv["verify_median"] / tv["noverify_median"],
+        "verify_work_ms": alone["verify"] * 1e3, "verify_share": alone["verify"] / tv["noverify"],
     }
     print(f"megatron fwd+bwd{' (full recompute)' if args.recompute else ''}, {B}x{T} tokens on {device}: "
           f"plain {result['plain_ms']:.1f} ms, replay {result['replay_ms']:.1f} ms -> {result['ratio']:.3f}x "
           f"(median {result['ratio_median']:.3f}x; target <= 1.03x); set_routes alone {result['set_routes_ms']:.2f} ms "
           f"= {100 * result['set_routes_share']:.2f}% of the plain step")
+    print(f"replay verifier: verify=False {result['replay_noverify_ms']:.1f} ms, verify=True {result['replay_verify_ms']:.1f} ms "
+          f"-> {result['verify_ratio']:.4f}x (median {result['verify_ratio_median']:.4f}x; target <= 1.01x); its work "
+          f"alone {result['verify_work_ms']:.3f} ms = {100 * result['verify_share']:.2f}% of the replayed step")
     if args.json:
         write_json(args.json, result)
     return 0

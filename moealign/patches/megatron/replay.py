@@ -22,6 +22,15 @@ replay; with activation recompute, ``set_routes`` before the backward of the las
 micro-batch in flight per driver); a second driver on the same routers; routers replaced after binding;
 any use after ``undo()``. Only this driver's routers (and its aux-loss reads) are touched, so colocated
 models (actor + reference) each replay their own routes.
+
+With ``verify=True`` (the default) each MoE layer's ``token_dispatcher.dispatch_preprocess`` (an instance attribute
+calling the class's method) reads the ``routing_map`` the dispatcher receives under replay into a
+:class:`~moealign.routing_replay.verify.ReplayVerifier`: :meth:`RouterReplayDriver.verify_report` says per router
+whether the experts the tokens were dispatched to are the recorded ones and the fraction of rows that ran without a
+recorded route (filler rows, THD padding slots); :meth:`RouterReplayDriver.check` raises
+:class:`~moealign.errors.ReplayError` when they are not (a router forward replaced after binding, a routing path
+that bypasses ``RouterReplay``), or when a router replayed but its dispatcher was never seen. ``verify=False``
+wraps nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from ...routing_replay.protocol import (
     model_routes,
 )
 from ...routing_replay.routes import RouteError, check_num_experts, validate_routes
+from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_map
 from .._version import UnsupportedEngineError
 from .audit import audit_replay_config, is_transformer_config
 from .version import megatron_version
@@ -96,6 +106,24 @@ def _parallel_layout(config) -> dict:
 _PARALLEL_KEYS = ("cp_size", "cp_rank", "sp_size", "sp_rank")
 
 
+def _moe_dispatchers(model: torch.nn.Module, routers) -> list:
+    """The ``token_dispatcher`` of the MoE layer holding each router (same order as ``routers``)."""
+    by_router = {}
+    for module in model.modules():
+        router, dispatcher = getattr(module, "router", None), getattr(module, "token_dispatcher", None)
+        if isinstance(router, torch.nn.Module) and dispatcher is not None:
+            by_router[id(router)] = dispatcher
+    missing = [layer for layer, r in routers if id(r) not in by_router]
+    if missing:
+        raise UnsupportedEngineError(f"the routers of layers {missing} sit in no MoE layer with a token_dispatcher "
+                                     f"whose input could be verified; pass verify=False to replay without it")
+    for layer, r in routers:
+        if not callable(getattr(by_router[id(r)], "dispatch_preprocess", None)):
+            raise UnsupportedEngineError(f"layer {layer}: {type(by_router[id(r)]).__name__} has no "
+                                         f"dispatch_preprocess(hidden_states, routing_map, probs); pass verify=False")
+    return [by_router[id(r)] for _, r in routers]
+
+
 def _check_parallel(parallel) -> dict:
     """``set_routes(parallel=...)``: a dict of ints with keys among :data:`_PARALLEL_KEYS` (others default 1 / 0)."""
     if not isinstance(parallel, dict):
@@ -124,9 +152,12 @@ class RouterReplayDriver(PatchHandle):
     (default) measures how often that differs from the replayed experts (``aux_disagreement``) and warns
     once; ``"replayed"`` makes the aux loss count the replayed experts (the ones that ran); ``"own"``
     leaves Megatron as it is.
+
+    ``verify`` (default True): the routing map each token dispatcher receives is verified against the routes set
+    (module docstring); :meth:`verify_report` and :meth:`check` read it.
     """
 
-    def __init__(self, model: torch.nn.Module, *, audit: bool = True, aux_loss: str = "warn"):
+    def __init__(self, model: torch.nn.Module, *, audit: bool = True, aux_loss: str = "warn", verify: bool = True):
         self.aux_loss = check_aux_loss_mode(aux_loss)
         self.model = model
         self.aux_disagreement: list[float] = []   # per aux-loss computation under replay: rows whose own top-k differs
@@ -161,6 +192,10 @@ class RouterReplayDriver(PatchHandle):
                              f"{type(model).__name__}, aux_loss={aux_loss!r}",
                              scope="instance" if aux_loss == "own" else "module")
         self.counters = ReplayCounters(self.moe_layers)
+        self.verifier: ReplayVerifier | None = None
+        self._expected_maps: list[torch.Tensor] | None = None     # per router: the recorded routing map, local rows
+        self._verify_mask: torch.Tensor | None = None             # local rows with a recorded route (None: all)
+        self._verify_replayed = 0
         self._rows = None
         self._expected_tokens: torch.Tensor | None = None
         self._expected_mask: torch.Tensor | None = None
@@ -171,6 +206,12 @@ class RouterReplayDriver(PatchHandle):
                 self._wrap(index, layer, router.router_replay)
             if aux_loss != "own":
                 self._patch_aux_scores()
+            if verify:
+                dispatchers = _moe_dispatchers(model, self.routers)
+                self.verifier = ReplayVerifier(self.moe_layers, source=f"the routing_map "
+                                               f"{type(dispatchers[0]).__name__}.dispatch_preprocess received")
+                for index, ((layer, _), dispatcher) in enumerate(zip(self.routers, dispatchers)):
+                    self._wrap_dispatcher(index, layer, dispatcher)
             self._token_hook = self.add_hook(model.register_forward_pre_hook(self._check_tokens_hook, with_kwargs=True),
                           f"{type(model).__name__} forward pre-hook (token check)")
         except BaseException:
@@ -291,6 +332,29 @@ class RouterReplayDriver(PatchHandle):
 
         self.set_attr(replay, "get_replay_topk", get_replay_topk, f"RouterReplay.get_replay_topk (layer {layer})")
 
+    def _wrap_dispatcher(self, index: int, layer: int, dispatcher) -> None:
+        """``dispatcher.dispatch_preprocess`` as an instance attribute that observes the routing map it receives
+        while this driver replays, then calls the method the dispatcher had (its class's, looked up at each call,
+        so a class-level patch applied later still runs)."""
+        own = vars(dispatcher).get("dispatch_preprocess")
+        cls = type(dispatcher)
+
+        def dispatch_preprocess(*args, **kwargs):
+            expected = self._expected_maps
+            if expected is not None and self._replaying():
+                routing_map = args[1] if len(args) > 1 else kwargs.get("routing_map")
+                if not isinstance(routing_map, torch.Tensor):
+                    raise ReplayError(f"layer {layer}: the token dispatcher was called without a routing_map; the "
+                                      f"replay cannot verify which experts ran")
+                self.verifier.observe(index, routing_map, expected[index], self._verify_mask,
+                                      replayed_rows=self._verify_replayed)
+            if own is not None:
+                return own(*args, **kwargs)
+            return cls.dispatch_preprocess(dispatcher, *args, **kwargs)
+
+        self.set_attr(dispatcher, "dispatch_preprocess", dispatch_preprocess,
+                      f"{cls.__name__}.dispatch_preprocess (layer {layer}, verify)")
+
     def _require_bound(self) -> None:
         """Raise :class:`ReplayError` if the driver was undone or the model no longer runs the routers it bound."""
         if not self.active:
@@ -366,6 +430,12 @@ class RouterReplayDriver(PatchHandle):
         for col, (_, router) in enumerate(self.routers):
             router.router_replay.clear_indices()                 # this driver's routers only
             router.router_replay.set_target_indices(ids[:, col].contiguous())
+        if self.verifier is not None:
+            replayed = mask[local]
+            device = self.routers[0][1].weight.device
+            self._expected_maps = [expected_map(ids[:, col].to(device), model_E) for col in range(len(self.routers))]
+            self._verify_replayed = int(replayed.sum())
+            self._verify_mask = None if self._verify_replayed == replayed.numel() else replayed.to(device)
         self._rows = ids.shape[0]
         self._forwarded = [False] * len(self.routers)
         # what the pre-hook compares: the token of every local router row (padding slots of THD excluded)
@@ -402,11 +472,22 @@ class RouterReplayDriver(PatchHandle):
                 router.router_replay.clear_router_replay_action()
 
     def check(self, calls: int = 1) -> None:
-        """Raise :class:`ReplayError` unless every router ran ``calls`` replayed calls of exactly its rows."""
+        """Raise :class:`ReplayError` unless every router ran ``calls`` replayed calls of exactly its rows and
+        (with ``verify``) the tokens were dispatched to the recorded experts on every replayed row, each replayed
+        router call followed by its dispatcher."""
+        if self.verifier is not None:
+            self.verifier.check([c.calls for c in self.counters.counts])
         self.counters.check(calls, self._rows)
+
+    def verify_report(self) -> VerifyReport | None:
+        """Per router since the last :meth:`reset_counters`: the routing maps the dispatchers received under replay
+        against the routes set, and the fraction of rows without a recorded route (None with ``verify=False``)."""
+        return None if self.verifier is None else self.verifier.report()
 
     def reset_counters(self) -> None:
         self.counters.reset()
+        if self.verifier is not None:
+            self.verifier.reset()
 
     def clear(self) -> None:
         """Empty targets and backward FIFOs (between phases: forward-only passes leave FIFO entries)."""
@@ -416,13 +497,16 @@ class RouterReplayDriver(PatchHandle):
         self._forwarded = [False] * len(self.routers)
         self._awaiting_backward = False
         self._expected_tokens = self._expected_mask = None
+        self._expected_maps = self._verify_mask = None
+        self._verify_replayed = 0
 
 
 def replay_routing(model: torch.nn.Module, batch: ReplayBatch | None = None, *, aux_loss: str = "warn",
-                   audit: bool = True) -> RouterReplayDriver:
+                   audit: bool = True, verify: bool = True) -> RouterReplayDriver:
     """Drive Megatron's RouterReplay for ``model``: the attached :class:`RouterReplayDriver` (a context
-    manager that undoes on exit). ``batch`` (optional) is passed to :meth:`RouterReplayDriver.set_routes`."""
-    driver = RouterReplayDriver(model, audit=audit, aux_loss=aux_loss)
+    manager that undoes on exit). ``batch`` (optional) is passed to :meth:`RouterReplayDriver.set_routes`;
+    ``verify`` (default True): the dispatchers' routing maps are verified (:meth:`RouterReplayDriver.verify_report`)."""
+    driver = RouterReplayDriver(model, audit=audit, aux_loss=aux_loss, verify=verify)
     if batch is not None:
         try:
             driver.set_routes(batch)
