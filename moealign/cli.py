@@ -244,8 +244,53 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
     return _finish("record inspect", format_inspection(result), result, args.json, failures)
 
 
+def _cmd_record_convert(args: argparse.Namespace) -> int:
+    from .record_convert import run
+
+    print(run(args))
+    return 0
+
+
+def _add_record_convert(rsub) -> None:
+    from .record_convert import FORMATS, WRITABLE
+
+    c = rsub.add_parser(
+        "convert", help="another engine's rollout outputs -> a record (--from), or a record -> a batch file (--to)",
+        description="--from FORMAT INPUT --model DIR -o OUT.safetensors: read INPUT, an engine's or framework's "
+        "rollout outputs, into a record for the model of DIR (config.json: MoE layers, experts, top-k; the router "
+        "signature from its safetensors files when present); route rows the engine did not report are marked "
+        "missing, never filled. INPUT per format: sglang: a JSON list of {input_ids, meta_info} (the /generate "
+        "responses' meta_info with routed_experts and output_token_logprobs); vllm-0.21: a JSON list of vLLM 0.21 "
+        "OpenAI-server responses (return_token_ids, logprobs; prompt_routed_experts and per-choice routed_experts); "
+        "trtllm: a JSON list of {prompt_token_ids, outputs: [{token_ids, logprobs, routed_experts}]} (TensorRT-LLM's "
+        "LLM API results); nemo-rl: a .pt/.safetensors/.npz dict of NeMo-RL's generation batch (output_ids, "
+        "logprobs, generation_lengths, unpadded_sequence_lengths, routed_experts); verl: the same with a verl "
+        "batch's tensors (prompts, responses, attention_mask, rollout_log_probs, routed_experts); slime: slime's "
+        "--save-debug-rollout-data file or a train_data dict (torch.save). JSON entries may carry sampling_params; "
+        "otherwise --temperature/--top-p/--top-k/--min-p apply. --to FORMAT RECORD -o OUT.pt: write a record as "
+        f"the batch of {', '.join(WRITABLE)} (torch.save). Exit code 2 on any bad input, with one line naming it.")
+    c.add_argument("input", metavar="INPUT", help="the file to convert (--from: the engine's outputs; --to: a record)")
+    c.add_argument("--from", dest="from_format", choices=sorted(FORMATS), help="the format of INPUT")
+    c.add_argument("--to", dest="to_format", choices=WRITABLE, help="write the record INPUT in this format")
+    c.add_argument("-o", "--output", required=True, metavar="PATH", help="the file to write (atomically)")
+    c.add_argument("--model", metavar="DIR", help="--from: the checkpoint the outputs come from (config.json)")
+    c.add_argument("--engine-version", metavar="V", help="--from: the record's engine_version (default: vllm-0.21: "
+                   "0.21, else unknown)")
+    c.add_argument("--dtype", metavar="NAME", help="--from: the dtype the engine ran (default: config.json's)")
+    c.add_argument("--temperature", type=float, help="--from: sampling temperature of entries without "
+                   "sampling_params (default 1.0)")
+    c.add_argument("--top-p", type=float, help="--from: default 1.0 (off)")
+    c.add_argument("--top-k", type=int, help="--from: default 0 (off)")
+    c.add_argument("--min-p", type=float, help="--from: default 0.0 (off)")
+    c.add_argument("--expert-ids", choices=("logical", "physical"), default="logical",
+                   help="trtllm: the ids are logical experts (TensorRT-LLM's Router Replay, default) or EPLB slots")
+    c.add_argument("--eplb", metavar="FILE", help="trtllm with --expert-ids physical: the run's MoeLoadBalancerConfig "
+                   "(JSON or YAML: initial_global_assignments, num_slots)")
+    c.set_defaults(func=_cmd_record_convert)
+
+
 def _add_record(sub) -> None:
-    p = sub.add_parser("record", help="rollout records: inspect")
+    p = sub.add_parser("record", help="rollout records: inspect, convert")
     rsub = p.add_subparsers(dest="record_command", metavar="ACTION")
     q = rsub.add_parser(
         "inspect", help="what a record holds, and the patterns of a broken route capture",
@@ -259,6 +304,7 @@ def _add_record(sub) -> None:
                    "decides which layers are MoE)")
     q.add_argument("--json", metavar="PATH", help="write the summary and findings as JSON")
     q.set_defaults(func=_cmd_record_inspect)
+    _add_record_convert(rsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
