@@ -122,6 +122,7 @@ class ModelInfo:
     dtype: str
     router_signature: tuple[float, ...] = ()
     router_samples: tuple[float, ...] = ()
+    model_name: str = ""
 
     def meta(self, engine: str, engine_version: str) -> RecordMeta:
         return RecordMeta(engine=engine, engine_version=engine_version,
@@ -129,7 +130,7 @@ class ModelInfo:
                           moe_layers=self.moe_layers, num_experts=self.num_experts, top_k=self.top_k,
                           vocab_size=self.vocab_size, dtype=self.dtype, router_signature=self.router_signature,
                           router_samples=self.router_samples,
-                          model_name=str(self.config.get("_name_or_path", "") or ""))
+                          model_name=self.model_name)
 
 
 def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> ModelInfo:
@@ -164,7 +165,8 @@ def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> Mod
     return ModelInfo(config=config, num_layers=num_layers, moe_layers=moe_layers, num_experts=num_experts,
                      top_k=top_k, vocab_size=vocab_size, dtype=str(name).replace("torch.", ""),
                      router_signature=router_signature(weights) if weights else (),
-                     router_samples=router_samples(weights) if weights else ())
+                     router_samples=router_samples(weights) if weights else (),
+                     model_name=str(config.get("_name_or_path") or os.fspath(model_dir)))
 
 
 def _router_weights(root: Path, layers: Sequence[int], num_experts: int) -> list[torch.Tensor]:
