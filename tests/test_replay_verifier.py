@@ -356,3 +356,59 @@ def test_megatron_verify_off_adds_no_wrapper(mg_world):
     with torch.no_grad(), mg.replay_routing(model, aux_loss="own") as driver:
         assert all("dispatch_preprocess" in vars(d) for d in dispatchers)
     assert all("dispatch_preprocess" not in vars(d) for d in dispatchers)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM (the embedded model in vLLM's CPU build; a child process: tests/vllm_verify_child.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_result():
+    from moealign._optional import probe
+
+    available = probe("vllm")
+    if not available.available:
+        pytest.skip(f"vLLM is not installed: {available.error}")
+    from vllm_util import run_child
+
+    return run_child("vllm_verify_child.py")
+
+
+def test_vllm_correct_replay_verifies_clean(vllm_result):
+    r = vllm_result
+    assert r["differs_everywhere"] and r["missing_rows"] == 3
+    # independently: the packed replay batch's route_mask (each sample's last token and the missing rows False)
+    assert r["mask_rows"] == r["tokens"] and r["mask_unrouted"] == r["samples"] + r["missing_rows"]
+    want = r["mask_unrouted"] / r["mask_rows"]
+    for key in ("forced", "scored"):                   # force_routes in this process; score_with_routes via RPC
+        rep = r[key]
+        assert rep["mismatched"] == 0, key
+        assert rep["unrouted_fraction"] == want, key
+        for layer, calls, rows, replayed, mismatched, unrouted in rep["layers"]:
+            assert (rows, replayed, mismatched, unrouted) == (r["tokens"], r["tokens"] - r["mask_unrouted"], 0,
+                                                              r["mask_unrouted"]), (key, layer)
+            assert calls >= 1
+    assert r["forced_calls"] == [rep["layers"][0][1]] * len(rep["layers"])   # every step forced rows, every layer
+    assert r["undone_after_forced"] and r["undone_after_scored"]
+
+
+def test_vllm_bypassed_router_is_caught(vllm_result):
+    r = vllm_result
+    layer = r["bypass_layer"]
+    rep = r["bypassed"]
+    replayed = r["tokens"] - r["mask_unrouted"]
+    by_layer = {x[0]: x for x in rep["layers"]}
+    assert by_layer[layer][4] == replayed                       # every forced row of that layer ran other experts
+    assert all(x[4] == 0 for x in rep["layers"] if x[0] != layer)
+    assert r["bypass_error"] is not None
+    assert f"in layers [{layer}]: layer {layer}: {replayed} of {replayed} rows" in r["bypass_error"]
+    assert "topk_ids RoutedExperts.forward_modular received" in r["bypass_error"]
+    assert r["undone_after_bypass"]
+
+
+def test_vllm_verify_off_wraps_nothing(vllm_result):
+    r = vllm_result
+    assert r["noverify_wrapped"] == [False] * len(r["noverify_wrapped"])
+    assert r["noverify_report"] and r["noverify_scored_report"]
+    assert r["undone_at_end"]

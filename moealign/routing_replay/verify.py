@@ -135,6 +135,37 @@ class VerifyReport:
                 "unrouted_fraction": self.unrouted_fraction, "mismatch_fraction": self.mismatch_fraction,
                 "layers": [asdict(x) for x in self.layers]}
 
+    def check(self, router_calls: Sequence[int] | None = None) -> "VerifyReport":
+        """Raise :class:`~moealign.errors.ReplayError` when the experts that ran differ from the record on any
+        replayed row (naming the layers, the counts and the first bad row), or when a router replayed rows on more
+        calls than its experts were observed (``router_calls``: per router, the calls that replayed rows, as the
+        adapter counted them; a router replayed but its experts never seen cannot be verified). Returns ``self``."""
+        bad = [x for x in self.layers if x.mismatched_rows]
+        if bad:
+            parts = []
+            for x in bad:
+                where = ""
+                if x.first_mismatch is not None:
+                    where = f" (first: call {x.first_mismatch[0]}, row {x.first_mismatch[1]}"
+                    if x.first_ran is not None:
+                        where += f": ran {list(x.first_ran)}, record {list(x.first_expected)}"
+                    where += ")"
+                parts.append(f"layer {x.layer}: {x.mismatched_rows} of {x.replayed_rows} rows{where}")
+            raise ReplayError(f"routing replay did not apply: the experts that ran (read from {self.source}) differ "
+                              f"from the record on {self.mismatched_rows} of {self.replayed_rows} replayed rows "
+                              f"in layers {[x.layer for x in bad]}: " + "; ".join(parts))
+        if router_calls is not None:
+            if len(router_calls) != len(self.layers):
+                raise ConfigError(f"router_calls has {len(router_calls)} entries for {len(self.layers)} routers")
+            unseen = [(x, int(c)) for x, c in zip(self.layers, router_calls) if int(c) > x.calls]
+            if unseen:
+                detail = ", ".join(f"layer {x.layer}: {x.calls} of {c}" for x, c in unseen)
+                raise ReplayError(f"routing replay cannot be verified: {self.source} of layers "
+                                  f"{[x.layer for x, _ in unseen]} were observed on fewer calls than their routers "
+                                  f"replayed rows ({detail}): the experts module or dispatcher was replaced or "
+                                  f"bypassed after the replay was attached")
+        return self
+
     def __str__(self) -> str:
         state = "clean" if self.clean else f"{self.mismatched_rows} of {self.replayed_rows} replayed rows MISMATCHED"
         return (f"replay verify ({self.source}): {state}; {len(self.layers)} routers, {self.calls} calls, "
@@ -228,7 +259,7 @@ class ReplayVerifier:
         else:
             replayed_dev.add_(replayed_mask.sum())
         self._last[index] = (call, ran, expected, is_map)
-        if rows == 0:
+        if rows == 0 or replayed_rows == 0:         # nothing replayed in this call: nothing to compare
             return
         with torch.no_grad():
             if is_map:
@@ -284,34 +315,6 @@ class ReplayVerifier:
         return as_set(ran), as_set(expected)
 
     def check(self, router_calls: Sequence[int] | None = None) -> VerifyReport:
-        """Raise :class:`~moealign.errors.ReplayError` when the experts that ran differ from the record on any
-        replayed row (naming the layers, the counts and the first bad row), or when a router replayed rows on
-        more calls than its experts were observed (``router_calls``: per router, the calls that replayed rows, as
-        the adapter counted them; a router replayed but its experts never seen cannot be verified). Returns the
-        report when clean."""
-        report = self.report()
-        bad = [x for x in report.layers if x.mismatched_rows]
-        if bad:
-            parts = []
-            for x in bad:
-                where = ""
-                if x.first_mismatch is not None:
-                    where = f" (first: call {x.first_mismatch[0]}, row {x.first_mismatch[1]}"
-                    if x.first_ran is not None:
-                        where += f": ran {list(x.first_ran)}, record {list(x.first_expected)}"
-                    where += ")"
-                parts.append(f"layer {x.layer}: {x.mismatched_rows} of {x.replayed_rows} rows{where}")
-            raise ReplayError(f"routing replay did not apply: the experts that ran (read from {self.source}) differ "
-                              f"from the record on {report.mismatched_rows} of {report.replayed_rows} replayed rows "
-                              f"in layers {[x.layer for x in bad]}: " + "; ".join(parts))
-        if router_calls is not None:
-            if len(router_calls) != len(self.layers):
-                raise ConfigError(f"router_calls has {len(router_calls)} entries for {len(self.layers)} routers")
-            unseen = [(x, int(c)) for x, c in zip(report.layers, router_calls) if int(c) > x.calls]
-            if unseen:
-                detail = ", ".join(f"layer {x.layer}: {x.calls} of {c}" for x, c in unseen)
-                raise ReplayError(f"routing replay cannot be verified: {self.source} of layers "
-                                  f"{[x.layer for x, _ in unseen]} were observed on fewer calls than their routers "
-                                  f"replayed rows ({detail}): the experts module or dispatcher was replaced or "
-                                  f"bypassed after the replay was attached")
-        return report
+        """:meth:`report`, then :meth:`VerifyReport.check` (a :class:`~moealign.errors.ReplayError` when the experts
+        that ran differ from the record, or when ``router_calls`` exceed the calls observed); the report when clean."""
+        return self.report().check(router_calls)

@@ -30,8 +30,18 @@ what ran; :func:`force_routes` attaches one to an in-process engine directly:
   renormalised) up to rounding; the vLLM form is used so that forcing the ids vLLM itself chose gives vLLM's own
   weights (bitwise on the CPU router with ``renormalize``). Any other router is refused.
 
+**Verification** (``verify=True``, the default): each MoE layer's ``RoutedExperts.forward_modular`` (an instance
+attribute that calls the class's method at each call, so a class-level patch such as the tree experts still runs)
+reads the ``topk_ids`` the fused-MoE experts actually receive, after the router, the capture hook, EPLB mapping and
+the index cast, into a :class:`~moealign.routing_replay.verify.ReplayVerifier` against the rows of the step plan:
+:meth:`RouteForcer.verify_report` says per router whether the experts that ran are the forced ones (as sets) and the
+fraction of rows that ran without a recorded route (each sample's last token, requests of no sample, padding rows);
+:meth:`RouteForcer.check` and :func:`score_with_routes` raise :class:`~moealign.errors.ReplayError` when they are
+not (a ``_compute_routing`` replaced after the forcer attached, a kernel path that routes on its own). EPLB (physical
+expert ids at the experts) is refused with ``verify=True``; ``verify=False`` wraps nothing.
+
 Rows whose position has no recorded route are left to the router (with :func:`score_with_routes`: the last
-token of each sample, whose output no scored log-prob depends on). A row whose input token is not the record's
+token of each sample, whose output no scored log-prob depends on, and rows the record marks missing). A row whose input token is not the record's
 token at that position raises :class:`~moealign.errors.ReplayError`.
 
 :func:`score_with_routes` is the main use: it runs each sample's prompt + response through vLLM as a prompt
@@ -55,6 +65,7 @@ from ...handle import PatchHandle
 from ...record import RecordMeta, RolloutRecord
 from ...routing_replay.gates import RouterScoring, replay_gate_weights
 from ...routing_replay.routes import expand_routes
+from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
 from .._version import require_attr
 from .rollout import InWorkers, VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
 
@@ -99,21 +110,28 @@ class RouteForcer(PatchHandle):
     """Forced routes inside one vLLM model runner (scope ``"instance"``; see the module docstring).
 
     ``tables[i]``: sample ``i``'s route table ``[positions, moe layers, k]`` (any integer dtype; row ``p`` forces
-    position ``p``), ``tokens[i]`` its token ids (each forced row's input token is checked against them). A request
+    position ``p``), ``tokens[i]`` its token ids (each forced row's input token is checked against them);
+    ``routed[i]`` (optional, bool ``[positions]``): the rows that carry a recorded route (``Sample.routed_rows``;
+    the others, rows the record marks missing, route natively). A request
     is sample ``i`` when its ``SamplingParams.extra_args[SAMPLE_KEY] == i``; requests without it route natively.
     ``force=False`` forces nothing (the router wrapper only maps requests to samples; the capture of what ran).
-    ``recorder.steps`` holds what ran; :meth:`ran_routes` assembles it per sample.
+    ``recorder.steps`` holds what ran; :meth:`ran_routes` assembles it per sample. ``verify`` (default True): the
+    ``topk_ids`` the experts receive are verified against the forced rows (module docstring; :meth:`verify_report`,
+    :meth:`check`).
     """
 
     def __init__(self, runner, routers: Sequence[tuple[int, str, Any]], num_experts: int,
                  tables: Sequence[torch.Tensor | None], tokens: Sequence[torch.Tensor],
-                 scorings: Sequence[RouterScoring], *, force: bool = True):
+                 scorings: Sequence[RouterScoring], *, force: bool = True, verify: bool = True,
+                 routed: Sequence[torch.Tensor | None] | None = None):
         super().__init__(f"forced routes on {type(runner).__name__} ({len(routers)} MoE routers, "
                          f"{len(tables)} samples)", "instance")
         self.runner = runner
         self.routers = list(routers)
         self.tables = [None if t is None or not force else expand_routes(t) for t in tables]
         self.tokens = [torch.as_tensor(t).to(torch.int64) for t in tokens]
+        self.routed = [None if r is None or bool(r.all()) else torch.as_tensor(r).to(torch.bool)
+                       for r in (routed if routed is not None else [None] * len(self.tables))]
         self.scorings = list(scorings)
         self.force = force
         self.recorder = VllmRecorder(runner, routers, num_experts, record_routes=True, record_kept_sets=False)
@@ -122,6 +140,16 @@ class RouteForcer(PatchHandle):
         self.stray_calls = 0
         self._plan_for: Any = None
         self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.forced_calls = [0] * len(self.routers)     # per router: engine steps in which it forced rows
+        self.verifier: ReplayVerifier | None = None
+        self._experts: list[Any] = []
+        if verify:
+            self._experts = self._experts_modules()
+            self.verifier = ReplayVerifier([layer for layer, _, _ in self.routers],
+                                           source=f"the topk_ids {type(self._experts[0]).__name__}.forward_modular "
+                                                  f"received")
+        self._expect_for: Any = None
+        self._expect: tuple | None = None
 
     # ---------------------------------------------------------------- the row map
     def _sample(self, req_id: str) -> int | None:
@@ -150,6 +178,8 @@ class RouteForcer(PatchHandle):
             pos = step.positions[a:b]
             table = self.tables[i]
             keep = (pos >= 0) & (pos < table.shape[0])
+            if self.routed[i] is not None:
+                keep &= self.routed[i][pos.clamp(0, table.shape[0] - 1)]
             if not bool(keep.any()):
                 continue
             here = torch.arange(a, b)[keep]
@@ -182,6 +212,7 @@ class RouteForcer(PatchHandle):
             rows, forced = self._step_plan(step)
             if rows.numel() == 0:
                 return weights, ids
+            self.forced_calls[index] += 1
             if int(rows.max()) >= ids.shape[0]:
                 raise ReplayError(f"the router of layer {layer} saw {ids.shape[0]} rows, the step has "
                                   f"{int(rows.max()) + 1}")
@@ -199,6 +230,81 @@ class RouteForcer(PatchHandle):
             return weights.contiguous(), ids.contiguous()
         return _compute_routing
 
+    # ---------------------------------------------------------------- verification: what the experts received
+    def _experts_modules(self) -> list:
+        """Each router's ``RoutedExperts`` (the MoE runner's ``routed_experts``); EPLB refused (physical ids)."""
+        out = []
+        for layer, name, router in self.routers:
+            if getattr(router, "eplb_state", None) is not None:
+                raise UnsupportedEngineError(f"the MoE layer of layer {layer} runs EPLB: its experts receive physical "
+                                             f"expert ids, which the verifier does not map back; pass verify=False")
+            experts = getattr(self.runner.model.get_submodule(name), "routed_experts", None)
+            if experts is None or not callable(getattr(experts, "forward_modular", None)):
+                raise UnsupportedEngineError(f"the MoE layer {name!r} has no routed_experts.forward_modular whose "
+                                             f"topk_ids could be verified; pass verify=False")
+            out.append(experts)
+        return out
+
+    def _step_expect(self, step, rows: int, device):
+        """(per router: the forced ids of this step's rows, sorted ``[rows, k]``; bool ``[rows]`` forced rows or
+        None; their number), once per step (and row count / device)."""
+        cached = self._expect_for
+        if cached is not None and cached[0] is step and cached[1] == rows and cached[2] == device:
+            return self._expect
+        forced_rows, forced = self._step_plan(step)
+        n = int(forced_rows.numel())
+        if n and int(forced_rows.max()) >= rows:
+            raise ReplayError(f"the experts received {rows} rows, the step forces row {int(forced_rows.max())}")
+        k = forced.shape[-1] if n else 1
+        full = torch.zeros(rows, len(self.routers), k, dtype=torch.int64)
+        mask = torch.zeros(rows, dtype=torch.bool)
+        if n:
+            full[forced_rows] = forced
+            mask[forced_rows] = True
+        full = full.to(device)
+        expected = [expected_ids(full[:, i]) for i in range(len(self.routers))]
+        self._expect_for, self._expect = (step, rows, device), (expected, mask.to(device), n)
+        return self._expect
+
+    def _forward_modular(self, index: int, experts):
+        own = vars(experts).get("forward_modular")
+        cls = type(experts)
+
+        def forward_modular(x, topk_weights, topk_ids, *args, **kwargs):
+            step = self.recorder._current
+            if step is not None:
+                expected, mask, n = self._step_expect(step, int(topk_ids.shape[0]), topk_ids.device)
+                # (nothing forced in this step: every row ran without a recorded route, nothing is compared)
+                self.verifier.observe(index, topk_ids, expected[index] if n else topk_ids, mask, replayed_rows=n,
+                                      expected_sorted=True)
+            if own is not None:
+                return own(x, topk_weights, topk_ids, *args, **kwargs)
+            return cls.forward_modular(experts, x, topk_weights, topk_ids, *args, **kwargs)
+
+        return forward_modular
+
+    def verify_report(self) -> VerifyReport | None:
+        """Per router: the experts that ran (what ``forward_modular`` received) against the forced rows, and the
+        fraction of rows that ran without a recorded route (None with ``verify=False``)."""
+        return None if self.verifier is None else self.verifier.report()
+
+    def check(self, calls: int | None = None) -> None:
+        """Raise :class:`~moealign.errors.ReplayError` when (with ``verify``) the experts that ran differ from the
+        forced routes on any forced row, or a router forced rows in steps whose experts were not observed; with
+        ``calls``, unless every router forced rows in exactly ``calls`` engine steps."""
+        if self.verifier is not None:
+            self.verifier.check(self.forced_calls)
+        if calls is not None:
+            bad = [(layer, c) for (layer, _, _), c in zip(self.routers, self.forced_calls) if c != calls]
+            if bad:
+                raise ReplayError(f"forced routes unbalanced (expected {calls} forcing steps per MoE layer): "
+                                  + ", ".join(f"layer {layer}: {c}" for layer, c in bad))
+
+    def reset_counters(self) -> None:
+        self.forced_calls = [0] * len(self.routers)
+        if self.verifier is not None:
+            self.verifier.reset()
+
     def attach(self) -> "RouteForcer":
         try:
             self.add_handle(self.recorder.attach(), "row map and route capture")
@@ -207,10 +313,17 @@ class RouteForcer(PatchHandle):
                 self.set_attr(router, "_compute_routing",
                               self._compute_routing(index, router._compute_routing, scoring),
                               f"router of layer {layer}._compute_routing")
+            for index, experts in enumerate(self._experts):
+                self.set_attr(experts, "forward_modular", self._forward_modular(index, experts),
+                              f"routed experts of layer {self.routers[index][0]}.forward_modular (verify)")
+            self.add_callback(self._drop_step_cache)
         except BaseException:
             self.undo()
             raise
         return self
+
+    def _drop_step_cache(self) -> None:
+        self._expect_for = self._expect = None
 
     # ---------------------------------------------------------------- what ran
     def ran_routes(self, lengths: Sequence[int]) -> list[torch.Tensor]:
@@ -238,15 +351,16 @@ def _check_engine(llm) -> None:
     _check_llm(llm)
 
 
-def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True) -> RouteForcer:
+def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True, verify: bool = True) -> RouteForcer:
     """Attach a :class:`RouteForcer` for ``record`` (sample ``i`` = requests with ``extra_args[SAMPLE_KEY] == i``)
     after checking the record against the engine: the record's meta must match :func:`record_meta` (``llm``)
     (:class:`~moealign.errors.RecordMismatchError`), every sample must carry routes
-    (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`)."""
+    (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`). ``verify``
+    (default True): the experts' ``topk_ids`` are verified (:meth:`RouteForcer.verify_report`, :meth:`RouteForcer.check`)."""
     runner = model_runner(llm)
     meta = _checked_record(llm, record, force)
     return _attach_forcer(runner, meta.num_experts, [s.routes if force else None for s in record.samples],
-                          [s.token_ids for s in record.samples], force)
+                          [s.token_ids for s in record.samples], force, verify, _routed(record))
 
 
 def _checked_record(llm: Any, record: RolloutRecord, force: bool) -> RecordMeta:
@@ -267,39 +381,53 @@ def _checked_record(llm: Any, record: RolloutRecord, force: bool) -> RecordMeta:
     return meta
 
 
-def _attach_forcer(runner, num_experts: int, tables, tokens, force: bool) -> RouteForcer:
+def _routed(record: RolloutRecord) -> list[torch.Tensor | None]:
+    """Per sample, the route rows that carry a recorded route (None: all; rows marked missing are not forced)."""
+    return [None if s.routes is None or getattr(s, "route_missing", None) is None else s.routed_rows
+            for s in record.samples]
+
+
+def _attach_forcer(runner, num_experts: int, tables, tokens, force: bool, verify: bool = True,
+                   routed=None) -> RouteForcer:
     """(In each worker, through :class:`~moealign.patches.vllm.rollout.InWorkers`) a :class:`RouteForcer` on the
     worker's model runner, its routers scored as the model family says."""
     hf_config = require_attr(runner.model_config, "hf_config", "vLLM's model config")
     family_scoring = get_family(getattr(hf_config, "model_type", None)).scoring(hf_config)
     routers = moe_routers(runner.model)
     scorings = [vllm_router_scoring(router, family_scoring) for _, _, router in routers]
-    return RouteForcer(runner, routers, num_experts, tables, tokens, scorings, force=force).attach()
+    return RouteForcer(runner, routers, num_experts, tables, tokens, scorings, force=force, verify=verify,
+                       routed=routed).attach()
 
 
-def _read_forcer(forcer: RouteForcer, lengths) -> tuple[int, list[torch.Tensor]]:
-    return forcer.forced_rows, forcer.ran_routes(lengths)
+def _read_forcer(forcer: RouteForcer, lengths) -> tuple:
+    return forcer.forced_rows, forcer.ran_routes(lengths), forcer.verify_report(), list(forcer.forced_calls)
 
 
-def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, return_routes: bool = False):
+def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, return_routes: bool = False,
+                      verify: bool = True, return_verify: bool = False):
     """Per sample of ``record``, vLLM's log-probs of its response tokens (float32 ``[response_len]``) with the
     record's routes forced (``force=False``: vLLM's own routing, the same call otherwise).
 
     Each sample's full token ids run as one prompt (``max_tokens=1``, ``prompt_logprobs=0``); the result is the
     prompt log-probs at the response positions: raw log-probs at temperature 1 over the full vocabulary
     (vLLM applies no sampling processor to prompt log-probs; see the module docstring). Positions ``0 .. L-2`` are
-    forced, the last token (whose output none of these log-probs depends on) routes natively; after the run the
+    forced (but rows the record marks missing, ``Sample.route_missing``), the last token (whose output none of these
+    log-probs depends on) routes natively; after the run the
     experts that ran (the routers' capture hook) are checked to be exactly the forced ones, slot for slot
     (:class:`~moealign.errors.ReplayError` otherwise). The patches are undone when the call returns or raises.
     ``return_routes=True`` also returns, per sample, the experts that ran at positions ``0 .. L-2`` (int64
-    ``[L-1, layers, k]``, read from the routers' capture hook).
+    ``[L-1, layers, k]``, read from the routers' capture hook). ``verify`` (default True): the ``topk_ids`` the
+    experts received are verified against the forced routes in every worker (:class:`RouteForcer`; a mismatch raises
+    :class:`~moealign.errors.ReplayError`); ``return_verify=True`` also returns that
+    :class:`~moealign.routing_replay.verify.VerifyReport` (None with ``verify=False``), last in the returned tuple.
     """
     from vllm import SamplingParams as VllmSamplingParams
 
     meta = _checked_record(llm, record, force)
     tables = [s.routes if force else None for s in record.samples]
     lengths = [s.length - 1 for s in record.samples]
-    forcing = InWorkers(llm, _attach_forcer, (meta.num_experts, tables, [s.token_ids for s in record.samples], force),
+    forcing = InWorkers(llm, _attach_forcer, (meta.num_experts, tables, [s.token_ids for s in record.samples], force,
+                                              verify, _routed(record)),
                         _read_forcer, (lengths,), agree="forced or ran other routes")
     with forcing:
         inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
@@ -309,9 +437,11 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
         outputs = llm.generate(inputs, params, use_tqdm=False)
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} samples")
-    forced_rows, ran = forcing.result
+    forced_rows, ran, report, forced_calls = forcing.result
     if force and forced_rows == 0:
         raise ReplayError("no row was forced (the engine steps were not seen)")
+    if report is not None:
+        report.check(forced_calls)
     result = []
     for i, (s, out) in enumerate(zip(record.samples, outputs)):
         plp = out.prompt_logprobs
@@ -329,10 +459,10 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     if force:
         for i, (s, r) in enumerate(zip(record.samples, ran)):
             expected = s.routes.to(torch.int64)
-            if not torch.equal(r, expected):
-                p = int((r != expected).any(-1).any(-1).nonzero()[0, 0])
+            differ = (r != expected).any(-1).any(-1) & s.routed_rows     # rows marked missing route natively
+            if bool(differ.any()):
+                p = int(differ.nonzero()[0, 0])
                 raise ReplayError(f"sample {i}: the experts that ran at position {p} are {r[p].tolist()}, the forced "
                                   f"ones {expected[p].tolist()}")
-    if return_routes:
-        return result, ran
-    return result
+    out = (result,) + ((ran,) if return_routes else ()) + ((report,) if return_verify else ())
+    return out if len(out) > 1 else result
