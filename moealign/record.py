@@ -963,10 +963,19 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
             kept_offsets=None if kept is None else kept[b][0],
             kept_ids=None if kept is None else kept[b][1],
             sampling=sampling,
-            **{name: None if t is None else t[rt:rt + L - 1] for name, t in row_tensors.items()}))
+            route_missing=_missing_rows(row_tensors["route_missing"], rt, rt + L - 1),
+            route_version=None if row_tensors["route_version"] is None else row_tensors["route_version"][rt:rt + L - 1]))
         lp += resp_lens[b]
         rt += L - 1
     return samples
+
+
+def _missing_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """One sample's ``route_missing`` of a file's concatenated mask: ``None`` when none of its rows is missing (as
+    it was saved: the file holds a mask for every sample once any sample has one)."""
+    if mask is None or not bool(mask[lo:hi].any()):
+        return None
+    return mask[lo:hi]
 
 
 def with_meta(record: RolloutRecord, **changes) -> RolloutRecord:
