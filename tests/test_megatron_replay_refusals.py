@@ -85,3 +85,32 @@ def test_aux_loss_free_routing_with_expert_bias_replays_exactly(world):
         want.scatter_(-1, routes[:, layer].reshape(B, T, K).transpose(0, 1), True)
         assert torch.equal(used, want.reshape(T * B, E))
         assert not torch.equal(native[layer], used)
+
+
+def _flat_routes(seed, layers):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * layers)]).reshape(B * T, layers, K)
+
+
+def test_the_driver_refuses_dense_layers_mtp_layers_and_renumbered_blocks(world):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from moealign.errors import ReplayError
+
+    torch.manual_seed(0)
+    cfg = config(num_layers=3, moe_layer_freq=[1, 0, 1])
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                     vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
+    ids, _, _ = inputs(1)
+    with mg.RouterReplayDriver(model) as driver:
+        assert driver.dense_layers == (1,)
+        driver.set_routes(replay_batch(_flat_routes(1, 2), ids, layers=(0, 2)))          # the MoE layers: fine
+        with pytest.raises(ReplayError, match=r"dense_layers: routes for layers \[1\]"):
+            driver.set_routes(replay_batch(_flat_routes(1, 3), ids, layers=(0, 1, 2)))  # a stale, all-layer list
+        with pytest.raises(ReplayConfigError, match=r"layers \[3\], beyond the decoder's 3 layers"):
+            driver.set_routes(replay_batch(_flat_routes(1, 3), ids, layers=(0, 2, 3)))
+    for layer in model.decoder.layers:
+        layer.layer_number += 2
+    with pytest.raises(ReplayConfigError, match="numbers its layers"):
+        mg.RouterReplayDriver(model)

@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_util import B, E, K, T, batch_routes, build, config, inputs, replay_batch, routing_maps  # noqa: E402
 
-from moealign.errors import InputTypeError, ReplayError, RouteError  # noqa: E402
+from moealign.errors import InputTypeError, ReplayConfigError, ReplayError, RouteError  # noqa: E402
 from moealign.patches import megatron as mg  # noqa: E402
 from moealign.routing_replay.protocol import ReplayBatch  # noqa: E402
 
@@ -409,7 +409,8 @@ def test_wrong_number_of_layers(make):
             replay_batch(batch_routes(2)[:, :1], ids)
         with pytest.raises(RouteError, match=r"no routes for the model's MoE layers \[1\]"):
             driver.set_routes(replay_batch(batch_routes(2)[:, :1], ids, layers=(0,)))
-        driver.set_routes(replay_batch(batch_routes(2, layers=3), ids, layers=(0, 1, 2)))   # extra layers: picked
+        with pytest.raises(ReplayConfigError, match=r"layers \[2\], beyond the decoder's 2 layers"):
+            driver.set_routes(replay_batch(batch_routes(2, layers=3), ids, layers=(0, 1, 2)))   # no layer 2
 
 
 def test_routes_on_the_meta_device_are_refused(make):

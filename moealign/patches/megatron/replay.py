@@ -54,7 +54,7 @@ from ...routing_replay.protocol import (
 from ...routing_replay.routes import RouteError, check_num_experts, validate_routes
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_map
 from .._version import UnsupportedEngineError
-from .audit import audit_replay_config, is_transformer_config
+from .audit import audit_layers, audit_replay_config, check_record_layers, is_transformer_config
 from .version import megatron_version
 
 # --------------------------------------------------------------------------------------------------
@@ -169,6 +169,8 @@ class RouterReplayDriver(PatchHandle):
         self.routers = moe_routers(model)
         if audit and not is_transformer_config(config):      # a wrapper without a config: the routers' own
             audit_replay_config(self.routers[0][1].config, aux_loss="ignore")
+        # global layer numbering of every block (pipeline / virtual-pipeline offset), and the layers held dense
+        self.dense_layers = audit_layers(model) if audit else ()
         self._replays = [r.router_replay for _, r in self.routers]
         self._forwarded = [False] * len(self.routers)       # per router: the routes set were replayed by a forward
         self._in_router = False                             # one of this driver's routers is running (aux wrapper)
@@ -395,7 +397,8 @@ class RouterReplayDriver(PatchHandle):
                               "micro-batch in flight per driver), or clear() to drop a forward that will not be "
                               "backpropagated")
         k = int(self.routers[0][1].topk)
-        routes = model_routes(batch, self.moe_layers, k)
+        routes = model_routes(batch, self.moe_layers, k, dense_layers=self.dense_layers)
+        check_record_layers(self.routers[0][1].config, batch.moe_layers)   # no routes for MTP layers
         model_E = int(self.routers[0][1].config.num_moe_experts)
         E = model_E if num_experts is None else check_num_experts(num_experts)
         if E > model_E:
