@@ -47,6 +47,7 @@ import numbers
 import os
 import re
 import types
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -79,7 +80,7 @@ from .routing_replay.formats import (
     routes_to_verl,
 )
 
-__all__ = ["FORMATS", "WRITABLE", "ModelInfo", "convert_to_record", "model_info", "write_format"]
+__all__ = ["FORMATS", "WRITABLE", "convert_to_record", "model_info", "write_format"]
 
 #: format -> the engine the record names
 FORMATS = {"sglang": "sglang", "vllm-0.21": "vllm", "trtllm": "tensorrt-llm", "nemo-rl": "nemo-rl",
@@ -109,32 +110,8 @@ class _Config(types.SimpleNamespace):
         raise AttributeError(name)
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a record needs to know of the model (from ``--model DIR``)."""
-
-    config: dict
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    num_experts: int
-    top_k: int
-    vocab_size: int
-    dtype: str
-    router_signature: tuple[float, ...] = ()
-    router_samples: tuple[float, ...] = ()
-    model_name: str = ""
-
-    def meta(self, engine: str, engine_version: str) -> RecordMeta:
-        return RecordMeta(engine=engine, engine_version=engine_version,
-                          model_fingerprint=config_fingerprint(self.config), num_layers=self.num_layers,
-                          moe_layers=self.moe_layers, num_experts=self.num_experts, top_k=self.top_k,
-                          vocab_size=self.vocab_size, dtype=self.dtype, router_signature=self.router_signature,
-                          router_samples=self.router_samples,
-                          model_name=self.model_name)
-
-
-def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> ModelInfo:
-    """The model of ``model_dir/config.json`` (its family from :mod:`moealign.families`); the router signature from
+def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> RecordMeta:
+    """The record metadata of the model of ``model_dir/config.json`` (``engine`` a placeholder the converter replaces) (its family from :mod:`moealign.families`); the router signature from
     ``model_dir/*.safetensors`` when they hold every MoE layer's router (gate) weight."""
     path = Path(model_dir) / "config.json"
     try:
@@ -162,11 +139,15 @@ def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> Mod
         raise UnsupportedModelError(f"--model {model_dir}: no MoE layer in config.json (a dense model has no routes)")
     name = dtype or config.get("torch_dtype") or config.get("dtype") or "float32"
     weights = _router_weights(Path(model_dir), moe_layers, num_experts)
-    return ModelInfo(config=config, num_layers=num_layers, moe_layers=moe_layers, num_experts=num_experts,
-                     top_k=top_k, vocab_size=vocab_size, dtype=str(name).replace("torch.", ""),
-                     router_signature=router_signature(weights) if weights else (),
-                     router_samples=router_samples(weights) if weights else (),
-                     model_name=str(config.get("_name_or_path") or os.fspath(model_dir)))
+    try:
+        return RecordMeta(engine="checkpoint", engine_version="", model_fingerprint=config_fingerprint(config),
+                          num_layers=num_layers, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
+                          vocab_size=vocab_size, dtype=str(name).replace("torch.", ""),
+                          router_signature=router_signature(weights) if weights else (),
+                          router_samples=router_samples(weights) if weights else (),
+                          model_name=str(config.get("_name_or_path") or os.fspath(model_dir)))
+    except RecordError as exc:
+        raise ConfigError(f"--model {model_dir}: {exc}") from None
 
 
 def _router_weights(root: Path, layers: Sequence[int], num_experts: int) -> list[torch.Tensor]:
@@ -290,7 +271,7 @@ def _sampling(entry: dict, default: SamplingParams, where: str) -> SamplingParam
 class _Args:
     """What a reader gets besides the file."""
 
-    model: ModelInfo
+    model: RecordMeta
     sampling: SamplingParams
     expert_ids: str = "logical"
     eplb: dict | None = None
@@ -551,7 +532,7 @@ def _load_eplb(path: str) -> dict:
     return data
 
 
-def convert_to_record(fmt: str, path: str, model: ModelInfo, *, engine_version: str = "unknown",
+def convert_to_record(fmt: str, path: str, model: RecordMeta, *, engine_version: str = "unknown",
                       sampling: SamplingParams = SamplingParams(), expert_ids: str = "logical",
                       eplb: dict | None = None) -> RolloutRecord:
     """The :class:`RolloutRecord` of ``path`` in format ``fmt`` (:data:`FORMATS`), for the model ``model``."""
@@ -560,7 +541,7 @@ def convert_to_record(fmt: str, path: str, model: ModelInfo, *, engine_version: 
     if fmt != "trtllm" and (expert_ids != "logical" or eplb is not None):
         raise ConfigError("--expert-ids / --eplb apply to the trtllm format only")
     samples = _READERS[fmt](path, _Args(model, sampling, expert_ids, eplb))
-    meta = model.meta(FORMATS[fmt], engine_version)
+    meta = dataclasses.replace(model, engine=FORMATS[fmt], engine_version=engine_version)
     try:
         return RolloutRecord(meta, samples)
     except RecordError as exc:
