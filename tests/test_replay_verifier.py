@@ -34,12 +34,13 @@ def test_sets_not_slots_and_masked_rows_ignored():
     ran = torch.tensor([[1, 0], [3, 2], [4, 6], [0, 7]])            # rows 0, 1 permuted slots; rows 2, 3 differ
     mask = torch.tensor([True, True, True, False])                   # row 3 has no recorded route
     v.observe(0, ran, expected, mask)
-    v.observe(1, ran.to(torch.int32), expected_ids(expected), None, expected_sorted=True)
+    v.observe(1, ran.to(torch.int32), expected_ids(expected, 8), None)     # set keys (bit masks), int32 ids
     r = v.report()
     a, b = r.layers
     assert (a.calls, a.rows, a.replayed_rows, a.unrouted_rows, a.mismatched_rows) == (1, 4, 3, 1, 1)
     assert a.first_mismatch == (0, 2) and a.first_ran == (4, 6) and a.first_expected == (4, 5)
     assert (b.replayed_rows, b.unrouted_rows, b.mismatched_rows, b.first_mismatch) == (4, 0, 2, (0, 2))
+    assert b.first_ran == (4, 6) and b.first_expected == (4, 5)
     assert r.unrouted_fraction == 1 / 8 and r.mismatched_rows == 3 and not r.clean
     with pytest.raises(ReplayError, match=r"3 of 7 replayed rows in layers \[3, 7\]: layer 3: 1 of 3 rows "
                                           r"\(first: call 0, row 2: ran \[4, 6\], record \[4, 5\]\)"):
@@ -49,6 +50,34 @@ def test_sets_not_slots_and_masked_rows_ignored():
     assert v.check(router_calls=[1, 0]).clean
     with pytest.raises(ReplayError, match=r"layers \[7\] were observed on fewer calls.*layer 7: 0 of 1"):
         v.check(router_calls=[1, 1])
+
+
+@pytest.mark.parametrize("num_experts", [8, 62, 63, 200])
+def test_set_keys_and_sorted_sets_agree(num_experts):
+    """Bit-mask keys (<= 62 experts) and sorted sets (more) decide alike: slot order ignored; a duplicate, a
+    negative, a too-large or the sentinel id (``num_experts``, transformers' "no expert") never equals a set."""
+    g = torch.Generator().manual_seed(num_experts)
+    E, k, rows = num_experts, 4, 64
+    expected = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
+    ran = expected[:, torch.randperm(k, generator=g)].clone()            # same sets, other slot order
+    bad = torch.zeros(rows, dtype=torch.bool)
+    for row, value in ((3, None), (9, -1), (17, 1000), (25, E), (33, 63)):
+        if value is None:
+            ran[row, 1] = ran[row, 0]
+        else:
+            ran[row, 2] = value
+        bad[row] = True
+    ran[40] = (expected[40] + 1) % E                                        # another set
+    bad[40] = True
+    v = ReplayVerifier([0])
+    v.observe(0, ran, expected_ids(expected, E))
+    layer = v.report().layers[0]
+    assert layer.mismatched_rows == int(bad.sum()) and layer.first_mismatch == (0, 3)
+    assert layer.first_expected == tuple(sorted(expected[3].tolist()))
+    v.reset()
+    v.observe(0, ran, expected)                                             # sorted, unprepared
+    assert v.report().layers[0].mismatched_rows == int(bad.sum())
+    assert expected_ids(expected, E).dim() == (1 if E <= 62 else 2)
 
 
 def test_routing_maps_first_bad_call_and_shapes():
@@ -242,7 +271,7 @@ def _mg_model(mg, **overrides):
     from megatron_util import build, config
 
     torch.manual_seed(0)
-    model = build(config(**overrides))
+    model = build(config(hidden_dropout=0.0, attention_dropout=0.0, **overrides))   # deterministic forwards
     with torch.no_grad():       # peaked routers (as in test_patches_megatron)
         for _, router in mg.moe_routers(model):
             router.weight.mul_(20)
@@ -299,13 +328,15 @@ def test_megatron_correct_replay_verifies_clean(mg_world, recompute):
     assert report.unrouted_fraction == unrouted_fraction(mask) > 0
 
 
-def _mg_plain_topk(router, E, K):
-    """A TopKRouter forward that never asks RouterReplay: softmax top-k of the router's own logits."""
+def _mg_plain_topk(router, E, K, chosen):
+    """A TopKRouter forward that never asks RouterReplay: top-k of the router's own logits, softmax over them
+    (Megatron's softmax router without pre-softmax); appends the ids it chose to ``chosen``."""
     def forward(input, padding_mask=None):
         logits = router.gating(input).reshape(-1, E)
-        probs, idx = logits.softmax(-1).topk(K, dim=-1)
+        top, idx = logits.topk(K, dim=-1)
+        chosen.append(idx.detach().clone())
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
-        return torch.zeros_like(logits).scatter(1, idx, probs), routing_map
+        return torch.zeros_like(logits).scatter(1, idx, top.softmax(-1)), routing_map
     return forward
 
 
@@ -317,9 +348,10 @@ def test_megatron_bypassed_router_is_caught(mg_world):
     c = _mg_case(mg, model)
     layer, router = c["routers"][0]          # layer 0 sees the unreplayed input: its own choice is c["own"][:, 0]
     replayed = int(c["mask"].sum())
+    chosen = []
     with torch.no_grad(), mg.replay_routing(model, aux_loss="own") as driver:
         driver.set_routes(c["batch"])
-        router.forward = _mg_plain_topk(router, E, K)        # swapped after the driver bound the routers
+        router.forward = _mg_plain_topk(router, E, K, chosen)   # swapped after the driver bound the routers
         try:
             with driver.forward():
                 model(c["ids"], c["pos"], attention_mask=c["attn"])
@@ -330,13 +362,16 @@ def test_megatron_bypassed_router_is_caught(mg_world):
                                               rf"layer {layer}: {replayed} of {replayed} rows"):
             driver.check(calls=1)
     bad = report.layer(layer)
+    # what the bypassed router chose is its own choice: the routes replayed differ from it on every row
+    (ran,) = chosen                                                    # sequence-first rows (t*B + b)
+    ran = ran.reshape(T, B, K).transpose(0, 1).reshape(B * T, K)       # record order (b*T + t)
+    assert torch.equal(ran.sort(-1).values, c["own"][:, 0].sort(-1).values)
     assert bad.mismatched_rows == bad.replayed_rows == replayed
     assert report.layer(1).mismatched_rows == 0
-    # dispatcher rows are sequence-first (t*B + b): the first routed row is token (b=0, t=0), record row 0
+    # the first routed row of the dispatcher is token (b=0, t=0), record row 0
     assert bad.first_mismatch == (0, 0)
     assert list(bad.first_ran) == sorted(c["own"][0, 0].tolist())
     assert list(bad.first_expected) == sorted(c["shifted"][0, 0].tolist())
-    assert (B, T) == tuple(c["ids"].shape)
 
 
 def test_megatron_verify_off_adds_no_wrapper(mg_world):

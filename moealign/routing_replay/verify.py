@@ -8,16 +8,19 @@ compares it with the record:
 
 * ``ran``: the expert ids the experts received, ``[rows, k]`` (transformers' ``top_k_index``, vLLM's
   ``topk_ids``), or a boolean routing map ``[rows, num_experts]`` (Megatron's ``routing_map``);
-* ``expected``: the recorded ids ``[rows, k]`` (or the recorded map), in the same row order;
+* ``expected``: the recorded ids ``[rows, k]``, their set keys ``[rows]`` (:func:`expected_ids` with the number of
+  experts: one int64 bit mask per row), or the recorded map, in the same row order;
 * ``replayed_mask``: bool ``[rows]``, the rows that carry a recorded route (``ReplayBatch.route_mask`` in the
   engine's row order). The other rows (padding, filler, each sample's last token, rows the record marks missing)
   ran without a recorded route: they are counted (:attr:`VerifyReport.unrouted_fraction`), never compared.
 
-Slot order is not part of a route: expert *sets* are compared (both sides sorted; a routing map is a set).
+Slot order is not part of a route: expert *sets* are compared (both sides sorted, or both as bit masks
+``sum(1 << id)``, which equal exactly when the ``k`` ids that ran are the ``k`` distinct recorded ones: a sum of
+``k`` powers of two has ``k`` bits set only when they are distinct; a routing map is a set).
 
 Cheap enough to leave on in training: :meth:`ReplayVerifier.observe` only queues a handful of tensor operations on
-the device of the ids (sort, compare, masked count, the first bad row as a running minimum) into per-router device
-counters; it never reads a value back to the host. Counts that follow from shapes (calls, rows) and replayed-row
+the device of the ids (bit mask or sort, compare, masked count, the first bad row as a running minimum) into
+per-router device counters; it never reads a value back to the host. Counts that follow from shapes (calls, rows) and replayed-row
 counts the caller already knows are plain ints. The device counters are read once, when :meth:`ReplayVerifier.report`
 or :meth:`ReplayVerifier.check` is called.
 
@@ -38,11 +41,20 @@ __all__ = ["LayerVerifyReport", "ReplayVerifier", "VerifyReport", "expected_ids"
 
 _BIG = 1 << 62          # "no bad row" in the running minimum
 _CALL_SHIFT = 32        # first bad (call, row) packed as call << 32 | row
+_KEY_EXPERTS = 62       # set keys (int64 bit masks) for expert ids 0 .. 62 (sentinel id num_experts included)
 
 
-def expected_ids(ids: torch.Tensor) -> torch.Tensor:
-    """The recorded ids ``[rows, k]`` prepared for :meth:`ReplayVerifier.observe` with ``expected_sorted=True``
-    (int64, each row sorted): adapters do this once per ``set_routes`` instead of once per forward."""
+def _set_keys(ids: torch.Tensor) -> torch.Tensor:
+    """``sum(1 << id)`` per row, int64 (out-of-range ids contribute 0 or the sign bit: never a valid key)."""
+    return torch.bitwise_left_shift(1, ids.to(torch.int64)).sum(-1)
+
+
+def expected_ids(ids: torch.Tensor, num_experts: int | None = None) -> torch.Tensor:
+    """The recorded ids ``[rows, k]`` (distinct per row) prepared once per ``set_routes`` for
+    :meth:`ReplayVerifier.observe`: with ``num_experts <= 62`` their set keys (int64 ``[rows]``, one bit per expert:
+    the cheap comparison), else each row sorted (int64 ``[rows, k]``, pass ``expected_sorted=True``)."""
+    if num_experts is not None and int(num_experts) <= _KEY_EXPERTS:
+        return _set_keys(ids).contiguous()
     return ids.to(torch.int64).sort(-1).values.contiguous()
 
 
@@ -230,17 +242,20 @@ class ReplayVerifier:
 
         ``ran``: the expert ids the experts received ``[rows, k]`` (any integer dtype), or a bool routing map
         ``[rows, num_experts]``; ``expected``: the recorded ids ``[rows, k]`` (sorted per row when
-        ``expected_sorted``: see :func:`expected_ids`) or the recorded map (:func:`expected_map`), same rows;
+        ``expected_sorted``), their set keys ``[rows]`` (see :func:`expected_ids`), or the recorded map
+        (:func:`expected_map`), same rows;
         ``replayed_mask``: bool ``[rows]`` (None: every row replayed); ``replayed_rows``: its number of True
         rows when the caller knows it (else it is counted on the device). Shapes are checked here (a
         :class:`~moealign.errors.ReplayError` at once: they are known on the host); values only on the device.
         """
         layer = self.layers[index]
-        if ran.dim() != 2 or expected.dim() != 2 or ran.shape[0] != expected.shape[0]:
+        if ran.dim() != 2 or expected.dim() not in (1, 2) or ran.shape[0] != expected.shape[0]:
             raise ReplayError(f"layer {layer}: {self.source} received {tuple(ran.shape)}, the record has "
                               f"{tuple(expected.shape)} for this call (rows must match one to one)")
         is_map = ran.dtype == torch.bool
-        if is_map != (expected.dtype == torch.bool) or ran.shape[1] != expected.shape[1]:
+        keys = expected.dim() == 1
+        if is_map != (expected.dtype == torch.bool) or (is_map and keys) or (
+                not keys and ran.shape[1] != expected.shape[1]):
             raise ReplayError(f"layer {layer}: {self.source} received {tuple(ran.shape)} {ran.dtype}, the record "
                               f"{tuple(expected.shape)} {expected.dtype} ({'expert ids' if not is_map else 'a map'} "
                               f"per row on both sides, the same k)")
@@ -258,17 +273,20 @@ class ReplayVerifier:
             self._replayed_host[index] += int(replayed_rows)
         else:
             replayed_dev.add_(replayed_mask.sum())
-        self._last[index] = (call, ran, expected, is_map)
+        self._last[index] = (call, ran, expected, is_map, keys)
         if rows == 0 or replayed_rows == 0:         # nothing replayed in this call: nothing to compare
             return
         with torch.no_grad():
-            if is_map:
-                differ = ran != expected
+            if keys:
+                bad = _set_keys(ran) != expected
             else:
-                ran_sets = ran.sort(-1).values if ran.shape[1] > 1 else ran
-                expected_sets = expected if expected_sorted or expected.shape[1] == 1 else expected.sort(-1).values
-                differ = ran_sets != expected_sets
-            bad = differ.any(-1)
+                if is_map:
+                    differ = ran != expected
+                else:
+                    ran_sets = ran.sort(-1).values if ran.shape[1] > 1 else ran
+                    expected_sets = expected if expected_sorted or expected.shape[1] == 1 else expected.sort(-1).values
+                    differ = ran_sets != expected_sets
+                bad = differ.any(-1)
             if replayed_mask is not None:
                 bad.logical_and_(replayed_mask)
             mismatched.add_(bad.sum())
@@ -305,12 +323,15 @@ class ReplayVerifier:
         last = self._last[index]
         if last is None or last[0] != call:
             return None, None
-        _, ran, expected, is_map = last
+        _, ran, expected, is_map, keys = last
         if row >= ran.shape[0]:
             return None, None
 
         def as_set(x: torch.Tensor) -> tuple[int, ...]:
             x = x[row].detach().cpu()
+            if x.dim() == 0:               # a set key: its bits
+                key = int(x)
+                return tuple(e for e in range(_KEY_EXPERTS + 1) if key >> e & 1)
             return tuple(int(e) for e in (x.nonzero().flatten() if is_map else x.to(torch.int64).sort().values))
         return as_set(ran), as_set(expected)
 

@@ -129,7 +129,7 @@ class RoutingReplay(PatchHandle):
         self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
         self._mask = None if bool(mask.all()) else mask.to(device)
         self._rows_replayed = int(mask.sum())
-        self._expected = None if self.verifier is None else [expected_ids(t) for t in self._targets]
+        self._expected = None if self.verifier is None else [expected_ids(t, E) for t in self._targets]
         if recorded_weights is not None:
             if recorded_weights.shape != batch.routes.shape:
                 raise RouteError(f"recorded_weights shape {tuple(recorded_weights.shape)} != routes shape "

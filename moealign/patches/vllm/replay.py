@@ -262,7 +262,7 @@ class RouteForcer(PatchHandle):
             full[forced_rows] = forced
             mask[forced_rows] = True
         full = full.to(device)
-        expected = [expected_ids(full[:, i]) for i in range(len(self.routers))]
+        expected = [expected_ids(full[:, i], self.recorder.num_experts) for i in range(len(self.routers))]
         self._expect_for, self._expect = (step, rows, device), (expected, mask.to(device), n)
         return self._expect
 
