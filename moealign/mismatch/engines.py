@@ -176,6 +176,16 @@ def _bi_context(enabled: bool):
     return batch_invariant_mode() if enabled else contextlib.nullcontext()
 
 
+def _sampling_dict(sampling) -> dict | None:
+    """A contract's ``sampling``: ``None``, a :class:`SamplingParams` or a dict of its fields."""
+    if sampling is None or isinstance(sampling, dict):
+        return sampling
+    if isinstance(sampling, SamplingParams):
+        return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "min_p": sampling.min_p}
+    raise ConfigError(f"sampling must be a SamplingParams, a dict or None, got {type(sampling).__name__}")
+
+
 class HFRolloutEngine:
     """transformers ``generate()`` with route and kept-set recording (:mod:`moealign.patches.hf`)."""
 
@@ -211,6 +221,13 @@ class HFRolloutEngine:
             if progress:
                 progress(len(chunk))
         return RolloutRecord(meta, samples)
+
+    def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
+        """The execution contract of the loaded model (:mod:`moealign.contract`)."""
+        from ..patches.hf.contract import contract_of
+
+        return contract_of(self.model, attention=self.attention, batch_invariant=self.batch_invariant,
+                           sampling=_sampling_dict(sampling))
 
     def close(self) -> None:
         self.model = self.precision_handle = self.tokenizer = None
@@ -267,6 +284,12 @@ class VLLMRolloutEngine:
             progress(len(prompts))
         return record
 
+    def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
+        """The execution contract of the loaded vLLM engine (:mod:`moealign.contract`)."""
+        from ..patches.vllm.contract import contract_of
+
+        return contract_of(self.llm, resolve_precision(self.precision), sampling=_sampling_dict(sampling))
+
     def close(self) -> None:
         self.llm = None
         if getattr(self, "_precision", None) is not None:
@@ -322,6 +345,13 @@ class HFTrainEngine:
         logits = out.logits[b.to(dev), (p - 1).to(dev)].float()
         return TrainForward(logits=logits, tokens=batch.input_ids[b, p].to(dev), routes=used[route_mask])
 
+    def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
+        """The execution contract of the loaded model (:mod:`moealign.contract`)."""
+        from ..patches.hf.contract import contract_of
+
+        return contract_of(self.model, attention=self.attention, batch_invariant=self.batch_invariant,
+                           sampling=_sampling_dict(sampling))
+
     def close(self) -> None:
         self.model = self.precision_handle = None
 
@@ -375,6 +405,7 @@ class MegatronTrainEngine:
         try:
             hf_model, _ = load_model(model_path, "fp32", "cpu")
             self._meta = hf.record_meta(hf_model)
+            self._hf_config = hf_model.config          # the contract's transformers names (contract())
             pad = hf_model.generation_config.pad_token_id
             self.pad_token_id = int(pad) if isinstance(pad, int) else 0
             self.model = mc.build_megatron_from_hf(hf_model, **fields)
@@ -415,6 +446,13 @@ class MegatronTrainEngine:
         b, p = batch.response_mask.nonzero(as_tuple=True)
         out = logits[b.to(dev), (p - 1).to(dev)].float()
         return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used)
+
+    def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
+        """The execution contract of the converted model (:mod:`moealign.contract`)."""
+        from ..patches.megatron.contract import contract_of
+
+        return contract_of(self.model, self._hf_config, batch_invariant=self.batch_invariant,
+                           sampling=_sampling_dict(sampling))
 
     def close(self) -> None:
         if getattr(self, "driver", None) is not None:
