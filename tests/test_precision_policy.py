@@ -336,3 +336,129 @@ def test_tied_head_with_fp32_override_raises():
     with pytest.raises(ValueError, match="tied"):
         apply_precision(m, "fp16-fp32-router-head")
     apply_precision(m, "fp16")       # no override: fine
+
+
+# ----------------------------------------------------------------------------------------------
+# per-region dtypes (attention / experts) and the router / head policies
+# ----------------------------------------------------------------------------------------------
+
+
+def test_router_and_head_policies_are_registered_separately():
+    import moealign.precision.policy as policy_module
+    from moealign.precision.policy import ATTENTION, EXPERTS, ROLES, megatron_gaps
+
+    f32 = torch.float32
+    want = {"bf16-fp32-router": (torch.bfloat16, {ROUTER: f32}), "bf16-fp32-head": (torch.bfloat16, {LM_HEAD: f32}),
+            "bf16-fp32-router-head": (torch.bfloat16, {ROUTER: f32, LM_HEAD: f32}),
+            "fp16-fp32-router": (torch.float16, {ROUTER: f32}), "fp16-fp32-head": (torch.float16, {LM_HEAD: f32}),
+            "fp16-fp32-router-head": (torch.float16, {ROUTER: f32, LM_HEAD: f32})}
+    for name, (dtype, overrides) in want.items():
+        p = get_policy(name)
+        assert p.dtype == dtype and p.overrides == overrides, name
+        assert (p.loss_scaling is not None) == (dtype == torch.float16), name
+        assert to_megatron_config_fields(name)["moe_router_dtype"] == ("fp32" if ROUTER in overrides else None)
+        assert ("hf_overrides" in to_vllm_engine_args(name)) == (LM_HEAD in overrides)
+        assert vllm_gaps(name) == []
+        assert f"``{name}``" in policy_module.__doc__                  # the docstring's table lists it
+    assert ROLES == (ROUTER, LM_HEAD, ATTENTION, EXPERTS)
+    assert megatron_gaps("bf16") == [] and len(megatron_gaps("bf16-fp32-router")) == 1
+
+
+def test_attention_and_experts_dtypes_in_the_policy():
+    from moealign.precision.policy import ATTENTION, EXPERTS, megatron_gaps
+
+    p = PrecisionPolicy("x", torch.bfloat16, attention_dtype=torch.float32, experts_dtype=torch.float32)
+    assert p.module_dtype(ATTENTION) == torch.float32 and p.module_dtype(EXPERTS) == torch.float32
+    assert p.module_dtype(ROUTER) == torch.bfloat16 and p.module_dtype(None) == torch.bfloat16
+    assert p.overrides == {ATTENTION: torch.float32, EXPERTS: torch.float32}
+    assert to_transformers(p)["module_dtypes"] == {ATTENTION: torch.float32, EXPERTS: torch.float32}
+    mg, vg = megatron_gaps(p), vllm_gaps(p)
+    assert len(mg) == 2 and "self-attention in float32" in mg[0] and "MoE experts in float32" in mg[1]
+    assert "params_dtype" in mg[0] and "only moealign.patches.hf.precision.apply_precision" in mg[1]
+    assert len(vg) == 2 and "vLLM" in vg[0] and "experts" in vg[1]
+    same = PrecisionPolicy("y", torch.bfloat16, attention_dtype=torch.bfloat16)     # same as dtype: no gap
+    assert same.overrides == {} and megatron_gaps(same) == [] and vllm_gaps(same) == []
+    with pytest.raises(ValueError, match="attention_dtype"):
+        PrecisionPolicy("z", torch.bfloat16, attention_dtype=torch.int32)
+    with pytest.raises(ValueError, match="unknown module role"):
+        p.module_dtype("mlp")
+
+
+def test_module_roles_finds_attention_and_experts(model):
+    from moealign.patches.hf.precision import module_roles
+    from moealign.precision.policy import ATTENTION, EXPERTS, ROLES
+
+    roles = module_roles(model, include=ROLES)
+    assert roles == {**{f"model.layers.{i}.mlp.gate": ROUTER for i in range(4)}, "lm_head": LM_HEAD,
+                     **{f"model.layers.{i}.self_attn": ATTENTION for i in range(4)},
+                     **{f"model.layers.{i}.mlp.experts": EXPERTS for i in range(4)}}
+    assert module_roles(model) == module_roles(model, include=(ROUTER, LM_HEAD))       # the default, as before
+    assert module_roles(model, include=(EXPERTS,)) == {f"model.layers.{i}.mlp.experts": EXPERTS for i in range(4)}
+    with pytest.raises(ValueError, match="unknown module roles"):
+        module_roles(model, include=("mlp",))
+
+
+def _run_layers(model, ids):
+    """Logits and each decoder layer's output (the residual stream)."""
+    outs = {}
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0] if isinstance(o, tuple)
+                                                                                 else o))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, outs
+
+
+@pytest.mark.parametrize("region", ["attention", "experts"])
+def test_fp32_region_in_bf16_model(ids, region):
+    """The embedded model (load_model, fp32) under bf16 with fp32 attention (or experts): that region's parameters
+    are fp32, everything else bf16, the residual stream stays bf16, the logits differ from plain bf16 and from fp32
+    (both directions), the audit passes, and undo() restores bitwise."""
+    pytest.importorskip("transformers")
+    from moealign.embedded import embedded_model_path
+    from moealign.patches.hf.loading import load_model
+    from moealign.patches.hf.precision import apply_precision
+
+    loaded, _ = load_model(embedded_model_path(), "fp32", "cpu")
+    state = {k: v.clone() for k, v in loaded.state_dict().items()}
+    fp32_logits, _ = _run_layers(loaded, ids)
+    with apply_precision(loaded, "bf16"):
+        bf16_logits, bf16_layers = _run_layers(loaded, ids)
+    policy = get_policy("bf16").replace(name=f"bf16-fp32-{region}", **{f"{region}_dtype": torch.float32})
+    marker = ".self_attn." if region == "attention" else ".mlp.experts."
+    handle = apply_precision(loaded, policy)
+    try:
+        for name, p in loaded.named_parameters():
+            assert p.dtype == (torch.float32 if marker in name else torch.bfloat16), name
+        assert sum(marker in n for n, _ in loaded.named_parameters()) >= 4
+        logits, layers = _run_layers(loaded, ids)
+        assert len(layers) == 4 and all(h.dtype == torch.bfloat16 for h in layers.values())
+        assert logits.dtype == torch.bfloat16
+        assert not torch.equal(logits, bf16_logits)                               # the region runs in fp32 ...
+        assert not torch.equal(logits.float(), fp32_logits)                       # ... and the rest in bf16
+        d_bf16 = (logits.float() - fp32_logits).abs().max()
+        assert d_bf16 <= (bf16_logits.float() - fp32_logits).abs().max() * 1.5  # not further from fp32 than bf16
+        report = audit(loaded, policy, {"input_ids": ids}, roles=handle.roles)
+        roots = [n for n, r in handle.roles.items() if r == region]
+        assert len(roots) == 4
+        if region == "experts":                                       # computes on fp32, returns the model's bf16
+            assert report.computed["model.layers.0.mlp.experts"] == ("float32", "bfloat16")
+        else:
+            assert report.computed["model.layers.0.self_attn.q_proj"] == ("float32", "float32")
+            assert report.computed["model.layers.0.post_attention_layernorm"][0] == "bfloat16"
+        # control: without the output casts the residual stream turns fp32, and the next bf16 module refuses it
+        for h in handle._hooks:
+            h.remove()
+        for root in roots:
+            handle._add_input_cast(root, loaded.get_submodule(root), torch.float32, nested=True)
+        with pytest.raises(RuntimeError, match="dtype"):
+            _run_layers(loaded, ids)
+    finally:
+        handle.undo()
+    after = loaded.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in state.items())
+    assert torch.equal(_run_layers(loaded, ids)[0], fp32_logits)

@@ -3,11 +3,13 @@
 :func:`audit` checks
 
 * every parameter: the dtype of its module's role (:data:`~moealign.precision.policy.ROUTER`,
-  :data:`~moealign.precision.policy.LM_HEAD` or none) under the policy;
+  :data:`~moealign.precision.policy.LM_HEAD`, :data:`~moealign.precision.policy.ATTENTION`,
+  :data:`~moealign.precision.policy.EXPERTS` or none) under the policy;
 * every floating buffer: float32 if it matches ``policy.fp32_buffers``, else its module's dtype;
 * with ``inputs``, one forward (no grad) with hooks on every module that holds parameters itself: the
   first floating input *as the module's forward sees it* (after other pre-hooks, so a missing input cast
-  in front of an fp32 router shows) and the first floating output must have the module's dtype;
+  in front of an fp32 router shows) and the first floating output must have the module's dtype (the
+  root module of an attention / experts role returns the policy's ``dtype``: its output is cast back);
   for FP8 policies, every module FP8 applies to must have its weights fake-quantised in that forward
   (:mod:`moealign.precision.fp8`), and no other module may.
 
@@ -29,7 +31,7 @@ import torch
 
 from ..errors import InputError, PrecisionAuditError
 from .fp8 import _MARK, fp8_fake_quant_config
-from .policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
+from .policy import LM_HEAD, OUTPUT_CAST_ROLES, ROLES, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
 __all__ = ["PrecisionAuditError", "AuditReport", "audit", "guess_roles", "resolve_roles"]
 
@@ -72,9 +74,9 @@ def resolve_roles(model: torch.nn.Module, roles: Mapping[str, str] | None) -> di
     unknown = sorted(set(roles) - names)
     if unknown:
         raise InputError(f"roles name modules the model does not have: {unknown}")
-    bad = {n: r for n, r in roles.items() if r not in (ROUTER, LM_HEAD)}
+    bad = {n: r for n, r in roles.items() if r not in ROLES}
     if bad:
-        raise InputError(f"unknown module roles {bad} (known: {ROUTER!r}, {LM_HEAD!r})")
+        raise InputError(f"unknown module roles {bad} (known: {', '.join(repr(r) for r in ROLES)})")
     full = {}
     for name, _ in model.named_modules():
         owner = max((r for r in roles if name == r or name.startswith(r + ".")), key=len, default=None)
@@ -126,6 +128,12 @@ def audit(model: torch.nn.Module, policy: str | PrecisionPolicy, inputs: Any = N
     def expected(module_name: str) -> torch.dtype:
         return policy.module_dtype(all_roles.get(module_name))
 
+    def expected_out(module_name: str) -> torch.dtype:
+        # an attention / experts region returns the model's dtype (its output is cast back)
+        if top_roles.get(module_name) in OUTPUT_CAST_ROLES:
+            return policy.dtype
+        return expected(module_name)
+
     n_params = n_buffers = 0
     for mname, module in model.named_modules():
         want = expected(mname)
@@ -146,7 +154,7 @@ def audit(model: torch.nn.Module, policy: str | PrecisionPolicy, inputs: Any = N
     # FP8: which modules it applies to, and are they marked as fake-quantised
     fp8_modules: list[str] = []
     if policy.fp8 is not None:
-        cfg = fp8_fake_quant_config(policy, top_roles)
+        cfg = fp8_fake_quant_config(policy, {n: r for n, r in top_roles.items() if r in (ROUTER, LM_HEAD)})
         fp8_modules = [n for n, m in model.named_modules() if cfg.selects(n, m)]
         if not fp8_modules:
             deviations.append("policy uses FP8 but no module of the model qualifies for it")
@@ -196,11 +204,12 @@ def audit(model: torch.nn.Module, policy: str | PrecisionPolicy, inputs: Any = N
                 h.remove()
         for mname, (x_dtype, y_dtype) in computed.items():
             want = dtype_name(expected(mname))
+            want_out = dtype_name(expected_out(mname))
             note = _role_note(all_roles.get(mname))
             if x_dtype is not None and x_dtype != want:
                 deviations.append(f"module {mname} computes on {x_dtype} input, policy says {want}{note}")
-            if y_dtype is not None and y_dtype != want:
-                deviations.append(f"module {mname} returns {y_dtype}, policy says {want}{note}")
+            if y_dtype is not None and y_dtype != want_out:
+                deviations.append(f"module {mname} returns {y_dtype}, policy says {want_out}{note}")
         for mname in fp8_modules:
             if mname in computed and mname not in seen_fp8:
                 deviations.append(f"module {mname}: weights were not FP8-rounded in the forward")

@@ -12,12 +12,21 @@ name                        dtype       router     lm_head   fp8                
 ``fp32``                    float32     -          -         -                                    none
 ``bf16``                    bfloat16    -          -         -                                    none
 ``fp16``                    float16     -          -         -                                    dynamic
+``bf16-fp32-router``        bfloat16    float32    -         -                                    none
+``bf16-fp32-head``          bfloat16    -          float32   -                                    none
+``bf16-fp32-router-head``   bfloat16    float32    float32   -                                    none
+``fp16-fp32-router``        float16     float32    -         -                                    dynamic
+``fp16-fp32-head``          float16     -          float32   -                                    dynamic
 ``fp16-fp32-router-head``   float16     float32    float32   -                                    dynamic
 ``fp8-e4m3-tensor``         bfloat16    -          -         e4m3, one scale per tensor           none
 ``fp8-e4m3-block``          bfloat16    -          -         e4m3, 128x128 weights, 1x128 inputs  none
 ==========================  ==========  =========  ========  ===================================  ============
 
-("-": same as ``dtype``.) FP8 policies quantise the inputs and weights of the linear layers (attention
+("-": same as ``dtype``.) Two more regions can be set per policy (no registered policy does):
+``attention_dtype`` (each decoder layer's self-attention module) and ``experts_dtype`` (each MoE layer's
+experts module, not its router nor a shared expert). Unlike the router and the head, their *outputs* are cast
+back to ``dtype`` (the residual stream stays in ``dtype``); only transformers can express them
+(:func:`megatron_gaps` / :func:`vllm_gaps` say so). FP8 policies quantise the inputs and weights of the linear layers (attention
 projections, expert matrices); embeddings, norms, routers and the LM head stay in ``dtype``, as in
 the DeepSeek-V3 / transformer-engine recipes. Where no FP8 kernels exist (CPU, no transformer-engine) the
 same policy is *simulated* by :mod:`moealign.precision.fp8`: values are rounded to FP8 and rescaled
@@ -56,6 +65,9 @@ __all__ = [
     "UnknownPolicyError",
     "ROUTER",
     "LM_HEAD",
+    "ATTENTION",
+    "EXPERTS",
+    "ROLES",
     "to_transformers",
     "to_megatron_config_fields",
     "to_megatron_optimizer_fields",
@@ -68,6 +80,12 @@ __all__ = [
 # module roles a policy can override (the transformers side resolves them to module names)
 ROUTER = "router"
 LM_HEAD = "lm_head"
+ATTENTION = "attention"    # each decoder layer's self-attention module (output cast back to the policy's dtype)
+EXPERTS = "experts"        # each MoE layer's experts module (output cast back to the policy's dtype)
+#: every role, in the order a policy names them
+ROLES = (ROUTER, LM_HEAD, ATTENTION, EXPERTS)
+#: the roles whose module output is cast back to the policy's ``dtype`` (regions inside the residual stream)
+OUTPUT_CAST_ROLES = (ATTENTION, EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,10 @@ class PrecisionPolicy:
 
     ``dtype``: parameters and compute of every module not overridden. ``router_dtype`` /
     ``lm_head_dtype``: parameters and compute of the MoE routers / the LM head (``None``: ``dtype``); a
-    module kept wider than the model gets its input cast up on entry. ``fp8``: FP8 linear layers.
+    module kept wider than the model gets its input cast up on entry. ``attention_dtype`` /
+    ``experts_dtype``: the same for each decoder layer's self-attention / each MoE layer's experts module,
+    whose floating outputs are also cast back to ``dtype`` (the residual stream keeps ``dtype``;
+    transformers only, see :func:`megatron_gaps` / :func:`vllm_gaps`). ``fp8``: FP8 linear layers.
     ``loss_scaling``: the trainer scales the loss (fp16). ``fp32_buffers``: regular expressions
     (``re.search`` on the buffer's qualified name) of floating buffers kept in float32 whatever ``dtype``
     is (rotary frequencies are computed in fp32 by transformers and Megatron alike).
@@ -134,9 +155,11 @@ class PrecisionPolicy:
     loss_scaling: LossScaling | None = None
     fp32_buffers: tuple[str, ...] = (r"(^|\.)(original_)?inv_freq$",)
     description: str = ""
+    attention_dtype: torch.dtype | None = None
+    experts_dtype: torch.dtype | None = None
 
     def __post_init__(self):
-        for label in ("dtype", "router_dtype", "lm_head_dtype"):
+        for label in ("dtype", "router_dtype", "lm_head_dtype", "attention_dtype", "experts_dtype"):
             value = getattr(self, label)
             if value is None and label != "dtype":
                 continue
@@ -147,23 +170,27 @@ class PrecisionPolicy:
             raise ConfigError("FP8 policies compute in bfloat16 or float32, not float16")
 
     def module_dtype(self, role: str | None) -> torch.dtype:
-        """The dtype of a module with ``role`` (:data:`ROUTER`, :data:`LM_HEAD` or ``None``)."""
-        if role == ROUTER and self.router_dtype is not None:
-            return self.router_dtype
-        if role == LM_HEAD and self.lm_head_dtype is not None:
-            return self.lm_head_dtype
-        if role not in (None, ROUTER, LM_HEAD):
-            raise ConfigError(f"unknown module role {role!r} (known: {ROUTER!r}, {LM_HEAD!r})")
-        return self.dtype
+        """The dtype of a module with ``role`` (one of :data:`ROLES` or ``None``)."""
+        if role is None:
+            return self.dtype
+        field_name = _ROLE_FIELDS.get(role) if isinstance(role, str) else None
+        if field_name is None:
+            raise ConfigError(f"unknown module role {role!r} (known: {', '.join(repr(r) for r in ROLES)})")
+        value = getattr(self, field_name)
+        return self.dtype if value is None else value
 
     @property
     def overrides(self) -> dict[str, torch.dtype]:
         """Roles whose dtype differs from ``dtype``."""
-        return {role: self.module_dtype(role) for role in (ROUTER, LM_HEAD) if self.module_dtype(role) != self.dtype}
+        return {role: self.module_dtype(role) for role in ROLES if self.module_dtype(role) != self.dtype}
 
     def replace(self, **changes: Any) -> "PrecisionPolicy":
         """A copy with ``changes`` (e.g. ``replace(dtype=torch.float32)`` for FP8 simulated over fp32)."""
         return dataclasses.replace(self, **changes)
+
+
+_ROLE_FIELDS = {ROUTER: "router_dtype", LM_HEAD: "lm_head_dtype", ATTENTION: "attention_dtype",
+                EXPERTS: "experts_dtype"}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -196,6 +223,19 @@ register_policy(PrecisionPolicy("fp32", torch.float32, description="everything i
 register_policy(PrecisionPolicy("bf16", torch.bfloat16, description="everything in bfloat16 (the common default)"))
 register_policy(PrecisionPolicy("fp16", torch.float16, loss_scaling=LossScaling(),
                                 description="everything in float16 with dynamic loss scaling (Qi et al. 2025)"))
+register_policy(PrecisionPolicy("bf16-fp32-router", torch.bfloat16, router_dtype=torch.float32,
+                                description="bfloat16, MoE routers in float32 (inputs cast up)"))
+register_policy(PrecisionPolicy("bf16-fp32-head", torch.bfloat16, lm_head_dtype=torch.float32,
+                                description="bfloat16, LM head in float32 (inputs cast up)"))
+register_policy(PrecisionPolicy("bf16-fp32-router-head", torch.bfloat16, router_dtype=torch.float32,
+                                lm_head_dtype=torch.float32,
+                                description="bfloat16, MoE routers and LM head in float32 (inputs cast up)"))
+register_policy(PrecisionPolicy("fp16-fp32-router", torch.float16, router_dtype=torch.float32,
+                                loss_scaling=LossScaling(),
+                                description="float16, MoE routers in float32 (inputs cast up)"))
+register_policy(PrecisionPolicy("fp16-fp32-head", torch.float16, lm_head_dtype=torch.float32,
+                                loss_scaling=LossScaling(),
+                                description="float16, LM head in float32 (inputs cast up)"))
 register_policy(PrecisionPolicy("fp16-fp32-router-head", torch.float16, router_dtype=torch.float32,
                                 lm_head_dtype=torch.float32, loss_scaling=LossScaling(),
                                 description="float16, MoE routers and LM head in float32 (inputs cast up)"))
@@ -301,6 +341,20 @@ def megatron_gaps(policy: str | PrecisionPolicy) -> list[str]:
     if policy.lm_head_dtype is not None and policy.lm_head_dtype != policy.dtype:
         gaps.append(f"LM head in {dtype_name(policy.lm_head_dtype)}: TransformerConfig has no output-layer dtype; "
                     f"the Megatron adapter must cast the output layer")
+    gaps.extend(_region_gaps(policy, "Megatron-core: TransformerConfig has one params_dtype for every layer (no "
+                                     "per-module dtype), and nothing in moealign's Megatron adapter casts these "
+                                     "modules"))
+    return gaps
+
+
+def _region_gaps(policy: PrecisionPolicy, why: str) -> list[str]:
+    """The attention / experts regions whose dtype differs from ``dtype``: no engine but transformers runs them."""
+    gaps = []
+    for what, dtype in (("self-attention", policy.attention_dtype), ("MoE experts", policy.experts_dtype)):
+        if dtype is not None and dtype != policy.dtype:
+            gaps.append(f"{what} in {dtype_name(dtype)} inside a {dtype_name(policy.dtype)} model: {why}; only "
+                        f"moealign.patches.hf.precision.apply_precision runs it (outputs cast back to "
+                        f"{dtype_name(policy.dtype)})")
     return gaps
 
 
@@ -344,4 +398,7 @@ def vllm_gaps(policy: str | PrecisionPolicy) -> list[str]:
                         f"(moealign.patches.vllm.apply_precision) builds it in fp32 only")
     if policy.fp8 is not None and policy.fp8.scaling == "block" and policy.fp8.act_block != (1, 128):
         gaps.append(f"input tiles {policy.fp8.act_block}: vLLM's fp8_per_block quantises inputs in 1x128 groups")
+    gaps.extend(_region_gaps(policy, "vLLM builds every attention and fused-MoE layer in the engine's one dtype "
+                                     "(no engine argument per module), and moealign's vLLM adapter rebuilds only "
+                                     "the router and the LM head"))
     return gaps

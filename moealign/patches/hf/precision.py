@@ -18,6 +18,12 @@ router in an fp16 model would otherwise get fp16 hidden states and fail, or sile
 for FP8 policies, fake-quantises the other linear layers and the expert matrices
 (:func:`moealign.precision.fp8.fake_quant_fp8_`).
 
+Two more regions (``attention_dtype``, ``experts_dtype``: each decoder layer's ``self_attn`` and each MoE
+layer's experts module, :data:`~moealign.precision.policy.ATTENTION` / :data:`~moealign.precision.policy.EXPERTS`)
+are cast the same way, their floating inputs cast up (also inside tuples: the rotary ``(cos, sin)``), and, in
+addition, their floating outputs cast back to the policy's ``dtype`` by a forward hook: an fp32 attention in a
+bf16 model must not turn the residual stream (and everything after it) into fp32.
+
 The router's outputs are left as computed: an fp32 router returns fp32 logits and fp32 gate weights,
 which the experts multiply into their fp16 outputs before casting back (as Megatron's
 ``moe_router_dtype="fp32"`` does).
@@ -33,23 +39,65 @@ import torch
 from ...errors import ConfigError, MoealignWarning
 from ...handle import PatchHandle
 from ...precision.fp8 import FakeQuantHandle, fake_quant_fp8_, fp8_fake_quant_config
-from ...precision.policy import LM_HEAD, ROUTER, PrecisionPolicy, dtype_name, get_policy
+from ...precision.policy import (
+    ATTENTION,
+    EXPERTS,
+    LM_HEAD,
+    OUTPUT_CAST_ROLES,
+    ROLES,
+    ROUTER,
+    PrecisionPolicy,
+    dtype_name,
+    get_policy,
+)
 
-__all__ = ["module_roles", "apply_precision", "PrecisionHandle"]
+__all__ = ["module_roles", "apply_precision", "PrecisionHandle", "audit_router"]
+
+_SELF_ATTN_RE = re.compile(r"(?:^|\.)layers\.\d+\.self_attn$")
 
 
-def module_roles(model: torch.nn.Module) -> dict[str, str]:
-    """``{qualified module name: role}`` for the MoE routers and the LM head of a transformers model."""
+def module_roles(model: torch.nn.Module, *, include: tuple[str, ...] | None = None) -> dict[str, str]:
+    """``{qualified module name: role}`` of a transformers MoE model, for the roles in ``include``.
+
+    Roles (:data:`~moealign.precision.policy.ROLES`): the MoE routers (the family's router class, through
+    :func:`~moealign.patches.hf.model.describe_model`), the LM head (``get_output_embeddings()``), each decoder
+    layer's self-attention (``...layers.<i>.self_attn``: ATTENTION) and each MoE layer's experts module (the
+    ``experts`` sibling of its router: EXPERTS; a shared expert is not part of it). The default, ``include=None``,
+    is the router and the LM head only (modules holding a ``.weight``, as callers have always iterated);
+    ``include=ROLES`` gives all four."""
     from .model import describe_model
 
+    include = (ROUTER, LM_HEAD) if include is None else tuple(include)
+    unknown = [r for r in include if r not in ROLES]
+    if unknown:
+        raise ConfigError(f"unknown module roles {unknown} (known: {list(ROLES)})")
     info = describe_model(model)
-    router_ids = {id(m) for _, m in info.routers}
-    roles = {name: ROUTER for name, m in model.named_modules() if id(m) in router_ids}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        head_names = [name for name, m in model.named_modules() if m is head]
-        if head_names:
-            roles[head_names[0]] = LM_HEAD
+    named = list(model.named_modules())
+    router_names = {id(m): name for name, m in named if any(m is r for _, r in info.routers)}
+    roles: dict[str, str] = {}
+    if ROUTER in include:
+        roles.update({name: ROUTER for name in router_names.values()})
+    if LM_HEAD in include:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None:
+            head_names = [name for name, m in named if m is head]
+            if head_names:
+                roles[head_names[0]] = LM_HEAD
+    if ATTENTION in include:
+        attn = [name for name, _ in named if _SELF_ATTN_RE.search(name)]
+        if not attn:
+            raise ConfigError(f"no '...layers.<i>.self_attn' modules in this {type(model).__name__}: cannot place the "
+                              f"attention role (pass roles= explicitly)")
+        roles.update({name: ATTENTION for name in attn})
+    if EXPERTS in include:
+        modules = dict(named)
+        for router_name in router_names.values():
+            parent = router_name.rpartition(".")[0]
+            experts = f"{parent}.experts" if parent else "experts"
+            if experts not in modules:
+                raise ConfigError(f"router {router_name!r} has no 'experts' sibling module: cannot place the experts "
+                                  f"role (pass roles= explicitly)")
+            roles[experts] = EXPERTS
     return roles
 
 
@@ -64,6 +112,31 @@ def _cast_inputs_hook(dtype: torch.dtype):
 
     def hook(module, args, kwargs):
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+    return hook
+
+
+def _cast_nested(x, dtype: torch.dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_cast_nested(v, dtype) for v in x)
+    if isinstance(x, list):
+        return [_cast_nested(v, dtype) for v in x]
+    return x
+
+
+def _cast_inputs_nested_hook(dtype: torch.dtype):
+    """Pre-hook of the attention / experts regions: floating inputs cast, also inside tuples and lists
+    (the rotary ``position_embeddings=(cos, sin)``)."""
+    def hook(module, args, kwargs):
+        return _cast_nested(args, dtype), {k: _cast_nested(v, dtype) for k, v in kwargs.items()}
+    return hook
+
+
+def _cast_output_hook(dtype: torch.dtype):
+    """Forward hook of the attention / experts regions: floating outputs (tensors in tuples too) back to ``dtype``."""
+    def hook(module, args, output):
+        return _cast_nested(output, dtype)
     return hook
 
 
@@ -87,10 +160,16 @@ class PrecisionHandle(PatchHandle):
         self.keep_original = True
         self.add_callback(self._restore_dtypes, "parameter and buffer dtypes")
 
-    def _add_input_cast(self, name: str, module: torch.nn.Module, dtype: torch.dtype) -> None:
-        hook = module.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
+    def _add_input_cast(self, name: str, module: torch.nn.Module, dtype: torch.dtype, nested: bool = False) -> None:
+        make = _cast_inputs_nested_hook if nested else _cast_inputs_hook
+        hook = module.register_forward_pre_hook(make(dtype), with_kwargs=True)
         self._hooks.append(hook)
         self.add_hook(hook, f"{name or '<root>'} inputs -> {dtype_name(dtype)}")
+
+    def _add_output_cast(self, name: str, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        hook = module.register_forward_hook(_cast_output_hook(dtype))
+        self._hooks.append(hook)
+        self.add_hook(hook, f"{name or '<root>'} outputs -> {dtype_name(dtype)}")
 
     def _add_fp8(self, fp8: FakeQuantHandle) -> None:
         self.fp8 = fp8
@@ -165,12 +244,21 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
     dtype's rounding, and says so (:class:`~moealign.errors.MoealignWarning`).
     Every module is cast from its original values: an fp32 router or LM head in an fp16 policy holds the
     checkpoint's fp32 weights, not fp16-rounded ones.
-    ``roles`` overrides :func:`module_roles` (for models outside the family registry).
+    ``roles`` overrides :func:`module_roles` (for models outside the family registry); by default the routers and
+    the LM head, plus the attention / experts modules when the policy gives them their own dtype. Attention and
+    experts modules kept in another dtype also get their floating outputs cast back to the policy's ``dtype``.
     """
     if not isinstance(keep_original, bool):
         raise ConfigError(f"keep_original must be True or False, got {keep_original!r}")
     policy = get_policy(policy)
-    roles = module_roles(model) if roles is None else dict(roles)
+    if roles is None:
+        include = (ROUTER, LM_HEAD) + tuple(r for r in OUTPUT_CAST_ROLES if policy.module_dtype(r) != policy.dtype)
+        roles = module_roles(model, include=include)
+    else:
+        roles = dict(roles)
+    bad = {n: r for n, r in roles.items() if r not in ROLES}
+    if bad:
+        raise ConfigError(f"unknown module roles {bad} (known: {list(ROLES)})")
     modules = dict(model.named_modules())
     missing = sorted(set(roles) - set(modules))
     if missing:
@@ -224,12 +312,16 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
             else:
                 store[name] = original.to(dtype)
     for role_module, dtype in overrides:
-        handle._add_input_cast(role_module, modules[role_module], dtype)
+        cast_out = roles[role_module] in OUTPUT_CAST_ROLES
+        handle._add_input_cast(role_module, modules[role_module], dtype, nested=cast_out)
+        if cast_out:
+            handle._add_output_cast(role_module, modules[role_module], policy.dtype)
     handle.keep_original = keep_original
     if keep_original:
         handle._originals = {key: original for _, _, key, original, _ in plan}
         handle._mark_applied()
     del plan
     if policy.fp8 is not None:
-        handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, roles)))
+        spared = {n: r for n, r in roles.items() if r in (ROUTER, LM_HEAD)}   # FP8 spares router and head only
+        handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, spared)))
     return handle
