@@ -32,6 +32,9 @@ checksum. Every metadata field is type-checked on load and every index tensor (s
 lengths, kept-set offsets) is checked before use. Files of format version 1 (whose checksum covered the
 tensors only) are still read, with a :class:`~moealign.errors.MoealignWarning` asking to re-save them.
 Saving is atomic (:func:`moealign._files.atomic_write`) and refuses a target that is not a regular file.
+A record may carry the rollout side's execution contract (``RolloutRecord.contract``, :mod:`moealign.contract`),
+saved as JSON under its own metadata key (so covered by the checksum) and checked on load; files without one load
+with ``contract=None``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ _OLD_FORMAT_VERSION = 1   # read (checksum over the tensors only), with a warnin
 _META_KEY = "moealign.meta"
 _VERSION_KEY = "moealign.format_version"
 _CHECKSUM_KEY = "moealign.checksum"
+_CONTRACT_KEY = "moealign.contract"   # the rollout side's execution contract (moealign.contract), when stated
 _ROUTER_SIGNATURE_RTOL = 2e-2
 
 
@@ -594,9 +598,12 @@ def _split_kept(offsets: torch.Tensor, ids: torch.Tensor, response_lens: Sequenc
 class RolloutRecord:
     """A batch of rollout samples plus the metadata of the model and engine that produced them."""
 
-    def __init__(self, meta: RecordMeta, samples: Sequence[Sample], *, validate: bool = True):
+    def __init__(self, meta: RecordMeta, samples: Sequence[Sample], *, validate: bool = True,
+                 contract: dict | None = None):
         self.meta = meta
         self.samples = list(samples)
+        #: the rollout side's execution contract (:mod:`moealign.contract`), or None when not stated
+        self.contract = contract
         if validate:
             self.validate()
 
@@ -632,6 +639,10 @@ class RolloutRecord:
     def validate(self) -> None:
         if not self.samples:
             raise RecordError("a rollout record needs at least one sample")
+        if self.contract is not None:
+            from .contract import check_contract
+
+            check_contract(self.contract)
         routes = {s.routes is not None for s in self.samples}
         kept = {s.kept_offsets is not None for s in self.samples}
         if len(routes) > 1 or len(kept) > 1:
@@ -800,6 +811,8 @@ class RolloutRecord:
         self.validate()
         tensors = {k: v.contiguous() for k, v in self._tensors().items()}
         metadata = {_META_KEY: self.meta.to_json(), _VERSION_KEY: str(FORMAT_VERSION)}
+        if self.contract is not None:
+            metadata[_CONTRACT_KEY] = json.dumps(self.contract, sort_keys=True)
         metadata[_CHECKSUM_KEY] = _checksum(tensors, metadata)
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata), flag="record path")
 
@@ -830,9 +843,27 @@ class RolloutRecord:
             meta = RecordMeta.from_json(metadata[_META_KEY], file_version=int(version))
         except RecordError as exc:
             raise RecordFormatError(f"{path}: bad record metadata: {exc}") from None
+        contract = _contract_from_metadata(metadata, path) if current else None
         if expect is not None:
             meta.check_matches(expect, require_weights=require_weights)
-        return cls(meta, _samples_from_tensors(tensors, meta, path))
+        return cls(meta, _samples_from_tensors(tensors, meta, path), contract=contract)
+
+
+def _contract_from_metadata(metadata: dict[str, str], path: str) -> dict | None:
+    """The execution contract a file states (``None``: none, as in files written before contracts existed)."""
+    from .contract import check_contract
+
+    text = metadata.get(_CONTRACT_KEY)
+    if text is None:
+        return None
+    try:
+        contract = json.loads(text)
+    except ValueError as exc:
+        raise RecordFormatError(f"{path}: the record's contract is not JSON: {exc}") from None
+    try:
+        return check_contract(contract)
+    except RecordError as exc:
+        raise RecordFormatError(f"{path}: bad record contract: {exc}") from None
 
 
 def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -980,4 +1011,4 @@ def _missing_rows(mask: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor |
 
 def with_meta(record: RolloutRecord, **changes) -> RolloutRecord:
     """A copy of ``record`` with metadata fields replaced (validated again)."""
-    return RolloutRecord(replace(record.meta, **changes), record.samples)
+    return RolloutRecord(replace(record.meta, **changes), record.samples, contract=record.contract)
