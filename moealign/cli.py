@@ -54,6 +54,8 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     _check_json_path(args.json, cfg.inputs(), {"--save-record": args.save_record})
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.contract:
+        return _mismatch_contract(cfg, args, log)
     if args.sweep:
         sweep = run_sweep(cfg, progress=progress, log=log)
         report = sweep["configs"][-1]["report"]          # the gates judge the fully aligned config
@@ -61,6 +63,20 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         report = run_mismatch(cfg, progress=progress, log=log)
     return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below))
+
+
+def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
+    """``mismatch --contract``: both sides' execution contracts compared; exit 3 naming each gap field."""
+    from .contract import format_contract, gap_lines
+    from .mismatch.contract_check import run_contract_check
+
+    other = [f for f, given in (("--sweep", args.sweep), ("--save-record", args.save_record),
+                                ("--fail-above", args.fail_above), ("--fail-below", args.fail_below)) if given]
+    if other:
+        raise ConfigError(f"{', '.join(other)}: --contract compares the two sides' configurations and scores nothing; "
+                          f"drop {'them' if len(other) > 1 else 'it'}")
+    result = run_contract_check(cfg, log=log)
+    return _finish("mismatch", format_contract(result["fields"]), result, args.json, gap_lines(result["fields"]))
 
 
 #: The engines of ``moealign mismatch`` when --rollout / --train are not given (the API's MismatchConfig keeps
@@ -164,6 +180,10 @@ def _add_mismatch(sub) -> None:
     p.add_argument("--fail-below", action="append", metavar="METRIC=VALUE",
                    help="exit 3 when the judged run's METRIC is below VALUE (repeatable); metrics where higher is "
                    "better: " + ", ".join(HIGHER_IS_BETTER + TWO_SIDED))
+    p.add_argument("--contract", action="store_true",
+                   help="score nothing: compare the two sides' execution contracts (engine, region dtypes, kernels, "
+                   "TP/EP/SP/CP, switches, sampling, weight digests) field by field; exit 3 naming each field known "
+                   "to cause a gap (the rollout side's from the record with --load-record)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
     p.set_defaults(func=_cmd_mismatch)
 

@@ -295,8 +295,8 @@ def _dtype_row(region: str, r: dict, t: dict) -> dict:
                 return _row(field, a, b, "gap",
                             f"{side} computes the {label} in float32, {other} in {theirs}: a one-sided fp32 {label} "
                             f"makes the mismatch worse, not better; use the same dtype on both sides")
-    return _row(field, a, b, "gap", f"the {label} runs in {a} on the rollout side and {b} on the train side: "
-                                   f"different rounding of every value it computes")
+    return _row(field, a, b, "gap", f"{label} in {a} on the rollout side, {b} on the train side: every value "
+                                   f"computed there is rounded differently")
 
 
 def _missing_row(field: str, a, b) -> dict:
