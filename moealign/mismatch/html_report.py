@@ -411,15 +411,15 @@ def _plot_attribution(report: dict, colors: _Colors) -> tuple[Any, str]:
     fig, ax = _new_figure(7.5, max(2.2, 0.45 * len(bars) + 1.2))
     names = [k for k, _ in bars][::-1]
     values = [v for _, v in bars][::-1]
-    ax.barh(range(len(names)), values, color=["#7f7f7f" if n == "residual" else ("#d62728" if v >= 0 else "#2ca02c")
+    ax.barh(range(len(names)), values, color=["#7f7f7f" if n == "residual" else ("#1f77b4" if v >= 0 else "#ff7f0e")
                                   for n, v in zip(names, values)])
     ax.set_yticks(range(len(names)), [_label(n) for n in names])
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_xlabel(_label(f"share of the gap in {primary}"))
     _finish_axes(ax, legend=False)
     gap = _fmt(entry.get("gap"))
-    return fig, (f"Attribution of {primary} (gap {gap}): the share of each cause (negative: the lever made it "
-                 "worse) and the residual no lever explains.")
+    return fig, (f"Attribution of {primary} (gap {gap}): the share of each cause (negative: turning its lever on "
+                 "made the metric worse) and the residual no lever explains.")
 
 
 def _plot_full_vocab_kl(report: dict, colors: _Colors) -> tuple[Any, str]:
