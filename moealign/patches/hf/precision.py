@@ -325,3 +325,43 @@ def apply_precision(model: torch.nn.Module, policy: str | PrecisionPolicy, *, ke
         spared = {n: r for n, r in roles.items() if r in (ROUTER, LM_HEAD)}   # FP8 spares router and head only
         handle._add_fp8(fake_quant_fp8_(model, fp8_fake_quant_config(policy, spared)))
     return handle
+
+
+# --------------------------------------------------------------------------------------------------
+# the router-precision audit (4 stages)
+# --------------------------------------------------------------------------------------------------
+
+
+def audit_router(model: torch.nn.Module, inputs, *, forward=None):
+    """The dtype each MoE router of ``model`` works in, stage by stage, observed in one forward (no grad) on
+    ``inputs`` (a dict: keywords; a tuple: positional; else the only argument; ``forward(model, inputs)``
+    replaces the call): a :class:`~moealign.precision.router_audit.RouterAudit` ``{layer: {"weight",
+    "projection", "scores", "topk_input"}}``; check it with
+    :func:`~moealign.precision.router_audit.check_router_audit`.
+
+    Observed in the router module (the family's router class, e.g. Qwen3-MoE's ``mlp.gate``): ``weight`` its
+    ``weight`` when it runs; ``projection`` the output of ``torch.nn.functional.linear``; ``scores`` the output
+    of ``F.softmax`` / ``torch.softmax`` / ``torch.sigmoid``; ``topk_input`` the input of ``torch.topk``. (Qwen3-MoE's
+    router computes ``softmax(logits, dtype=torch.float)``: its scores and top-k input are float32 in a bf16
+    model too; the projection is where a bf16 router rounds.)
+    """
+    from ...precision.router_audit import observe_routers
+    from .model import describe_model
+
+    info = describe_model(model)
+    functional = torch.nn.functional
+    ops = [(functional, "linear", "projection", "output"), (functional, "softmax", "scores", "output"),
+           (torch, "softmax", "scores", "output"), (torch, "sigmoid", "scores", "output")]
+    with observe_routers(dict(info.routers), ops=ops, engine=f"transformers {info.transformers_version}") as obs:
+        with torch.no_grad():
+            if forward is not None:
+                forward(model, inputs)
+            elif isinstance(inputs, dict):
+                model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                model(*inputs)
+            else:
+                model(inputs)
+    obs.result.notes.insert(0, "projection: F.linear output; scores: softmax / sigmoid output; topk_input: the "
+                               "tensor torch.topk received; weight: router.weight as held")
+    return obs.result
