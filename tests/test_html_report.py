@@ -310,6 +310,27 @@ def test_malformed_or_empty_plot_data_is_not_measured(section, value):
     assert "not measured:" in _figure(page, name)
 
 
+@pytest.mark.parametrize("bad", [7, "text", [1, "x"], {"runs": 3, "fields": "y"}, None, NAN])
+def test_values_of_the_wrong_type_never_crash(bad):
+    keys = ["model", "rollout", "train", "num_tokens", "moe_layers", "elapsed_s", "runs", "levers", "attribution",
+            "diagnosis", "plots", "contract"]
+    page = render_html({k: bad for k in keys})
+    assert page.rstrip().endswith("</html>") and "<header><h1>" in page
+    assert all(_is_missing(page, n) for n in PLOT_IDS)
+
+
+def test_entries_of_the_wrong_type_never_crash():
+    report = synthetic_report()
+    report["runs"][0] = "not a run"
+    report["levers"]["runs"][1]["metrics"] = [1, 2]
+    report["diagnosis"]["ranked"] = 5
+    report["contract"]["fields"][0] = None
+    report["plots"]["worst_tokens"][0]["flipped_layers"] = 3
+    report["plots"]["logp_hist"]["zeros"] = "x"
+    page = render_html(report)
+    assert page.rstrip().endswith("</html>")
+
+
 def test_flip_rate_falls_back_to_lever_metrics():
     report = synthetic_report()
     del report["plots"]["flip_rate"]

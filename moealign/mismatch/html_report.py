@@ -609,10 +609,17 @@ def _engine(side: Any) -> str:
     return _esc(parts[0] + (f" ({', '.join(extra)})" if extra else ""))
 
 
+def _join(value: Any) -> str:
+    """A list as "a, b, c" (escaped); anything else as a cell value."""
+    if isinstance(value, (list, tuple)):
+        return _esc(", ".join(str(x) for x in value)) or "n/a"
+    return "n/a" if value is None else _text(value)
+
+
 def _header(report: dict) -> str:
     facts = [("rollout", _engine(report.get("rollout"))), ("train", _engine(report.get("train"))),
              ("tokens", _text(report.get("num_tokens"))),
-             ("MoE layers", _esc(", ".join(str(x) for x in report.get("moe_layers") or []) or "n/a")),
+             ("MoE layers", _join(report.get("moe_layers"))),
              ("elapsed", f"{_fmt(report.get('elapsed_s'))} s")]
     dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
     return (f"<header><h1>Rollout vs train mismatch: {_esc(report.get('model', 'unknown model'))}</h1>"
@@ -680,25 +687,37 @@ figure.plot.missing{background:#fafafa}.not-measured{color:#888;font-style:itali
 """
 
 
+def _safe(builder: Callable[[dict], str], report: dict, section_id: str) -> str:
+    """A header / table section, or "not measured: malformed data" when the report's values have the wrong
+    types (a page is always produced)."""
+    try:
+        return builder(report)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        return _not_measured(section_id, f"malformed data ({type(exc).__name__}: {exc})")
+
+
 def render_html(report: dict) -> str:
     """The report as one self-contained HTML page (inline CSS and SVG, no script, no external resource)."""
     if not isinstance(report, dict):
         raise ConfigError(f"render_html: the report must be a dict, got {type(report).__name__}")
     colors = _Colors()
-    for name in ([str(r.get("name")) for r in report.get("runs") or [] if isinstance(r, dict)]
-                 + [str(r.get("label")) for r in _dict(report.get("levers")).get("runs") or [] if isinstance(r, dict)]):
+    runs = report.get("runs")
+    lever_runs = _dict(report.get("levers")).get("runs")
+    for name in ([str(r.get("name")) for r in (runs if isinstance(runs, list) else []) if isinstance(r, dict)]
+                 + [str(r.get("label")) for r in (lever_runs if isinstance(lever_runs, list) else [])
+                    if isinstance(r, dict)]):
         colors(name)
     title = f"moealign mismatch: {report.get('model', 'report')}"
     body = [
-        _header(report),
-        _diagnosis(report),
+        _safe(_header, report, "header"),
+        _safe(_diagnosis, report, "diagnosis"),
         '<section id="tables"><h2>Tables</h2>',
-        "<h3>Runs</h3>", _runs_table(report),
-        "<h3>Lever runs</h3>", _levers_table(report),
-        "<h3>Attribution</h3>", _attribution_table(report),
-        "<h3>Worst tokens</h3>", _worst_tokens_table(report),
-        "<h3>Execution contract</h3>", _contract_table(report),
-        _kl_summary_table(report),
+        "<h3>Runs</h3>", _safe(_runs_table, report, "table-runs"),
+        "<h3>Lever runs</h3>", _safe(_levers_table, report, "table-levers"),
+        "<h3>Attribution</h3>", _safe(_attribution_table, report, "table-attribution"),
+        "<h3>Worst tokens</h3>", _safe(_worst_tokens_table, report, "table-worst-tokens"),
+        "<h3>Execution contract</h3>", _safe(_contract_table, report, "table-contract"),
+        _safe(_kl_summary_table, report, "table-full-vocab-kl"),
         "</section>",
         '<section id="plots"><h2>Plots</h2>',
         *(_figure(name, report, colors) for name in PLOT_IDS),
