@@ -159,3 +159,49 @@ def test_hf_missing_input_cast_is_refused_by_torch(hf_model, ids):
         with pytest.raises(RuntimeError, match="dtype"):
             audit_router(hf_model, {"input_ids": ids})
     assert torch.topk.__module__ != __name__ and not hasattr(torch.topk, "__wrapped__")
+
+
+# ----------------------------------------------------------------------------------------------- Megatron-core
+
+
+@pytest.fixture(scope="module")
+def megatron_build(hf_model):
+    pytest.importorskip("megatron.core")
+    import warnings
+
+    from moealign.patches import megatron as mg
+    from moealign.patches.megatron import checkpoint as mc
+    from moealign.precision.policy import to_megatron_config_fields
+
+    world = mg.init_single_process()
+
+    def build(policy):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return mc.build_megatron_from_hf(hf_model, **to_megatron_config_fields(policy, te_available=False)).eval()
+
+    yield build
+    world.undo()
+
+
+def _mcore_inputs(ids):
+    B, T = ids.shape
+    return ids, torch.arange(T).expand(B, T), torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]
+
+
+def test_megatron_router_stages(megatron_build, ids):
+    """moe_router_dtype=None (bf16): bf16 at all four stages. moe_router_dtype="fp32" (bf16-fp32-router): the
+    logits, scores and top-k input are fp32, but the weight is still held in bf16 (params_dtype): Megatron casts
+    the bf16-rounded weight up, it does not hold an fp32 router. The audit says so at stage "weight"."""
+    from moealign.patches.megatron.router_audit import audit_router
+
+    topk = torch.topk
+    plain = audit_router(megatron_build("bf16"), _mcore_inputs(ids))
+    assert list(plain) == [0, 1, 2, 3] and check_router_audit(plain, BF16) == []
+    fp32 = audit_router(megatron_build("bf16-fp32-router"), _mcore_inputs(ids))
+    assert "moe_router_dtype='fp32'" in fp32.notes[0]
+    assert check_router_audit(fp32, F32) == [f"layer {i} weight: bfloat16, expected float32" for i in range(4)]
+    assert check_router_audit(fp32, {"weight": BF16, "projection": F32, "scores": F32, "topk_input": F32}) == []
+    assert torch.topk is topk
+    ref = audit_router(megatron_build("fp32"), _mcore_inputs(ids))
+    assert check_router_audit(ref, F32) == []
