@@ -371,3 +371,21 @@ def test_cli_record_without_contract_is_one_line_exit_2(tmp_path):
     p = _cli("--train", "hf", "--load-record", str(path))
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "states no execution contract" in p.stderr, p.stderr
+
+
+def test_cli_default_engines_vllm_megatron_bf16_exits_0(tmp_path):
+    """The main job's engines (vLLM rolls out, Megatron trains), each in the child process the CLI is."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("megatron.core")
+    from vllm_util import child_env
+
+    out = tmp_path / "c.json"
+    p = subprocess.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--rollout-precision",
+                        "bf16", "--train-precision", "bf16", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, env=child_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["rollout"]["engine"] == "vllm" and data["train"]["engine"] == "megatron"
+    assert data["rollout"]["dtypes"]["lm_head"] == "bfloat16" and data["rollout"]["parallel"]["tp"] == 1
+    w = data["rollout"]["weights"]
+    assert w["digests"] or w["note"]          # CPU vLLM packs its weights: a note instead of digests
