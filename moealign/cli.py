@@ -50,7 +50,11 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
-        device=args.device, save_record=args.save_record, load_record=args.load_record)
+        device=args.device, save_record=args.save_record, load_record=args.load_record,
+        diagnose=bool(args.diagnose), report_dir=args.report, inject_fault=args.inject_fault)
+    if args.sweep and (args.diagnose or args.report or args.inject_fault):
+        raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
+                          "to one mismatch test; drop --sweep")
     _check_json_path(args.json, cfg.inputs(), {"--save-record": args.save_record})
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -61,7 +65,12 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         report = sweep["configs"][-1]["report"]          # the gates judge the fully aligned config
     else:
         report = run_mismatch(cfg, progress=progress, log=log)
-    return _finish("mismatch", format_sweep(sweep) if args.sweep else format_table(report),
+    table = format_sweep(sweep) if args.sweep else format_table(report)
+    if not args.sweep and "diagnosis" in report:
+        from .mismatch.report import format_diagnosis
+
+        table += "\n\n" + format_diagnosis(report)
+    return _finish("mismatch", table,
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below))
 
 
@@ -173,6 +182,16 @@ def _add_mismatch(sub) -> None:
                    help="skip the rollout; score a saved record with its own sampling parameters (rollout options "
                    "such as --temperature or --rollout-precision are refused with it)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON (with --sweep: every configuration's)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="score the record with every combination of levers (sampling mask, routing replay, precision "
+                   "per region, batch-invariant ops, weights), attribute the gap to its causes (Shapley values), "
+                   "compare both sides' execution contracts, and print the diagnosis: the lever to turn on first, "
+                   "what remains, the correction preset for it")
+    p.add_argument("--report", metavar="DIR",
+                   help="write DIR/report.html (self-contained, plots) and DIR/report.json; implies --diagnose")
+    p.add_argument("--inject-fault", metavar="SPEC",
+                   help="inject a known fault to check the diagnosis names it: weights:layer=L[,scale=S] (the rollout "
+                   "side's layer L perturbed; --rollout hf) or replay-off (the trainer's replay does nothing)")
     p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
                    help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable; with --sweep: the "
                    "fully aligned configuration's; a record without kept sets: the routing_replay run); metrics "

@@ -224,6 +224,22 @@ def case_apply_precision(mp, stack):
                 ("precision policy 'fp16-fp32-router-head' on Qwen3MoeForCausalLM",))
 
 
+def case_apply_fault(mp, stack):
+    import hashlib
+
+    from moealign.mismatch.faults import Fault, apply_fault
+
+    model = _tiny_moe()
+
+    def probe():   # the values of every parameter (a digest: tensors compare by identity here)
+        h = hashlib.sha256()
+        for n, p in model.named_parameters():
+            h.update(n.encode() + p.detach().float().numpy().tobytes())
+        return (h.hexdigest(),)
+
+    return Case(lambda: apply_fault(model, Fault("weights", 0, 0.1)), probe, "instance", ("layer 0",))
+
+
 def case_apply_bi_attention(mp, stack):
     pytest.importorskip("transformers")
     from transformers.masking_utils import AttentionMaskInterface
@@ -430,6 +446,7 @@ CASES = {
     "moealign.precision.fp8.fake_quant_fp8_": case_fake_quant_fp8_,
     "moealign.patches.hf.precision.apply_precision": case_apply_precision,
     "moealign.patches.hf.attention.apply_bi_attention": case_apply_bi_attention,
+    "moealign.mismatch.faults.apply_fault": case_apply_fault,
     "moealign.precision.batch_invariant.enable_batch_invariant": case_enable_batch_invariant,
     "moealign.precision.batch_invariant.batch_invariant_mode": case_batch_invariant_mode,
     "moealign.patches.megatron.world.enable_megatron_cpu": case_enable_megatron_cpu,

@@ -39,7 +39,7 @@ import re
 from typing import Any, Callable
 
 from .._files import atomic_write
-from ..errors import ConfigError
+from ..errors import ConfigError, MoealignError
 
 __all__ = ["PLOT_IDS", "render_html", "report_json", "write_report_dir"]
 
@@ -57,7 +57,7 @@ _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#
             "#bcbd22", "#17becf")
 
 
-class _Missing(Exception):
+class _Missing(MoealignError):
     """A plot or table that cannot be drawn; the message is the reason shown."""
 
 

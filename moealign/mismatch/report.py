@@ -27,7 +27,7 @@ from .scoring import SideScores
 
 __all__ = ["RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "ICEPOP_BAND", "GEO_RS_BAND", "LOWER_IS_BETTER",
            "HIGHER_IS_BETTER", "TWO_SIDED", "parse_fail_above", "judged_run",
-           "check_fail_above", "run_metrics", "build_report", "format_table", "format_sweep"]
+           "check_fail_above", "run_metrics", "build_report", "format_table", "format_sweep", "format_diagnosis"]
 
 RUN_NAMES = ("baseline", "routing_replay", "sampling_mask", "routing_replay+sampling_mask")
 ALIGNED_RUN = RUN_NAMES[-1]
@@ -294,4 +294,39 @@ def format_sweep(sweep: dict) -> str:
              f"(routing replay + sampling mask) gap per precision configuration", "",
              align(header), "  ".join("-" * w for w in widths)]
     lines += [align(r) for r in rows]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# --diagnose
+# --------------------------------------------------------------------------------------------------
+
+
+def format_diagnosis(report: dict) -> str:
+    """The diagnosis in words, the attribution table (each cause's share of each metric, the residual) and the
+    contract gaps, for the terminal."""
+    d = report["diagnosis"]
+    lines = [f"diagnosis: {d['headline']}"]
+    attribution = report.get("attribution", {}).get("metrics", {})
+    if attribution:
+        metrics = list(attribution)
+        causes = []
+        for m in metrics:
+            for cause in attribution[m]["shares"]:
+                if cause not in causes:
+                    causes.append(cause)
+        width = max([len(c) for c in causes] + [len("residual after all levers"), 5])
+        lines.append("")
+        lines.append("cause".ljust(width) + "".join(f"  {m:>20}" for m in metrics))
+        lines.append("-" * width + "".join("  " + "-" * 20 for _ in metrics))
+        for label, get in ([("measured gap", lambda a: a["gap"])]
+                           + [(c, (lambda c: lambda a: a["shares"].get(c, float("nan")))(c)) for c in causes]
+                           + [("residual after all levers", lambda a: a["residual"])]):
+            lines.append(label.ljust(width) + "".join(f"  {get(attribution[m]):>20.4g}" for m in metrics))
+        regions = attribution[metrics[0]].get("regions")
+        if regions:
+            split = ", ".join(f"{k}: {v:.3g}" for k, v in regions["shares"].items())
+            lines.append(f"precision by region ({metrics[0]}, other levers off): {split}")
+    lines.append("")
+    lines += [f"  {t}" for t in d["text"]]
     return "\n".join(lines)

@@ -145,6 +145,9 @@ class MismatchConfig:
     device: str = "auto"
     save_record: str | None = None
     load_record: str | None = None
+    diagnose: bool = False              # lever runs, attribution, diagnosis, contracts, plot data
+    report_dir: str | None = None       # write report.html + report.json there (implies diagnose)
+    inject_fault: str | None = None     # a known fault (moealign.mismatch.faults), to check the diagnosis
 
     def __post_init__(self):
         if self.load_record is not None:
@@ -208,6 +211,19 @@ class MismatchConfig:
         if self.save_record is not None:
             check_output_path(self.save_record, "--save-record")
             check_not_an_input(self.save_record, "--save-record", self.inputs())
+        if not isinstance(self.diagnose, bool):
+            raise ConfigError(f"diagnose must be a bool, got {self.diagnose!r}")
+        if self.report_dir is not None:
+            if os.path.exists(self.report_dir) and not os.path.isdir(self.report_dir):
+                raise ConfigError(f"--report {self.report_dir}: exists and is not a directory")
+            self.diagnose = True
+        if self.inject_fault is not None:
+            from .faults import parse_fault
+
+            fault = parse_fault(self.inject_fault)
+            if fault.kind == "weights" and (self.load_record is not None or self.rollout_engine != "hf"):
+                raise ConfigError("--inject-fault weights perturbs the transformers rollout engine's weights: it needs "
+                                  "--rollout hf and no --load-record")
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one)."""
@@ -244,6 +260,13 @@ class MismatchConfig:
                 raise ConfigError(f"--device {self.device!r}: CUDA is not available on this machine (use cpu)")
             if device.index is not None and device.index >= torch.cuda.device_count():
                 raise ConfigError(f"--device {self.device!r}: this machine has {torch.cuda.device_count()} GPUs")
+
+    @property
+    def fault(self):
+        """The parsed ``inject_fault`` (:class:`moealign.mismatch.faults.Fault`) or None."""
+        from .faults import parse_fault
+
+        return parse_fault(self.inject_fault) if self.inject_fault is not None else None
 
     @property
     def sampling(self) -> SamplingParams:

@@ -41,6 +41,8 @@ import dataclasses
 import time
 from typing import Callable
 
+import torch
+
 from .engines import describe_engine
 from .report import (
     ALIGNED_RUN,
@@ -62,6 +64,10 @@ from .rollout import (
     rollout_message,
     rollout_prompts,
 )
+from . import plots as plots_mod
+from .diagnose import diagnose
+from .faults import ReplayOffTrainer
+from .levers import ATTRIBUTED_METRICS, CAUSES, LeverRunner
 from .scoring import make_train_engine, score_record, train_message
 
 __all__ = ["MismatchConfig", "RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "SWEEP", "run_mismatch", "run_sweep",
@@ -69,21 +75,36 @@ __all__ = ["MismatchConfig", "RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "SWEEP"
 
 
 def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[str], None] | None = None) -> dict:
-    """Run the mismatch test; returns the JSON-ready report (see the CLI help for its schema)."""
+    """Run the mismatch test; returns the JSON-ready report (see the CLI help for its schema). With
+    ``cfg.diagnose`` (or ``cfg.report_dir``) the report also holds the lever runs, the attribution, the
+    diagnosis, both sides' execution contracts and the plot data (:func:`diagnosis_sections`); with
+    ``cfg.report_dir`` it is written there as ``report.html`` + ``report.json``."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     device = cfg.resolved_device()
     model_path = cfg.model_path()
+    fault = cfg.fault
 
     # 1. the rollout record
+    rollout_contract, pad_token_id = None, None
     if cfg.load_record:
         record, rollout_desc = load_record(cfg)
+        rollout_contract = record.contract
     else:
         prompts = rollout_prompts(cfg)
         log(rollout_message(cfg, device, len(prompts)))
         rollout = make_rollout_engine(cfg, model_path, device)
         try:
+            if fault is not None and fault.kind == "weights":
+                from .faults import apply_fault
+
+                log(f"fault injected: {fault.describe()}")
+                apply_fault(rollout.model, fault)
             record, rollout_desc = generate_record(cfg, rollout, prompts, progress=progress)
+            if cfg.diagnose or cfg.save_record:
+                rollout_contract = rollout.contract(cfg.sampling)
+                record.contract = rollout_contract
+            pad_token_id = getattr(getattr(rollout, "tokenizer", None), "pad_token_id", None)
         finally:
             rollout.close()
         del rollout
@@ -92,16 +113,127 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     # 2. the training engine's scores, without and with routing replay
     log(train_message(cfg, record))
     trainer = make_train_engine(cfg, model_path, device)
+    if fault is not None and fault.kind == "replay-off":
+        log(f"fault injected: {fault.describe()}")
+        trainer = ReplayOffTrainer(trainer)
     try:
         sides = score_record(record, trainer, batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant,
                              progress=progress)
+        train_desc = describe_engine(trainer)
+        extra = {}
+        if cfg.diagnose:
+            extra = diagnosis_sections(cfg, record, trainer, rollout_contract=rollout_contract,
+                                       pad_token_id=pad_token_id, log=log)
     finally:
         trainer.close()
 
     # 3. the report
-    return build_report(model=cfg.model_label(), record=record, sides=sides, rollout=rollout_desc,
-                        train=describe_engine(trainer), sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
-                        device=device, started=t0)
+    report = build_report(model=cfg.model_label(), record=record, sides=sides, rollout=rollout_desc,
+                          train=train_desc, sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
+                          device=device, started=t0)
+    report.update(extra)
+    if fault is not None:
+        report["injected_fault"] = fault.describe()
+    report["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    if cfg.report_dir:
+        from .html_report import write_report_dir
+
+        paths = write_report_dir(report, cfg.report_dir)
+        log(f"report: {paths['html']}")
+    return report
+
+
+#: Lever runs shown in the report's plots besides the baseline and "all levers": each lever alone.
+def _shown_runs(runner: LeverRunner) -> dict:
+    runs = {"baseline": runner.run(frozenset())}
+    for player in runner.players:
+        runs[CAUSES[player] if player in CAUSES else player] = runner.run(frozenset({player}))
+    runs["all levers"] = runner.run(frozenset(runner.players))
+    return runs
+
+
+def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract: dict | None = None,
+                       pad_token_id: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """``{"levers", "attribution", "diagnosis", "contract", "plots"}`` of the report: every lever set scored
+    on ``record`` (:class:`~moealign.mismatch.levers.LeverRunner`), its Shapley attribution, the diagnosis
+    (:func:`~moealign.mismatch.diagnose.diagnose`), both sides' contracts compared, the plots' numbers."""
+    from ..contract import compare_contracts
+    from .engines import HFTrainEngine  # noqa: F401  (the factory below opens the configured engine kind)
+    from .scoring import make_train_engine
+
+    log = log or (lambda msg: None)
+    device = cfg.resolved_device()
+    fault = cfg.fault
+
+    def factory(bi: bool):
+        one = dataclasses.replace(cfg, batch_invariant=bi, attention=None if bi else cfg.attention,
+                                  save_record=None, load_record=None, report_dir=None, diagnose=False,
+                                  inject_fault=None)
+        engine = make_train_engine(one, cfg.model_path(), device)
+        return ReplayOffTrainer(engine) if fault is not None and fault.kind == "replay-off" else engine
+
+    runner = LeverRunner(record=record, trainer=trainer, trainer_factory=factory, model_path=cfg.model_path(),
+                         device=device, rollout_policy=cfg.rollout_precision, train_policy=cfg.train_precision,
+                         batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant, attention=cfg.attention,
+                         rescorable=cfg.rollout_engine == "hf" and not cfg.load_record,
+                         fault=fault if fault is not None and fault.kind == "weights" else None,
+                         pad_token_id=pad_token_id, log=log)
+    try:
+        t0 = time.perf_counter()
+        if runner.rescorable:
+            exact = runner.check_base()
+            log(f"levers: the record re-scored along the rollout's path {'bitwise' if exact else 'NOT'} equal")
+        log(f"levers: players {runner.players}" + (f", precision regions {runner.regions}" if runner.regions else ""))
+        attribution = runner.attribution()
+        shown = _shown_runs(runner)
+        kl = {}
+        for name in ("baseline", "all levers"):
+            levers = frozenset() if name == "baseline" else frozenset(runner.players)
+            values = runner.full_vocab_kl(levers)
+            if values is not None:
+                kl[name] = values
+        log(f"levers: {len(runner._runs)} lever sets scored in {time.perf_counter() - t0:.1f} s")
+        train_contract = trainer.contract(cfg.sampling) if hasattr(trainer, "contract") else None
+        rows = compare_contracts(rollout_contract, train_contract) if rollout_contract and train_contract else None
+        runs_metrics = {name: r.metrics for name, r in shown.items()}
+        runs_metrics["routing_replay"] = runner.run(frozenset({"routing_replay"})).metrics
+        diagnosis = diagnose(runs=runs_metrics, attribution=attribution, contract_rows=rows, notes=runner.notes)
+        decode = _decoder(cfg)
+        kept_sizes = None
+        if record.has_kept_sets:
+            kept_sizes = torch.cat([s.kept_offsets[1:] - s.kept_offsets[:-1] for s in record.samples])
+        lengths = [s.response_len for s in record.samples]
+        plots = {
+            "flip_rate": plots_mod.flip_rate(shown, record.meta.moe_layers),
+            "logp_hist": plots_mod.logp_hist(shown),
+            "position": plots_mod.by_position(shown, lengths),
+            "is_tail": plots_mod.is_tail(shown),
+            "kept_set": plots_mod.kept_set_support(shown, kept_sizes),
+            "worst_tokens": plots_mod.worst_tokens(shown["baseline"], record, decode),
+            "full_vocab_kl": {
+                "positions": list(range(max(lengths))),
+                "series": {k: plots_mod.position_means(v, lengths) for k, v in kl.items()},
+                "summary": {k: {"mean": float(v.mean()), "max": float(v.max())} for k, v in kl.items()},
+            } if kl else {},
+        }
+        levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes,
+                  "runs": [{"label": r.label, "levers": sorted(r.levers), "metrics": r.metrics}
+                           for r in runner._runs.values()]}
+        return {"levers": levers, "attribution": {"primary": ATTRIBUTED_METRICS[0], "metrics": attribution},
+                "diagnosis": diagnosis, "plots": plots,
+                "contract": {"rollout": rollout_contract, "train": train_contract, "fields": rows or []}}
+    finally:
+        runner.close()
+
+
+def _decoder(cfg: MismatchConfig):
+    try:
+        from ..patches.hf.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model_path())
+    except Exception:  # noqa: BLE001 - token ids are shown instead
+        return None
+    return lambda ids: tokenizer.decode(ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,7 +266,7 @@ def run_sweep(cfg: MismatchConfig, *, configs=SWEEP, progress: bool = False,
         log(f"sweep: {label}")
         one = dataclasses.replace(cfg, rollout_precision=rollout_precision, train_precision=train_precision,
                                   rollout_dtype=None, train_dtype=None, batch_invariant=bi, attention=None,
-                                  save_record=None, load_record=None)
+                                  save_record=None, load_record=None, report_dir=None, diagnose=False)
         out.append({"label": label, "rollout_precision": one.rollout_precision,
                     "train_precision": one.train_precision, "batch_invariant": bi,
                     "report": run_mismatch(one, progress=progress, log=log)})

@@ -329,6 +329,27 @@ def _token_id(value, name: str, vocab_size: int) -> int:
     return value
 
 
+def _generated_routes(capture: RouteCapture, B: int, S0: int, steps: int, info: MoEModelInfo) -> torch.Tensor:
+    """``[B, S0 + steps - 1, n_layers, k]`` compact routes of one ``generate()`` call (prefill + one call per
+    decode step), from the router calls ``capture`` saw."""
+    if any(n != steps for n in capture.num_calls):
+        raise ReplayError(f"expected {steps} router calls per MoE layer (prefill + {steps - 1} decode steps), "
+                          f"saw {capture.num_calls}")
+    per_layer = []
+    for calls in capture.calls:
+        prefill = calls[0].reshape(B, S0, -1)
+        decode = [c.reshape(B, 1, -1) for c in calls[1:]]
+        per_layer.append(torch.cat([prefill] + decode, dim=1))   # [B, S0 + steps - 1, k]
+    return compact_routes(torch.stack(per_layer, dim=2), info.num_experts).cpu()
+
+
+def _sample_routes(routes_bt: torch.Tensor, b: int, am_cpu: torch.Tensor, R: int) -> torch.Tensor:
+    """Sample ``b``'s route rows (its prompt without padding, then ``R - 1`` response rows) in record order."""
+    S0 = am_cpu.shape[1]
+    valid = torch.cat([am_cpu[b].bool(), torch.ones(R - 1, dtype=torch.bool)])
+    return routes_bt[b, :S0 + R - 1][valid]
+
+
 def generate_with_record(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -417,18 +438,7 @@ def generate_with_record(
         raise ReplayError(f"kept-set capture saw {kept.steps} steps for {steps} generated tokens")
     resp_lens = _response_lengths(generated, eos_ids)
 
-    routes_bt = None
-    if capture is not None:
-        if any(n != steps for n in capture.num_calls):
-            raise ReplayError(f"expected {steps} router calls per MoE layer (prefill + {steps - 1} decode steps), "
-                              f"saw {capture.num_calls}")
-        B = input_ids.shape[0]
-        per_layer = []
-        for calls in capture.calls:
-            prefill = calls[0].reshape(B, S0, -1)
-            decode = [c.reshape(B, 1, -1) for c in calls[1:]]
-            per_layer.append(torch.cat([prefill] + decode, dim=1))   # [B, S0 + steps - 1, k]
-        routes_bt = compact_routes(torch.stack(per_layer, dim=2), info.num_experts).cpu()  # [B, S0+steps-1, n, k]
+    routes_bt = _generated_routes(capture, input_ids.shape[0], S0, steps, info) if capture is not None else None
 
     logprobs = torch.cat(kept.logprobs, dim=1).cpu()                  # [B, steps]
     kept_sets = kept.kept_sets(resp_lens) if record_kept_sets else None
@@ -440,13 +450,86 @@ def generate_with_record(
         R = resp_lens[b]
         prompt = seq_cpu[b, :S0][am_cpu[b].bool()]
         token_ids = torch.cat([prompt, seq_cpu[b, S0:S0 + R]])
-        routes = None
-        if routes_bt is not None:
-            valid = torch.cat([am_cpu[b].bool(), torch.ones(R - 1, dtype=torch.bool)])
-            routes = routes_bt[b, :S0 + R - 1][valid]   # validated and compacted once above
+        routes = _sample_routes(routes_bt, b, am_cpu, R) if routes_bt is not None else None
         kept_offsets, kept_ids = kept_sets[b] if kept_sets is not None else (None, None)
         samples.append(Sample(token_ids=token_ids, prompt_len=int(prompt.numel()), logprobs=logprobs[b, :R].clone(),
                               routes=routes, kept_offsets=kept_offsets, kept_ids=kept_ids, sampling=sampling))
     # built by construction from what generate() did; RolloutRecord.validate() (also run by save/load
     # round trips and by the tests) checks the same invariants at a cost of ~1% of a generate() call
     return RolloutRecord(meta, samples, validate=validate)
+
+
+# --------------------------------------------------------------------------------------------------
+# re-scoring a record along the rollout's own path (teacher-forced generate)
+# --------------------------------------------------------------------------------------------------
+
+
+class _ForceTokens:
+    """The last logits processor of a teacher-forced ``generate()``: every row's scores become 0 at the
+    recorded token of this step and -inf elsewhere, so greedy decoding emits the record's tokens."""
+
+    def __init__(self, prompt_width: int, forced: torch.Tensor):
+        self.prompt_width = prompt_width
+        self.forced = forced                     # [B, steps]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, self.forced[:, step:step + 1].to(scores.device), 0.0)
+
+
+def rescore_decode(model: torch.nn.Module, samples: Sequence[Sample], *, pad_token_id: int | None = None,
+                   eos_token_id: int | Sequence[int] | None = None,
+                   record_routes: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The logits and routes ``model`` computes for ``samples``' responses along the rollout's own path: one
+    ``generate()`` call over the batch (prompts left-padded as a rollout batch is, prefill then one decode step
+    per token with the KV cache), forced to emit each sample's recorded tokens.
+
+    Returns ``(logits, routes)``: per sample ``[response_len, V]`` float32 raw logits (the scores ``generate()``
+    hands its logits processors) and ``[rows, n_layers, k]`` routes in record row order (``None`` without
+    ``record_routes``). With the model, precision and batch the record was sampled with, ``kept_logprob`` of
+    these logits reproduces the record's log-probs and these routes its routes, bitwise: that is how the lever
+    runs of :mod:`moealign.mismatch.levers` change one thing on the rollout side and keep the rest of its path.
+    A response that ends before ``max_new_tokens`` ends with an EOS token (the model's ``eos_token_id``)."""
+    info = describe_model(model)
+    if not samples:
+        raise ConfigError("rescore_decode: no samples")
+    gen_cfg = model.generation_config
+    if eos_token_id is None:
+        eos_token_id = gen_cfg.eos_token_id
+    eos_ids = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    if pad_token_id is None:
+        pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    device = next(model.parameters()).device
+    S0 = max(s.prompt_len for s in samples)
+    lens = [s.response_len for s in samples]
+    steps = max(lens)
+    B = len(samples)
+    input_ids = torch.full((B, S0), pad_token_id, dtype=torch.long)
+    am = torch.zeros(B, S0, dtype=torch.long)
+    forced = torch.full((B, steps), pad_token_id, dtype=torch.long)
+    for b, s in enumerate(samples):
+        input_ids[b, S0 - s.prompt_len:] = s.token_ids[:s.prompt_len]
+        am[b, S0 - s.prompt_len:] = 1
+        forced[b, :s.response_len] = s.token_ids[s.prompt_len:]
+    config = _rollout_generation_config(model, SamplingParams(), steps, eos_ids, pad_token_id, {})
+    config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
+    config.output_logits = True
+    config.return_dict_in_generate = True
+    with contextlib.ExitStack() as stack:
+        capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
+        stack.enter_context(_append_logits_processor(model, _ForceTokens(S0, forced)))
+        swap = stack.enter_context(PatchHandle("the re-scoring generation config", "instance"))
+        swap.set_attr(model, "generation_config", config)
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device), generation_config=config)
+    generated = out.sequences[:, S0:].cpu()
+    if generated.shape[1] != steps or not all(torch.equal(generated[b, :n], forced[b, :n]) for b, n in enumerate(lens)):
+        raise ReplayError("the teacher-forced generate() did not reproduce the recorded responses (a response that "
+                          "stops early without EOS, or an EOS inside a response)")
+    logits = torch.stack([x.float() for x in out.logits], dim=1)          # [B, steps, V]
+    per_logits = [logits[b, :n].cpu() for b, n in enumerate(lens)]
+    if capture is None:
+        return per_logits, None
+    routes_bt = _generated_routes(capture, B, S0, steps, info)
+    return per_logits, [_sample_routes(routes_bt, b, am, n) for b, n in enumerate(lens)]

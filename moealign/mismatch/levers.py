@@ -1,0 +1,397 @@
+"""Lever runs: the same record scored with every combination of moealign's levers switched on.
+
+A *lever* removes one cause of the rollout / trainer gap:
+
+====================  ===================================  ====================================================
+lever                 cause it removes                     what the lever run changes
+====================  ===================================  ====================================================
+``sampling_mask``     sampling truncation                  the trainer's log-prob over the recorded kept set
+``routing_replay``    routing flips                        the trainer replays the rollout side's routes
+``precision:REGION``  precision of a region (router,       the rollout side computes that region in the
+                      attention, experts, lm_head, other)  trainer's dtype (re-scored along its own path)
+``batch_invariant``   batch and KV-cache effects           both sides under batch-invariant ops and attention
+``weights``           weights that differ                  the rollout side holds the trainer's weights
+====================  ===================================  ====================================================
+
+The record is sampled once. The trainer side is re-run per lever set (it is a forward); the rollout side is
+re-scored along the rollout's own path (:func:`moealign.patches.hf.rollout.rescore_decode`: the same
+``generate()`` batches, prefill then one decode step per token, forced to the recorded tokens), which
+reproduces the record bitwise when nothing changed; the lever runs check that and refuse rollout-side levers
+otherwise. Rollout-side levers need a rollout engine moealign can re-score (transformers); with another
+engine (vLLM) or a record loaded from a file the players are the trainer-side levers only, and the report
+says so.
+
+A lever is a player only where it changes something (regions whose dtypes already agree, a sampling without
+truncation, an already batch-invariant pair, identical weights are left out). :class:`LeverRunner` evaluates
+any lever set on demand and caches every forward; :mod:`moealign.mismatch.attribution` turns the gaps into
+shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from ..precision.batch_invariant import batch_invariant_mode
+from ..precision.policy import PrecisionPolicy, get_policy
+from ..record import RolloutRecord, concat_kept_sets
+from ..routing_replay.sampling_mask import kept_logprob
+from .attribution import owen_values
+from .faults import Fault, apply_fault
+from .report import _logprob_metrics
+from .scoring import SideScores, score_batch
+
+__all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner", "region_dtypes", "mixed_policy",
+           "lever_label"]
+
+REGIONS = ("router", "attention", "experts", "lm_head", "other")
+#: The cause each lever removes (the attribution's names).
+CAUSES = {
+    "sampling_mask": "sampling truncation",
+    "routing_replay": "routing flips",
+    "precision": "precision",
+    "precision:router": "precision: router",
+    "precision:attention": "precision: attention",
+    "precision:experts": "precision: experts",
+    "precision:lm_head": "precision: LM head",
+    "precision:other": "precision: other modules (embeddings, norms)",
+    "precision:fp8": "precision: FP8 linear layers",
+    "batch_invariant": "batch and KV-cache effects",
+    "weights": "weights that differ",
+}
+#: The gap metrics attributed (the issue's three), primary first.
+ATTRIBUTED_METRICS = ("mean_abs_logp_diff", "kl_k3", "max_abs_logp_diff")
+
+
+def lever_label(levers) -> str:
+    """``"baseline"`` or the levers joined by ``+`` in :data:`CAUSES` order."""
+    order = list(CAUSES)
+    names = sorted(levers, key=lambda x: order.index(x) if x in order else len(order))
+    return "+".join(names) if names else "baseline"
+
+
+def region_dtypes(policy: PrecisionPolicy) -> dict[str, torch.dtype]:
+    """The dtype each region of :data:`REGIONS` computes in under ``policy``."""
+    policy = get_policy(policy)
+    return {"router": policy.module_dtype("router"), "attention": getattr(policy, "attention_dtype", None) or policy.dtype,
+            "experts": getattr(policy, "experts_dtype", None) or policy.dtype, "lm_head": policy.module_dtype("lm_head"),
+            "other": policy.dtype}
+
+
+def mixed_policy(rollout: PrecisionPolicy, train: PrecisionPolicy, aligned) -> PrecisionPolicy:
+    """The rollout policy with the regions in ``aligned`` (``"router"``, ..., ``"fp8"``) taken from ``train``."""
+    a, b = region_dtypes(rollout), region_dtypes(train)
+    d = {r: (b[r] if r in aligned else a[r]) for r in REGIONS}
+    fp8 = train.fp8 if "fp8" in aligned else rollout.fp8
+    fields = {"router_dtype": d["router"], "lm_head_dtype": d["lm_head"]}
+    if hasattr(rollout, "attention_dtype"):
+        fields.update(attention_dtype=d["attention"], experts_dtype=d["experts"])
+    name = f"{rollout.name}[{','.join(sorted(aligned))} as {train.name}]" if aligned else rollout.name
+    return PrecisionPolicy(name, d["other"], fp8=fp8 if d["other"] != torch.float16 else None, **fields)
+
+
+@dataclass
+class LeverRun:
+    """One lever set's per-token results (record order) and metrics."""
+
+    levers: frozenset
+    rollout_logprobs: torch.Tensor                 # [N]
+    train_logprobs: torch.Tensor                   # [N]
+    support_mismatch: torch.Tensor | None          # [N] bool (None without kept sets)
+    per_layer_flip_rate: list[float]
+    router_flip_rate: float
+    flipped: torch.Tensor                          # [rows, n_layers] bool, route rows flipped per layer
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return lever_label(self.levers)
+
+
+@dataclass(frozen=True)
+class _RolloutSetup:
+    aligned: frozenset          # precision regions aligned to the trainer
+    batch_invariant: bool
+    faulty: bool                # the injected weight fault is applied
+
+
+class LeverRunner:
+    """Evaluates lever sets on one record (every forward cached).
+
+    ``trainer_factory(batch_invariant: bool)`` opens a training engine (the base one is passed as ``trainer``
+    and not closed here); ``rescorable``: the record was sampled in this run by the transformers rollout engine
+    from ``model_path`` with ``rollout_policy`` (batch size ``batch_size``), so rollout-side levers can run."""
+
+    def __init__(self, *, record: RolloutRecord, trainer, trainer_factory: Callable[[bool], object],
+                 model_path: str, device: str, rollout_policy: str, train_policy: str, batch_size: int,
+                 batch_invariant: bool = False, attention: str | None = None, rescorable: bool = False,
+                 fault: Fault | None = None, pad_token_id: int | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.record = record
+        self.model_path, self.device = model_path, device
+        self.rollout_policy, self.train_policy = get_policy(rollout_policy), get_policy(train_policy)
+        self.batch_size = batch_size
+        self.base_bi = bool(batch_invariant)
+        self.attention = attention
+        self.fault = fault
+        self.pad_token_id = pad_token_id
+        self.log = log or (lambda msg: None)
+        self._trainers = {self.base_bi: trainer}
+        self._own_trainers: list = []
+        self._trainer_factory = trainer_factory
+        self._models: dict = {}
+        self._rollout_cache: dict = {}
+        self._train_cache: dict = {}
+        self._runs: dict = {}
+        self.notes: list[str] = []
+        self.batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
+        self.lengths = [s.response_len for s in record.samples]
+        self.tokens = torch.cat([s.token_ids[s.prompt_len:] for s in record.samples])
+        self.recorded_lp = torch.cat([s.logprobs.float() for s in record.samples])
+        self.recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+        self.routed = torch.cat([s.routed_rows for s in record.samples])
+        self.rescorable = bool(rescorable)
+        self.regions: list[str] = []
+        self.groups = self._players()
+
+    # ---------------------------------------------------------------------------------------------- players
+    def _players(self) -> list[list[str]]:
+        rec = self.record
+        groups: list[list[str]] = []
+        truncates = rec.has_kept_sets and any(
+            s.sampling.top_p < 1 or s.sampling.top_k > 0 or s.sampling.min_p > 0 for s in rec.samples)
+        if truncates:
+            groups.append(["sampling_mask"])
+        elif rec.has_kept_sets:
+            self.notes.append("sampling_mask: not a lever here (the sampling does not truncate)")
+        groups.append(["routing_replay"])
+        if not self.rescorable:
+            self.notes.append("rollout-side levers (precision, batch_invariant, weights) not run: the rollout side "
+                              "can only be re-scored when this run sampled the record with the transformers engine")
+            if not self.base_bi:
+                groups.append(["batch_invariant"])
+            return groups
+        a, b = region_dtypes(self.rollout_policy), region_dtypes(self.train_policy)
+        self.regions = [f"precision:{r}" for r in REGIONS if a[r] != b[r]]
+        if self.rollout_policy.fp8 != self.train_policy.fp8:
+            self.regions.append("precision:fp8")
+        if len(self.regions) == 1:
+            groups.append(list(self.regions))
+        elif self.regions:
+            groups.append(["precision"])
+        if not self.base_bi:
+            groups.append(["batch_invariant"])
+        if self.fault is not None and self.fault.kind == "weights":
+            groups.append(["weights"])
+        return groups
+
+    @property
+    def players(self) -> list[str]:
+        return [p for g in self.groups for p in g]
+
+    # ---------------------------------------------------------------------------------------------- rollout side
+    def _setup(self, levers: frozenset) -> _RolloutSetup:
+        if not self.rescorable:
+            return _RolloutSetup(frozenset(), self.base_bi, False)
+        regions = set(self.regions) if "precision" in levers else set()
+        aligned = frozenset(p.split(":", 1)[1] for p in regions | {p for p in levers if p.startswith("precision:")})
+        return _RolloutSetup(aligned, self.base_bi or "batch_invariant" in levers,
+                             self.fault is not None and self.fault.kind == "weights" and "weights" not in levers)
+
+    def _fp32_model(self, bi: bool):
+        from ..patches.hf.loading import load_model
+
+        key = bi
+        if key not in self._models:
+            attention = "bi" if bi else self.attention
+            self._models[key] = load_model(self.model_path, "fp32", self.device, attention)[0]
+        return self._models[key]
+
+    def _rollout(self, setup: _RolloutSetup) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kept-set log-probs [N], routes [rows, L, k])`` of the rollout side in ``setup``."""
+        if not self.rescorable:
+            return self.recorded_lp, self.recorded_routes
+        if setup in self._rollout_cache:
+            return self._rollout_cache[setup]
+        from ..patches.hf.precision import apply_precision
+        from ..patches.hf.rollout import rescore_decode
+
+        model = self._fp32_model(setup.batch_invariant)
+        policy = mixed_policy(self.rollout_policy, self.train_policy, setup.aligned)
+        lps, routes = [], []
+        with apply_precision(model, policy, keep_original=True):
+            fault = apply_fault(model, self.fault) if setup.faulty else None
+            try:
+                with batch_invariant_mode(setup.batch_invariant):
+                    for indices in self.batches:
+                        samples = [self.record.samples[i] for i in indices]
+                        logits, rts = rescore_decode(model, samples, pad_token_id=self.pad_token_id)
+                        offsets, ids = concat_kept_sets(samples) if self.record.has_kept_sets else (None, None)
+                        tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples])
+                        T = samples[0].sampling.temperature
+                        if offsets is None:
+                            lp = torch.log_softmax(torch.cat(logits) / T, dim=-1).gather(
+                                -1, tokens[:, None]).squeeze(-1)
+                        else:
+                            lp = kept_logprob(torch.cat(logits), tokens, offsets, ids, temperature=T)
+                        lps.append(lp)
+                        routes += [r.to(torch.int64) for r in rts]
+            finally:
+                if fault is not None:
+                    fault.undo()
+        out = (torch.cat(lps), torch.cat(routes))
+        self._rollout_cache[setup] = out
+        return out
+
+    def check_base(self) -> bool:
+        """Re-score the record with nothing changed; ``True`` when that reproduces its log-probs and routes
+        bitwise. Otherwise the rollout-side levers are dropped (their runs would measure the re-scoring, not the
+        lever) and a note says so."""
+        if not self.rescorable:
+            return False
+        lp, routes = self._rollout(self._setup(frozenset()))
+        ok = torch.equal(lp, self.recorded_lp) and torch.equal(routes[self.routed], self.recorded_routes[self.routed])
+        if not ok:
+            diff = float((lp - self.recorded_lp).abs().max())
+            self.notes.append(f"re-scoring the record along the rollout's path did not reproduce it (max |delta log p| "
+                              f"{diff:.3g}): rollout-side levers not run")
+            self.rescorable = False
+            self._rollout_cache.clear()
+            self.groups = self._players()
+        return ok
+
+    # ---------------------------------------------------------------------------------------------- train side
+    def _trainer(self, bi: bool):
+        if bi not in self._trainers:
+            self.log(f"levers: opening a batch-invariant training engine")
+            engine = self._trainer_factory(True)
+            self._trainers[bi] = engine
+            self._own_trainers.append(engine)
+        return self._trainers[bi]
+
+    def _train(self, bi: bool, replay_setup: _RolloutSetup | None) -> SideScores:
+        key = (bi, replay_setup)
+        if key in self._train_cache:
+            return self._train_cache[key]
+        trainer = self._trainer(bi)
+        record = self.record
+        if replay_setup is not None and self.rescorable:
+            _, routes = self._rollout(replay_setup)
+            record = _with_routes(self.record, routes)
+        side = SideScores()
+        for indices in self.batches:
+            fwd = trainer.forward(record, indices, replay=replay_setup is not None)
+            with batch_invariant_mode(bi):
+                score_batch(record, indices, fwd, side)
+        self._train_cache[key] = side
+        return side
+
+    # ---------------------------------------------------------------------------------------------- runs
+    def run(self, levers) -> LeverRun:
+        levers = frozenset(levers)
+        unknown = levers - set(self.players) - set(self.regions)
+        if unknown:
+            raise ConfigError(f"levers {sorted(unknown)} are not players of this run (players: {self.players})")
+        if levers in self._runs:
+            return self._runs[levers]
+        setup = self._setup(levers)
+        rollout_lp, rollout_routes = self._rollout(setup)
+        bi = self.base_bi or "batch_invariant" in levers
+        side = self._train(bi, setup if "routing_replay" in levers else None)
+        masked = "sampling_mask" in levers
+        train_lp = side.logprobs(masked and self.record.has_kept_sets)
+        used = torch.cat(side.routes).to(torch.int64)
+        flips = (torch.sort(used, -1).values != torch.sort(rollout_routes, -1).values).any(-1)   # [rows, L]
+        flips = flips[self.routed]
+        per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
+        support = side.support_mismatch(masked) if self.record.has_kept_sets else None
+        metrics = _logprob_metrics(train_lp, rollout_lp, self.lengths)
+        metrics["router_flip_rate"] = float(flips.double().mean()) if flips.numel() else 0.0
+        metrics["token_flip_rate"] = float(flips.any(-1).double().mean()) if flips.numel() else 0.0
+        metrics["support_mismatch_rate"] = float(support.double().mean()) if support is not None else float("nan")
+        metrics["per_layer_flip_rate"] = per_layer
+        w = torch.exp((train_lp.double() - rollout_lp.double()).clamp(max=50.0))
+        metrics["ess"] = float(w.mean() ** 2 / (w * w).mean()) if w.numel() else float("nan")
+        run = LeverRun(levers, rollout_lp, train_lp, support, per_layer, metrics["router_flip_rate"], flips, metrics)
+        self._runs[levers] = run
+        return run
+
+    def full_vocab_kl(self, levers) -> torch.Tensor | None:
+        """``[N]`` KL(rollout || trainer) over the whole vocabulary per response token, with ``levers`` on (the
+        rollout's full next-token distribution vs the trainer's, both at the sampling temperature, before any
+        truncation); ``None`` when the rollout side cannot be re-scored. Memory: one micro-batch of logits per
+        side at a time (:func:`moealign.correction.vocab_kl.full_vocab_kl` works in row chunks)."""
+        from ..correction.vocab_kl import full_vocab_kl
+        from ..patches.hf.precision import apply_precision
+        from ..patches.hf.rollout import rescore_decode
+
+        if not self.rescorable:
+            return None
+        levers = frozenset(levers)
+        setup = self._setup(levers)
+        bi = self.base_bi or "batch_invariant" in levers
+        trainer = self._trainer(bi)
+        record = self.record
+        if "routing_replay" in levers:
+            record = _with_routes(self.record, self._rollout(setup)[1])
+        model = self._fp32_model(setup.batch_invariant)
+        out = []
+        with apply_precision(model, mixed_policy(self.rollout_policy, self.train_policy, setup.aligned),
+                             keep_original=True):
+            fault = apply_fault(model, self.fault) if setup.faulty else None
+            try:
+                for indices in self.batches:
+                    samples = [record.samples[i] for i in indices]
+                    with batch_invariant_mode(setup.batch_invariant):
+                        logits, _ = rescore_decode(model, samples, pad_token_id=self.pad_token_id,
+                                                   record_routes=False)
+                    fwd = trainer.forward(record, indices, replay="routing_replay" in levers)
+                    T = samples[0].sampling.temperature
+                    out.append(full_vocab_kl(torch.cat(logits), fwd.logits.float().cpu(), temperature=T))
+                    del logits, fwd
+            finally:
+                if fault is not None:
+                    fault.undo()
+        return torch.cat(out)
+
+    def attribution(self, metrics=ATTRIBUTED_METRICS) -> dict:
+        """``{metric: {"gap", "residual", "levers": {lever: share}, "shares": {cause: share}}}``: the Shapley
+        values of the players (:attr:`groups`); they add up to ``gap - residual``.
+
+        With more than one precision region in play, ``precision`` is one player there (aligning every region
+        at once) and ``"regions"`` splits what it removes on its own (``gap - value(precision)``) among the
+        regions by their Shapley values in the game of the regions alone (the other levers off)."""
+        out = {}
+        everything = frozenset(self.players)
+        for name in metrics:
+            values = owen_values(self.groups, lambda s: self.run(s).metrics[name])
+            entry = {"gap": self.run(frozenset()).metrics[name], "residual": self.run(everything).metrics[name],
+                     "levers": values, "shares": {CAUSES[k]: v for k, v in values.items()}}
+            if "precision" in self.players:
+                regions = owen_values([[r] for r in self.regions], lambda s: self.run(s).metrics[name])
+                entry["regions"] = {"removed_alone": entry["gap"] - self.run(frozenset({"precision"})).metrics[name],
+                                    "shares": {CAUSES[k]: v for k, v in regions.items()}}
+            out[name] = entry
+        return out
+
+    def close(self) -> None:
+        for engine in self._own_trainers:
+            engine.close()
+        self._own_trainers.clear()
+        self._models.clear()
+        self._rollout_cache.clear()
+        self._train_cache.clear()
+
+
+def _with_routes(record: RolloutRecord, routes: torch.Tensor) -> RolloutRecord:
+    """``record`` with its samples' routes replaced by ``routes`` (``[rows, L, k]``, record row order)."""
+    out, start = [], 0
+    for s in record.samples:
+        n = s.routes.shape[0]
+        out.append(dataclasses.replace(s, routes=routes[start:start + n].to(s.routes.dtype)))
+        start += n
+    return RolloutRecord(record.meta, out, validate=False)
