@@ -51,7 +51,8 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
         device=args.device, save_record=args.save_record, load_record=args.load_record,
-        diagnose=bool(args.diagnose), report_dir=args.report, inject_fault=args.inject_fault)
+        diagnose=bool(args.diagnose), report_dir=args.report, inject_fault=args.inject_fault,
+        rollout_tp=args.rollout_tp)
     if args.sweep and (args.diagnose or args.report or args.inject_fault):
         raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
                           "to one mismatch test; drop --sweep")
@@ -151,6 +152,9 @@ def _add_mismatch(sub) -> None:
     p.add_argument("--rollout-precision", metavar="NAME",
                    help=f"rollout precision policy (default bf16): {policies}")
     p.add_argument("--rollout-dtype", choices=sorted(DTYPES), help="alias of --rollout-precision for plain dtypes")
+    p.add_argument("--rollout-tp", type=int, metavar="N",
+                   help="--rollout vllm: tensor-parallel size (default 1; stock reductions unless the vLLM plugin's "
+                   "tree reductions are on: MOEALIGN_VLLM_PATCHES=tree)")
     p.add_argument("--train", choices=sorted(TRAIN_ENGINES),
                    help=f"training engine (default {CLI_TRAIN}; hf: a transformers full-sequence forward)")
     p.add_argument("--train-precision", metavar="NAME",

@@ -31,6 +31,7 @@ transformers engines; ``None``: ``"bi"`` under batch-invariant ops, else transfo
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -242,7 +243,7 @@ class VLLMRolloutEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None):
+                 batch_invariant: bool = False, attention: str | None = None, tp: int = 1):
         from ..precision.policy import to_vllm_engine_args, vllm_gaps
 
         policy = resolve_precision(precision)
@@ -267,6 +268,12 @@ class VLLMRolloutEngine:
         # on close; the live model is then audited against the policy
         self._precision = apply_precision(policy) if needs_patch(policy) else None
         try:
+            if tp != 1:
+                extra["tensor_parallel_size"] = tp      # stock reductions unless MOEALIGN_VLLM_PATCHES=tree
+                if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                    from ..tp_check import _cpu_bind    # vLLM's CPU build binds each rank to its own cores
+
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(tp)
             self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
             if self._precision is not None:
                 audit_vllm(self.llm, policy)

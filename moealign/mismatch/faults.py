@@ -5,8 +5,9 @@ here; the others of the acceptance list are configurations (``--rollout-precisio
 one-sided fp32 LM head):
 
 * ``weights:layer=L[,scale=S]``: the rollout side's weights of decoder layer ``L`` perturbed (every floating
-  parameter ``W`` of the layer gets ``W + S * std(W) * noise``, seeded noise; ``S`` defaults to 0.05): a stale
-  or wrongly converted layer on one side.
+  parameter ``W`` of the layer but its router gets ``W + S * std(W) * noise``, seeded noise; ``S`` defaults to
+  0.05): a stale or wrongly converted layer on one side. The router is left as it is: a record whose routers
+  differ from the trainer's is already refused by the record's fingerprint, before any diagnosis.
 * ``replay-off``: the training side's routing replay silently does nothing (its forwards run the router's own
   top-k when replay is asked for): a replay that was switched off, or patched at a place the engine no
   longer calls.
@@ -76,7 +77,9 @@ def apply_fault(model: torch.nn.Module, fault: Fault) -> PatchHandle:
     if fault.kind != "weights":
         raise ConfigError(f"apply_fault perturbs weights; fault {fault.kind!r} wraps the training engine instead")
     pattern = re.compile(rf"(^|\.)layers\.{fault.layer}\.")
-    params = [(n, p) for n, p in model.named_parameters() if pattern.search(n) and p.is_floating_point()]
+    router = re.compile(r"\.(gate|router)\.")
+    params = [(n, p) for n, p in model.named_parameters()
+              if pattern.search(n) and not router.search(n) and p.is_floating_point()]
     if not params:
         raise ConfigError(f"--inject-fault weights:layer={fault.layer}: the model has no decoder layer {fault.layer}")
     handle = PatchHandle(f"weights of layer {fault.layer} perturbed", "instance")

@@ -40,7 +40,7 @@ __all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path",
 
 #: Options that only shape the rollout: with ``load_record`` the record states them, so giving one is an error.
 ROLLOUT_OPTIONS = ("rollout_engine", "rollout_precision", "rollout_dtype", "num_prompts", "max_new_tokens", "seed",
-                   "temperature", "top_p", "top_k", "min_p", "prompts_file")
+                   "temperature", "top_p", "top_k", "min_p", "prompts_file", "rollout_tp")
 #: The value each option takes when it is not given (``None`` in the dataclass means "not given").
 DEFAULTS = {"rollout_engine": "hf", "rollout_precision": "bf16", "train_precision": "fp32", "num_prompts": 32,
             "max_new_tokens": 48, "seed": 0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
@@ -148,6 +148,7 @@ class MismatchConfig:
     diagnose: bool = False              # lever runs, attribution, diagnosis, contracts, plot data
     report_dir: str | None = None       # write report.html + report.json there (implies diagnose)
     inject_fault: str | None = None     # a known fault (moealign.mismatch.faults), to check the diagnosis
+    rollout_tp: int | None = None       # vLLM rollout: tensor-parallel size (default 1)
 
     def __post_init__(self):
         if self.load_record is not None:
@@ -211,6 +212,11 @@ class MismatchConfig:
         if self.save_record is not None:
             check_output_path(self.save_record, "--save-record")
             check_not_an_input(self.save_record, "--save-record", self.inputs())
+        if self.rollout_tp is not None:
+            if isinstance(self.rollout_tp, bool) or not isinstance(self.rollout_tp, int) or self.rollout_tp < 1:
+                raise ConfigError(f"--rollout-tp must be an integer >= 1, got {self.rollout_tp!r}")
+            if self.rollout_tp > 1 and self.rollout_engine != "vllm":
+                raise ConfigError("--rollout-tp > 1 needs --rollout vllm (the transformers engine runs on one device)")
         if not isinstance(self.diagnose, bool):
             raise ConfigError(f"diagnose must be a bool, got {self.diagnose!r}")
         if self.report_dir is not None:
@@ -319,7 +325,8 @@ def open_engine(factory, what: str, model_path: str, *args, **kwargs):
 def make_rollout_engine(cfg: MismatchConfig, model_path: str, device: str) -> RolloutEngine:
     """The rollout engine ``cfg`` names, loaded with its precision policy (the caller closes it)."""
     return open_engine(ROLLOUT_ENGINES[cfg.rollout_engine], f"the {cfg.rollout_engine} rollout engine", model_path,
-                       cfg.rollout_precision, device, batch_invariant=cfg.batch_invariant, attention=cfg.attention)
+                       cfg.rollout_precision, device, batch_invariant=cfg.batch_invariant, attention=cfg.attention,
+                       **({"tp": cfg.rollout_tp} if cfg.rollout_tp not in (None, 1) else {}))
 
 
 def rollout_prompts(cfg: MismatchConfig) -> list[str]:
