@@ -172,8 +172,6 @@ class LeverRunner:
         if not self.rescorable:
             self.notes.append("rollout-side levers (precision, batch_invariant, weights) not run: the rollout side "
                               "can only be re-scored when this run sampled the record with the transformers engine")
-            if not self.base_bi:
-                groups.append(["batch_invariant"])
             return groups
         a, b = region_dtypes(self.rollout_policy), region_dtypes(self.train_policy)
         self.regions = [f"precision:{r}" for r in REGIONS if a[r] != b[r]]
