@@ -54,6 +54,7 @@ __all__ = [
     "SWITCH_KEYS",
     "SAMPLING_KEYS",
     "layer_key",
+    "bulk_dtype",
     "weight_digests",
     "check_contract",
     "compare_contracts",
@@ -83,6 +84,16 @@ _REGION_LABEL = {"router": "router", "attention": "attention", "experts": "exper
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def bulk_dtype(tensors) -> str | None:
+    """The dtype name holding most floating elements of ``tensors`` (ties by name; None without any): the dtype a
+    region "is held in" when a few of its tensors (norms, biases) are kept wider."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return _name(max(counts, key=lambda d: (counts[d], str(d)))) if counts else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,8 +24,10 @@ def full_vocab_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, temperature
                   chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """``[N]`` float32 ``KL(softmax(p_logits / T) || softmax(q_logits / T))`` per row of the ``[N, V]`` logits.
 
-    Exact zero where the two rows are equal. Errors (:class:`~moealign.errors.InputError`): shapes that
-    differ or are not 2-D, an empty vocabulary, NaN / +inf logits (-inf entries are allowed: a masked token; one
+    Exact zero where the two rows are equal. The chunk size bounds memory only: with several intra-op threads
+    torch may split a row's sum differently for another chunk size, so values can differ in the last bits.
+    Errors (:class:`~moealign.errors.InputError`): shapes that
+    differ or are not 2-D, an empty vocabulary, NaN / +inf logits, a row that is -inf everywhere (-inf entries are allowed: a masked token; one
     that ``p`` gives mass to and ``q`` masks makes that row's KL +inf, as it is), a temperature that is not > 0.
     """
     if not isinstance(p_logits, torch.Tensor) or not isinstance(q_logits, torch.Tensor):
@@ -38,7 +40,7 @@ def full_vocab_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, temperature
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0 \
             or temperature == float("inf"):
         raise CorrectionInputError(f"full_vocab_kl: temperature must be a finite number > 0, got {temperature!r}")
-    if not isinstance(chunk_elements, int) or chunk_elements < 1:
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
         raise CorrectionInputError(f"full_vocab_kl: chunk_elements must be a positive int, got {chunk_elements!r}")
     N, V = p_logits.shape
     rows = max(1, chunk_elements // V)
@@ -52,6 +54,11 @@ def full_vocab_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, *, temperature
                 r, v = (int(i) for i in bad.nonzero()[0])
                 raise CorrectionInputError(f"full_vocab_kl: {name} row {lo + r} holds {float(x[r, v])} at vocabulary "
                                            f"id {v}")
+            empty = ~(x > float("-inf")).any(dim=-1)
+            if bool(empty.any()):
+                r = int(empty.nonzero()[0])
+                raise CorrectionInputError(f"full_vocab_kl: {name} row {lo + r} is -inf everywhere: no distribution "
+                                           f"to compare (every token masked)")
         logp = torch.log_softmax(p, dim=-1)
         logq = torch.log_softmax(q, dim=-1)
         prob = logp.exp()

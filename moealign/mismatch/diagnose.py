@@ -18,9 +18,10 @@ survey ("Diagnosing and fixing off-policy drift: a decision tree", thresholds as
    routing replay, sampling mask).
 3. *Residual* after every lever, classified the same way, picks the :mod:`moealign.correction` preset:
    bitwise zero needs none (``disabled``); Cause A left over needs a systems fix (no preset rescues it);
-   chi2_token > 1 or ESS < 0.5 -> ``decoupled_token_icepop`` (band [0.5, 5]; past a 25% mask rate the
-   correction is at its limit); chi2_token in (2, 4] or an RS mask rate of 10-25% ->
-   ``decoupled_geo_rs_token_tis``; chi2_token > 0.3 -> ``decoupled_geo_rs`` (``0.99_1.01``); no meaningful drift
+   the escalation rule first: chi2_token in (2, 4] or an RS mask rate of 10-25% (with ESS >= 0.3) ->
+   ``decoupled_geo_rs_token_tis``; then chi2_token > 1 or ESS < 0.5 -> ``decoupled_token_icepop`` (band [0.5, 5];
+   past a 25% mask rate the correction is at its limit); chi2_token > 0.3 -> ``decoupled_geo_rs``
+   (``0.99_1.01``); no meaningful drift
    -> ``disabled``, unless single tokens still leave the IcePop band (the max |delta log p| spike the survey
    warns not to average away) -> ``decoupled_token_icepop``.
 """
@@ -75,11 +76,11 @@ def choose_preset(m: dict) -> tuple[str | None, str]:
     if cls == "A":
         return None, (f"{why}: a systems fix is needed; algorithmic correction cannot rescue this (the tree's "
                       f"Cause A: rebuild the engine path)")
+    if (2.0 < chi2 <= 4.0 or 0.10 <= rs <= 0.25) and m.get("ess", 1.0) >= 0.3:
+        return "decoupled_geo_rs_token_tis", f"{why}: RS alone is past its range, add token TIS"
     if cls == "D":
         limit = " - its mask rate is past 25%: the correction is at its limit, fix the gap" if icepop > 0.25 else ""
         return "decoupled_token_icepop", f"{why}: IcePop band [{ICEPOP_LOW}, {ICEPOP_HIGH}] masks the outliers{limit}"
-    if 2.0 < chi2 <= 4.0 or 0.10 <= rs <= 0.25:
-        return "decoupled_geo_rs_token_tis", f"{why}: RS alone is past its range, add token TIS"
     if cls == "C":
         return "decoupled_geo_rs", f"{why}: geometric RS (0.99_1.01) strips outliers without distorting the rest"
     if spike:

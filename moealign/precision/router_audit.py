@@ -104,15 +104,7 @@ def check_router_audit(result: Mapping[int, Mapping[str, torch.dtype | None]],
     return failures
 
 
-def _first_float(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.is_floating_point() else None
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            found = _first_float(item)
-            if found is not None:
-                return found
-    return None
+from .audit import _first_float  # noqa: E402  (the first floating tensor of an output / arguments)
 
 
 class RouterStageObserver(PatchHandle):

@@ -18,15 +18,7 @@ from ...precision.policy import ATTENTION, EXPERTS, LM_HEAD, ROLES, ROUTER
 __all__ = ["contract_of", "region_dtypes", "logits_dtype"]
 
 
-def _bulk_dtype(tensors) -> str | None:
-    counts: dict[torch.dtype, int] = {}
-    for t in tensors:
-        if t.is_floating_point():
-            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
-    if not counts:
-        return None
-    dtype = max(counts, key=lambda d: (counts[d], str(d)))
-    return str(dtype).replace("torch.", "")
+from ...contract import bulk_dtype as _bulk_dtype
 
 
 def region_dtypes(model: torch.nn.Module) -> dict[str, str | None]:

@@ -30,12 +30,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _bulk(params) -> str | None:
-    counts: dict[torch.dtype, int] = {}
-    for p in params:
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return _name(max(counts, key=lambda d: (counts[d], str(d)))) if counts else None
+from ...contract import bulk_dtype as _bulk
 
 
 def hf_named_tensors(named, hf_config: dict):
