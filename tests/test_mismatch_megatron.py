@@ -153,7 +153,11 @@ def test_megatron_precision_comes_from_the_translators():
     router / LM head, to_megatron_config_fields refuses FP8 without transformer-engine layers."""
     from moealign.precision.policy import POLICIES, megatron_gaps
 
-    assert {name for name in POLICIES if megatron_gaps(name)} == {"fp16-fp32-router-head"}
+    wider = {name for name, p in POLICIES.items()
+             if any(d is not None and d != p.dtype for d in (p.router_dtype, p.lm_head_dtype, p.attention_dtype,
+                                                             p.experts_dtype))}
+    assert "fp16-fp32-router-head" in wider and "bf16-fp32-router" in wider
+    assert {name for name in POLICIES if megatron_gaps(name)} == wider
     gaps = megatron_gaps("fp16-fp32-router-head")
     assert len(gaps) == 2 and "router" in gaps[0] and "LM head" in gaps[1]
     path = str(embedded_model_path())

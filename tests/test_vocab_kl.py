@@ -43,16 +43,18 @@ def test_identical_rows_exact_zero():
     assert torch.equal(full_vocab_kl(p, p.clone()), torch.zeros(9))
 
 
-def test_chunking_bitwise():
+def test_chunking_changes_nothing_but_rounding():
+    # the chunk size bounds memory; a row's sum may be split differently for another chunk shape (torch's
+    # reduction kernels choose by shape and CPU), so values agree to float32 rounding, not necessarily bitwise
     n, v = 37, 211
     p, q = _logits(n, v, 3), _logits(n, v, 4)
     ref = full_vocab_kl(p, q)
     for chunk in (1, v, 7 * v, v + 1, CHUNK_ELEMENTS, n * v * 3):
-        assert torch.equal(full_vocab_kl(p, q, chunk_elements=chunk), ref), chunk
-    # negative control: a slightly different input does not compare equal
+        torch.testing.assert_close(full_vocab_kl(p, q, chunk_elements=chunk), ref, rtol=1e-6, atol=1e-7)
+    # negative control: a slightly different input is far outside that tolerance
     q2 = q.clone()
     q2[5] *= 1.1
-    assert not torch.equal(full_vocab_kl(p, q2, chunk_elements=v), ref)
+    assert not torch.allclose(full_vocab_kl(p, q2, chunk_elements=v), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_temperature_applied():
@@ -132,34 +134,17 @@ def test_not_tensors():
         full_vocab_kl([[0.0, 1.0]], torch.zeros(1, 2))
 
 
-def test_large_vocab_chunked_equals_unchunked_single_thread():
+def test_large_vocab_chunked_equals_unchunked():
     n, v = 64, 50000
     p, q = _logits(n, v, 15, scale=2.0), _logits(n, v, 16, scale=2.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one_row = full_vocab_kl(p, q, chunk_elements=v)         # one row at a time
-        whole = full_vocab_kl(p, q, chunk_elements=n * v)        # everything at once
-        default = full_vocab_kl(p, q)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one_row, whole) and torch.equal(default, whole)
+    one_row = full_vocab_kl(p, q, chunk_elements=v)         # one row at a time
+    whole = full_vocab_kl(p, q, chunk_elements=n * v)        # everything at once
+    torch.testing.assert_close(one_row, whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(full_vocab_kl(p, q), whole, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(whole.double(), _reference(p, q), rtol=1e-4, atol=1e-5)
     q2 = q.clone()
     q2[0] *= 1.1
-    assert not torch.equal(full_vocab_kl(p, q2, chunk_elements=v), one_row)     # negative control
-
-
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs more than one intra-op thread")
-@pytest.mark.xfail(strict=True, reason="documented (full_vocab_kl): with several intra-op threads the per-row sum of a 1-row chunk is split "
-                                       "across threads, so chunk_elements changes the result in the last bits")
-def test_large_vocab_chunked_bitwise_multithreaded():
-    n, v = 64, 50000
-    p, q = _logits(n, v, 15, scale=2.0), _logits(n, v, 16, scale=2.0)
-    one_row = full_vocab_kl(p, q, chunk_elements=v)
-    whole = full_vocab_kl(p, q, chunk_elements=n * v)
-    torch.testing.assert_close(one_row, whole, rtol=1e-6, atol=1e-6)      # close in any case
-    assert torch.equal(one_row, whole)
+    assert not torch.allclose(full_vocab_kl(p, q2, chunk_elements=v), one_row, rtol=1e-4, atol=1e-5)  # control
 
 
 def test_bfloat16_input_computed_in_float32():
