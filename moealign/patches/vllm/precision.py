@@ -16,23 +16,29 @@ with fp32 parameters:
 :func:`audit_vllm` checks the live model in every worker against the policy: the parameter dtype of the gates,
 the LM head and every other linear layer, and, through one hooked generate step, the dtype the gates and the
 logits were computed in; :class:`~moealign.errors.PrecisionAuditError` lists every deviation.
+
+:func:`audit_router_vllm` is the four-stage router audit (:mod:`moealign.precision.router_audit`) in vLLM's
+workers, per MoE layer (see its docstring for where each stage is read in vLLM 0.32).
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import torch
 
-from ...errors import ConfigError, PrecisionAuditError, UnsupportedEngineError
+from ...errors import (ConfigError, EngineError, InputError, InputTypeError, PrecisionAuditError,
+                       UnsupportedEngineError, UnsupportedModelError)
 from ...handle import PatchHandle
 from ...precision.policy import PrecisionPolicy, dtype_name, get_policy
+from ...precision.router_audit import RouterAudit, RouterStageObserver, observe_routers
 from .._version import check_engine_version, engine_version, require_attr
 from .engine import SUPPORTED_VLLM_ENGINE
-from .rollout import InWorkers
+from .rollout import InWorkers, moe_routers
 
-__all__ = ["VllmPrecisionPatch", "apply_precision", "audit_vllm", "needs_patch"]
+__all__ = ["VllmPrecisionPatch", "apply_precision", "audit_vllm", "audit_router_vllm", "needs_patch"]
 
 
 class VllmPrecisionPatch(PatchHandle):
@@ -177,3 +183,184 @@ def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(
 
 def _short(dtype: str) -> str:
     return dtype_name(getattr(torch, dtype))
+
+
+
+# --------------------------------------------------------------------------------------------------
+# the four-stage router audit (in the workers)
+# --------------------------------------------------------------------------------------------------
+
+#: the layer number in a vLLM module name (``model.layers.3.mlp.gate``)
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+#: the score functions observed inside a router's routing (their output is the ``scores`` stage): softmax and
+#: sigmoid in every spelling, and ``Tensor.exp`` (the CPU router without ``renormalize`` computes
+#: ``exp(logit - logsumexp)``)
+_SCORE_OPS = ((torch, "softmax", "scores", "output"), (torch.Tensor, "softmax", "scores", "output"),
+              (torch.nn.functional, "softmax", "scores", "output"), (torch, "sigmoid", "scores", "output"),
+              (torch.Tensor, "sigmoid", "scores", "output"), (torch.Tensor, "exp", "scores", "output"))
+
+
+def _gate_of(model: torch.nn.Module, name: str, layer: int):
+    """The ``GateLinear`` of the MoE layer at module ``name`` (the MoE runner's ``gate``, else the sibling
+    ``gate`` of the MoE block) and its module name; its name must carry ``layer``."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    moe = model.get_submodule(name)
+    gate = getattr(moe, "gate", None)
+    if not isinstance(gate, GateLinear):
+        parent = name.rpartition(".")[0]
+        try:
+            gate = model.get_submodule(f"{parent}.gate" if parent else "gate")
+        except AttributeError:
+            gate = None
+    if not isinstance(gate, GateLinear):
+        raise UnsupportedModelError(f"the MoE layer {name!r} has no GateLinear router (runner.gate or a sibling "
+                                    f"'gate'): its router cannot be audited")
+    gate_name = next((n for n, m in model.named_modules() if m is gate), None)
+    match = _LAYER_RE.search(f".{gate_name}") if gate_name is not None else None
+    if match is None or int(match.group(1)) != layer:
+        raise UnsupportedModelError(f"the router {gate_name!r} of the MoE layer {name!r} (decoder layer {layer}) "
+                                    f"does not name that layer: its observations could not be attributed")
+    return gate, gate_name
+
+
+def _routing_window(obs: RouterStageObserver, layer: int, original, seen: dict):
+    """``router._compute_routing`` run as "inside router ``layer``" for the observer (top-k and the score
+    function observed there), noting the logits it receives (``projection``) and the weights it returns."""
+
+    def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
+        obs._stack.append(layer)          # the observer's router window, opened around the routing too
+        try:
+            obs.note("projection", router_logits)
+            out = original(hidden_states, router_logits, indices_type, *args, **kwargs)
+        finally:
+            if obs._stack and obs._stack[-1] == layer:
+                obs._stack.pop()
+        entry = seen.setdefault(layer, {"calls": 0, "logits": None, "weights": None})
+        entry["calls"] += 1
+        if isinstance(router_logits, torch.Tensor):
+            entry["logits"] = entry["logits"] or _short_name(router_logits.dtype)
+        weights = out[0] if isinstance(out, tuple) and out else None
+        if isinstance(weights, torch.Tensor):
+            entry["weights"] = entry["weights"] or _short_name(weights.dtype)
+        return out
+
+    return _compute_routing
+
+
+def _attach_router_audit(runner) -> RouterStageObserver:
+    """(In each worker) a :class:`RouterStageObserver` on every MoE layer's ``GateLinear`` (weight as held,
+    projection = the gate's output) with each router's ``_compute_routing`` observed as part of that layer's
+    router (scores: the score function's output; topk_input: what ``torch.topk`` received)."""
+    model = runner.model
+    found = moe_routers(model)
+    gates, described = {}, {}
+    for layer, name, router in found:
+        gate, gate_name = _gate_of(model, name, layer)
+        gates[layer] = gate
+        described[layer] = {"moe": name, "gate": gate_name, "router": type(router).__name__,
+                            "scoring_func": getattr(router, "scoring_func", None),
+                            "renormalize": getattr(router, "renormalize", None),
+                            "grouped": bool(getattr(router, "use_grouped_topk", False)),
+                            "custom_routing": getattr(router, "custom_routing_function", None) is not None}
+    obs = observe_routers(gates, ops=_SCORE_OPS, engine="vllm")
+    try:
+        obs.routing_seen, obs.described = {}, described
+        for layer, gate in gates.items():
+            def projection(module, args, output, layer=layer):
+                out = output[0] if isinstance(output, tuple) else output
+                if isinstance(out, torch.Tensor):
+                    obs.note("projection", out)
+            # prepended: runs before the observer's own "leave" hook, while the window of this layer is open
+            obs.add_hook(gate.register_forward_hook(projection, prepend=True), f"layer {layer} gate output")
+        for layer, _, router in found:
+            if "_compute_routing" in vars(router):
+                raise UnsupportedEngineError(f"the router of layer {layer} already has an instance-level "
+                                             f"_compute_routing (another moealign patch attached?)")
+            obs.set_attr(router, "_compute_routing",
+                         _routing_window(obs, layer, router._compute_routing, obs.routing_seen),
+                         f"router of layer {layer}._compute_routing (audit window)")
+    except BaseException:
+        obs.undo()
+        raise
+    return obs
+
+
+def _read_router_audit(obs: RouterStageObserver) -> dict:
+    """(In each worker) the observed stages by dtype name, the observer's notes, what each routing saw."""
+    return {"stages": {layer: dict(stages) for layer, stages in obs.result.names().items()},
+            "notes": list(obs.result.notes), "routing": {k: dict(v) for k, v in obs.routing_seen.items()},
+            "described": obs.described}
+
+
+def _short_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def audit_router_vllm(llm: Any, *, prompt: str = "def f(x):") -> RouterAudit:
+    """The router-precision audit (:mod:`moealign.precision.router_audit`) of the model ``llm`` runs, in every
+    vLLM worker, through one generated token: a :class:`~moealign.precision.router_audit.RouterAudit` keyed by
+    decoder layer (rank 0's; ranks that saw other dtypes are named in ``notes``). Check it with
+    :func:`~moealign.precision.router_audit.check_router_audit`.
+
+    Where the stages are read in vLLM 0.32 (each MoE layer: a ``GateLinear`` gate called by the ``MoERunner``,
+    then ``router.select_experts`` -> ``_compute_routing``):
+
+    * ``weight``: ``GateLinear.weight.dtype`` when the gate runs. vLLM's CPU build repacks the gate weight for
+      its GEMM kernel and leaves an empty parameter of the same dtype: the dtype *held*, read directly;
+    * ``projection``: the router logits the gate returns (a forward hook; the GEMM itself is a C++ kernel). The
+      logits ``_compute_routing`` receives are noted for the same stage: a different dtype there is named in
+      ``notes``;
+    * ``scores``: the output of the score function (``torch.softmax`` / ``sigmoid`` / ``Tensor.exp``) called
+      inside ``_compute_routing``. vLLM's CPU router (``CPURouter``, softmax) takes top-k of the *logits* first
+      and, with ``renormalize``, a softmax over the k chosen logits in the logits' dtype, returned cast to
+      float32 (the dtype returned is in ``notes``);
+    * ``topk_input``: the tensor ``torch.topk`` / ``Tensor.topk`` receives inside ``_compute_routing``.
+
+    A router that computes scores or top-k inside a custom op (a C++ / CUDA kernel: vLLM's GPU
+    ``FusedTopKRouter``, the CPU ``sqrtsoftplus`` kernels) shows neither op; such a stage is reported as the
+    dtype of the kernel's input, the router logits ``_compute_routing`` received, and ``notes`` says so for each
+    layer (what the kernel computes in internally is not known here)."""
+    from vllm import SamplingParams
+
+    if not isinstance(prompt, str):
+        raise InputTypeError(f"prompt must be a string, got {type(prompt).__name__}")
+    if not prompt:
+        raise InputError("prompt is empty")
+    version = engine_version("vllm", "moealign.patches.vllm.audit_router_vllm needs vLLM")[1]
+    with InWorkers(llm, _attach_router_audit, (), _read_router_audit) as hooked:
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
+    per_rank = hooked.per_rank
+    if not per_rank:
+        raise EngineError("no vLLM worker answered the router audit")
+    first = per_rank[0]
+    stages = {int(layer): {s: (getattr(torch, d) if d is not None else None) for s, d in st.items()}
+              for layer, st in first["stages"].items()}
+    notes = [f"vllm {version}: weight = GateLinear.weight.dtype as held; projection = the logits the gate returns "
+             f"(and that _compute_routing receives); scores = the score function's output inside _compute_routing; "
+             f"topk_input = what torch.topk received inside _compute_routing"]
+    described = first["described"]
+    kinds = sorted({(d["router"], d["scoring_func"], d["renormalize"]) for d in described.values()}, key=str)
+    for router, scoring, renorm in kinds:
+        notes.append(f"router {router} (scoring_func={scoring!r}, renormalize={renorm})")
+    for layer in sorted(stages):
+        routing = first["routing"].get(layer)
+        if not routing or not routing["calls"]:
+            notes.append(f"layer {layer}: its routing (_compute_routing) did not run in the audited step: scores "
+                         f"and topk_input not observed")
+            continue
+        if routing["weights"] is not None and routing["weights"] != (first["stages"][layer].get("scores")):
+            notes.append(f"layer {layer}: _compute_routing returns its top-k weights in {routing['weights']} "
+                         f"(scores are reported as the score function produced them)")
+        for stage in ("scores", "topk_input"):
+            if stages[layer][stage] is None and routing["logits"] is not None:
+                stages[layer][stage] = getattr(torch, routing["logits"])
+                notes.append(f"layer {layer} {stage}: not observable (computed inside a custom op of "
+                             f"{described[layer]['router']}); reported as the dtype of that op's input, the "
+                             f"router logits ({routing['logits']}), not the kernel's internal dtype")
+    notes.extend(first["notes"])
+    for rank, other in enumerate(per_rank[1:], start=1):
+        if other["stages"] != first["stages"]:
+            notes.append(f"TP rank {rank} observed other dtypes than rank 0: {other['stages']}")
+    return RouterAudit(stages, engine=f"vllm {version}", notes=notes)
