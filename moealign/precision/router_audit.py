@@ -25,6 +25,7 @@ is running. Calls outside a router pass through unobserved. Every patch is regis
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -143,6 +144,17 @@ class RouterStageObserver(PatchHandle):
     def current_layer(self) -> int | None:
         """The layer of the router running now (``None`` outside every router)."""
         return self._stack[-1] if self._stack else None
+
+    @contextlib.contextmanager
+    def inside(self, layer: int):
+        """Count what runs in the block as router ``layer``'s (for an engine whose routing runs outside the
+        router module: vLLM's scores and top-k)."""
+        self._stack.append(layer)
+        try:
+            yield self
+        finally:
+            if self._stack and self._stack[-1] == layer:
+                self._stack.pop()
 
     def note(self, stage: str, value: torch.dtype | torch.Tensor | None) -> None:
         """Record ``value``'s dtype for ``stage`` of the running router (ignored outside a router)."""

@@ -230,13 +230,9 @@ def _routing_window(obs: RouterStageObserver, layer: int, original, seen: dict):
     function observed there), noting the logits it receives (``projection``) and the weights it returns."""
 
     def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
-        obs._stack.append(layer)          # the observer's router window, opened around the routing too
-        try:
+        with obs.inside(layer):          # the observer's router window, opened around the routing too
             obs.note("projection", router_logits)
             out = original(hidden_states, router_logits, indices_type, *args, **kwargs)
-        finally:
-            if obs._stack and obs._stack[-1] == layer:
-                obs._stack.pop()
         entry = seen.setdefault(layer, {"calls": 0, "logits": None, "weights": None})
         entry["calls"] += 1
         if isinstance(router_logits, torch.Tensor):
