@@ -92,3 +92,17 @@ def test_probe_vllm_megatron_gap_smoke(tmp_path):
     assert ops[0] == "embedding" and ops[-1] == "LM head" and len(ops) == 2 + 4 * 5 + 1
     assert result["rows"][0]["cumulative"] == 0.0          # the same table lookup on both sides
     assert all(math.isfinite(row["cumulative"]) for row in result["rows"])
+
+
+def test_bench_diagnosis_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_diagnosis.py"), "--num-prompts", "2", "--max-new-tokens", "4",
+         "--batch-size", "2", "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "with --diagnose" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["diagnose_ratio"] > 0 and result["rescore_ratio"] > 0      # figures: README (tiny sizes here)
+    assert result["lever_sets"] > 4

@@ -1,0 +1,80 @@
+"""Benchmark: what the diagnosis costs on top of the mismatch test, and what its parts take.
+
+Measured in the same run, interleaved, minimum (and median) of N:
+
+* ``mismatch``:  ``run_mismatch`` as configured (rollout, the trainer's four runs, the report): the baseline.
+* ``diagnose``:  the same with ``diagnose=True`` (every lever set scored, attribution, contracts, full-vocabulary
+                 KL, plot data). The ratio ``diagnose / mismatch`` is the figure; the lever-set count and the time
+                 of one rollout-side re-scoring (``rescore_decode`` of one micro-batch) against one ``generate()``
+                 of the same batch are printed too (the re-scoring replays the rollout's path, so it should cost
+                 about one generate).
+
+    python tools/bench_diagnosis.py                       # the embedded model, CPU, transformers on both sides
+    python tools/bench_diagnosis.py --num-prompts 32 --repeats 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from _timing import interleaved, write_json
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from moealign.embedded import default_prompts, embedded_model_path
+    from moealign.mismatch import MismatchConfig, run_mismatch
+    from moealign.mismatch.engines import HFRolloutEngine
+    from moealign.patches.hf.rollout import rescore_decode
+    from moealign.record import SamplingParams
+
+    base = dict(rollout_engine="hf", train_engine="hf", num_prompts=args.num_prompts,
+                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device="cpu")
+    counts = {}
+
+    def diagnose():
+        report = run_mismatch(MismatchConfig(**base, diagnose=True))
+        counts["lever_sets"] = len(report["levers"]["runs"])
+
+    times = interleaved({"mismatch": lambda: run_mismatch(MismatchConfig(**base)), "diagnose": diagnose},
+                        args.repeats)
+
+    engine = HFRolloutEngine(str(embedded_model_path()), "bf16", "cpu")
+    prompts = default_prompts(None)[:args.batch_size]
+    record = engine.generate(prompts, sampling=SamplingParams(top_p=0.9), max_new_tokens=args.max_new_tokens,
+                             seed=0, batch_size=args.batch_size)
+    pad = engine.tokenizer.pad_token_id
+    parts = interleaved({
+        "generate": lambda: engine.generate(prompts, sampling=SamplingParams(top_p=0.9),
+                                            max_new_tokens=args.max_new_tokens, seed=0, batch_size=args.batch_size),
+        "rescore": lambda: rescore_decode(engine.model, record.samples, pad_token_id=pad),
+    }, args.repeats + 1)
+    engine.close()
+
+    out = {"torch_threads": torch.get_num_threads(), **vars(args), **counts,
+           "mismatch_s": times["mismatch"], "diagnose_s": times["diagnose"],
+           "diagnose_ratio": times["diagnose"] / times["mismatch"],
+           "generate_s": parts["generate"], "rescore_s": parts["rescore"],
+           "rescore_ratio": parts["rescore"] / parts["generate"]}
+    print(f"mismatch test            {out['mismatch_s']:8.2f} s   (baseline)")
+    print(f"with --diagnose          {out['diagnose_s']:8.2f} s   {out['diagnose_ratio']:.2f}x   "
+          f"({counts.get('lever_sets', '?')} lever sets scored)")
+    print(f"generate() one batch     {out['generate_s']:8.3f} s   (baseline)")
+    print(f"rescore_decode same      {out['rescore_s']:8.3f} s   {out['rescore_ratio']:.2f}x")
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
