@@ -310,16 +310,20 @@ def _lines(ax, xs: list, series: dict, colors: _Colors) -> int:
     return drawn
 
 
-def _plot_position(report: dict, colors: _Colors) -> tuple[Any, str]:
-    section = _dict(_dict(report.get("plots")).get("position"))
-    series = _series(section)
-    positions = _seq(section.get("positions"))
+def _by_position(report: dict, colors: _Colors, key: str, ylabel: str, missing: str) -> Any:
+    """A figure of ``report["plots"][key]``: one line per run against the response position."""
+    section = _dict(_dict(report.get("plots")).get(key))
     fig, ax = _new_figure()
-    if not _lines(ax, positions, series, colors):
-        raise _Missing("no position has a token")
+    if not _lines(ax, _seq(section.get("positions")), _series(section), colors):
+        raise _Missing(missing)
     ax.set_xlabel("position in the response")
-    ax.set_ylabel("mean |Δ log p|")
+    ax.set_ylabel(ylabel)
     _finish_axes(ax)
+    return fig
+
+
+def _plot_position(report: dict, colors: _Colors) -> tuple[Any, str]:
+    fig = _by_position(report, colors, "position", "mean |Δ log p|", "no position has a token")
     return fig, "Mean |Δ log p| at each response position, one line per run (positions without a token skipped)."
 
 
@@ -423,15 +427,7 @@ def _plot_attribution(report: dict, colors: _Colors) -> tuple[Any, str]:
 
 
 def _plot_full_vocab_kl(report: dict, colors: _Colors) -> tuple[Any, str]:
-    section = _dict(_dict(report.get("plots")).get("full_vocab_kl"))
-    series = _series(section)
-    positions = _seq(section.get("positions"))
-    fig, ax = _new_figure()
-    if not _lines(ax, positions, series, colors):
-        raise _Missing("no full-vocabulary KL values")
-    ax.set_xlabel("position in the response")
-    ax.set_ylabel("mean KL(π_rollout ‖ π_train)")
-    _finish_axes(ax)
+    fig = _by_position(report, colors, "full_vocab_kl", "mean KL(π_rollout ‖ π_train)", "no full-vocabulary KL values")
     return fig, "Full-vocabulary KL per response position (mean over samples), one line per run."
 
 

@@ -29,6 +29,7 @@ shares.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,7 +40,8 @@ from ..errors import ConfigError
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.policy import PrecisionPolicy, get_policy
 from ..record import RolloutRecord, concat_kept_sets
-from ..routing_replay.sampling_mask import kept_logprob
+from ..routing_replay.flips import flipped_slots
+from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
 from .faults import Fault, apply_fault
 from .report import _logprob_metrics
@@ -203,11 +205,24 @@ class LeverRunner:
     def _fp32_model(self, bi: bool):
         from ..patches.hf.loading import load_model
 
-        key = bi
-        if key not in self._models:
-            attention = "bi" if bi else self.attention
-            self._models[key] = load_model(self.model_path, "fp32", self.device, attention)[0]
-        return self._models[key]
+        if bi not in self._models:
+            self._models[bi] = load_model(self.model_path, "fp32", self.device, "bi" if bi else self.attention)[0]
+        return self._models[bi]
+
+    @contextlib.contextmanager
+    def _rollout_model(self, setup: _RolloutSetup):
+        """The rollout side's model in ``setup``: the float32 copy with the mixed precision policy applied (and the
+        injected weight fault), both undone on exit, under batch-invariant ops when the setup asks."""
+        from ..patches.hf.precision import apply_precision
+
+        model = self._fp32_model(setup.batch_invariant)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(apply_precision(model, mixed_policy(self.rollout_policy, self.train_policy,
+                                                                    setup.aligned), keep_original=True))
+            if setup.faulty:
+                stack.enter_context(apply_fault(model, self.fault))
+            stack.enter_context(batch_invariant_mode(setup.batch_invariant))
+            yield model
 
     def _rollout(self, setup: _RolloutSetup) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kept-set log-probs [N], routes [rows, L, k])`` of the rollout side in ``setup``."""
@@ -215,32 +230,21 @@ class LeverRunner:
             return self.recorded_lp, self.recorded_routes
         if setup in self._rollout_cache:
             return self._rollout_cache[setup]
-        from ..patches.hf.precision import apply_precision
         from ..patches.hf.rollout import rescore_decode
 
-        model = self._fp32_model(setup.batch_invariant)
-        policy = mixed_policy(self.rollout_policy, self.train_policy, setup.aligned)
         lps, routes = [], []
-        with apply_precision(model, policy, keep_original=True):
-            fault = apply_fault(model, self.fault) if setup.faulty else None
-            try:
-                with batch_invariant_mode(setup.batch_invariant):
-                    for indices in self.batches:
-                        samples = [self.record.samples[i] for i in indices]
-                        logits, rts = rescore_decode(model, samples, pad_token_id=self.pad_token_id)
-                        offsets, ids = concat_kept_sets(samples) if self.record.has_kept_sets else (None, None)
-                        tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples])
-                        T = samples[0].sampling.temperature
-                        if offsets is None:
-                            lp = torch.log_softmax(torch.cat(logits) / T, dim=-1).gather(
-                                -1, tokens[:, None]).squeeze(-1)
-                        else:
-                            lp = kept_logprob(torch.cat(logits), tokens, offsets, ids, temperature=T)
-                        lps.append(lp)
-                        routes += [r.to(torch.int64) for r in rts]
-            finally:
-                if fault is not None:
-                    fault.undo()
+        with self._rollout_model(setup) as model:
+            for indices in self.batches:
+                samples = [self.record.samples[i] for i in indices]
+                logits, rts = rescore_decode(model, samples, pad_token_id=self.pad_token_id)
+                tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples])
+                T = samples[0].sampling.temperature
+                if self.record.has_kept_sets:
+                    offsets, ids = concat_kept_sets(samples)
+                    lps.append(kept_logprob(torch.cat(logits), tokens, offsets, ids, temperature=T))
+                else:
+                    lps.append(full_logprob(torch.cat(logits), tokens, temperature=T))
+                routes += [r.to(torch.int64) for r in rts]
         out = (torch.cat(lps), torch.cat(routes))
         self._rollout_cache[setup] = out
         return out
@@ -302,9 +306,8 @@ class LeverRunner:
         side = self._train(bi, setup if "routing_replay" in levers else None)
         masked = "sampling_mask" in levers
         train_lp = side.logprobs(masked and self.record.has_kept_sets)
-        used = torch.cat(side.routes).to(torch.int64)
-        flips = (torch.sort(used, -1).values != torch.sort(rollout_routes, -1).values).any(-1)   # [rows, L]
-        flips = flips[self.routed]
+        used = torch.cat(side.routes).to(torch.int64)[self.routed]
+        flips = flipped_slots(used, rollout_routes[self.routed])                               # [rows, L]
         per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
         support = side.support_mismatch(masked) if self.record.has_kept_sets else None
         metrics = _logprob_metrics(train_lp, rollout_lp, self.lengths)
@@ -324,37 +327,30 @@ class LeverRunner:
         truncation); ``None`` when the rollout side cannot be re-scored. Memory: one micro-batch of logits per
         side at a time (:func:`moealign.correction.vocab_kl.full_vocab_kl` works in row chunks)."""
         from ..correction.vocab_kl import full_vocab_kl
-        from ..patches.hf.precision import apply_precision
         from ..patches.hf.rollout import rescore_decode
 
         if not self.rescorable:
             return None
         levers = frozenset(levers)
         setup = self._setup(levers)
-        bi = self.base_bi or "batch_invariant" in levers
-        trainer = self._trainer(bi)
-        record = self.record
-        if "routing_replay" in levers:
-            record = _with_routes(self.record, self._rollout(setup)[1])
-        model = self._fp32_model(setup.batch_invariant)
+        trainer = self._trainer(self.base_bi or "batch_invariant" in levers)
+        replay = "routing_replay" in levers
+        record = _with_routes(self.record, self._rollout(setup)[1]) if replay else self.record
         out = []
-        with apply_precision(model, mixed_policy(self.rollout_policy, self.train_policy, setup.aligned),
-                             keep_original=True):
-            fault = apply_fault(model, self.fault) if setup.faulty else None
-            try:
-                for indices in self.batches:
-                    samples = [record.samples[i] for i in indices]
-                    with batch_invariant_mode(setup.batch_invariant):
-                        logits, _ = rescore_decode(model, samples, pad_token_id=self.pad_token_id,
-                                                   record_routes=False)
-                    fwd = trainer.forward(record, indices, replay="routing_replay" in levers)
-                    T = samples[0].sampling.temperature
-                    out.append(full_vocab_kl(torch.cat(logits), fwd.logits.float().cpu(), temperature=T))
-                    del logits, fwd
-            finally:
-                if fault is not None:
-                    fault.undo()
+        for indices in self.batches:
+            samples = [record.samples[i] for i in indices]
+            with self._rollout_model(setup) as model:
+                logits, _ = rescore_decode(model, samples, pad_token_id=self.pad_token_id, record_routes=False)
+            fwd = trainer.forward(record, indices, replay=replay)
+            T = samples[0].sampling.temperature
+            out.append(full_vocab_kl(torch.cat(logits), fwd.logits.float().cpu(), temperature=T))
+            del logits, fwd
         return torch.cat(out)
+
+    @property
+    def runs(self) -> list[LeverRun]:
+        """Every lever set scored so far, in the order it was first asked for."""
+        return list(self._runs.values())
 
     def attribution(self, metrics=ATTRIBUTED_METRICS) -> dict:
         """``{metric: {"gap", "residual", "levers": {lever: share}, "shares": {cause: share}}}``: the Shapley

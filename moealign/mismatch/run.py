@@ -143,8 +143,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     return report
 
 
-#: Lever runs shown in the report's plots besides the baseline and "all levers": each lever alone.
 def _shown_runs(runner: LeverRunner) -> dict:
+    """The lever runs the report's plots show: the baseline, each lever alone (by its cause), all levers."""
     runs = {"baseline": runner.run(frozenset())}
     for player in runner.players:
         runs[CAUSES[player] if player in CAUSES else player] = runner.run(frozenset({player}))
@@ -158,7 +158,6 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
     on ``record`` (:class:`~moealign.mismatch.levers.LeverRunner`), its Shapley attribution, the diagnosis
     (:func:`~moealign.mismatch.diagnose.diagnose`), both sides' contracts compared, the plots' numbers."""
     from ..contract import compare_contracts
-    from .engines import HFTrainEngine  # noqa: F401  (the factory below opens the configured engine kind)
     from .scoring import make_train_engine
 
     log = log or (lambda msg: None)
@@ -192,7 +191,7 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
             values = runner.full_vocab_kl(levers)
             if values is not None:
                 kl[name] = values
-        log(f"levers: {len(runner._runs)} lever sets scored in {time.perf_counter() - t0:.1f} s")
+        log(f"levers: {len(runner.runs)} lever sets scored in {time.perf_counter() - t0:.1f} s")
         train_contract = trainer.contract(cfg.sampling) if hasattr(trainer, "contract") else None
         rows = compare_contracts(rollout_contract, train_contract) if rollout_contract and train_contract else None
         runs_metrics = {name: r.metrics for name, r in shown.items()}
@@ -218,7 +217,7 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
         }
         levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes,
                   "runs": [{"label": r.label, "levers": sorted(r.levers), "metrics": r.metrics}
-                           for r in runner._runs.values()]}
+                           for r in runner.runs]}
         return {"levers": levers, "attribution": {"primary": ATTRIBUTED_METRICS[0], "metrics": attribution},
                 "diagnosis": diagnosis, "plots": plots,
                 "contract": {"rollout": rollout_contract, "train": train_contract, "fields": rows or []}}

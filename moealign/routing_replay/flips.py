@@ -21,7 +21,7 @@ import torch
 
 from .routes import RouteError, check_integer_tensor, describe
 
-__all__ = ["RouteFlipMetrics", "route_flip_metrics"]
+__all__ = ["RouteFlipMetrics", "route_flip_metrics", "flipped_slots"]
 
 
 @dataclass
@@ -48,19 +48,33 @@ def _sorted_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def route_flip_metrics(
-    a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None
-) -> RouteFlipMetrics:
-    """Flip metrics between route tables ``a`` and ``b`` (``[tokens, layers, k]``, any integer dtypes)."""
+def _shared_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[tokens, layers]`` ``|A & B|``: the experts two route tables share per (token, layer), slot order ignored
+    (tables checked: same ``[tokens, layers, k]`` shape, integer, no expert repeated in a row)."""
     check_integer_tensor(a, "a")
     check_integer_tensor(b, "b")
     if a.dim() != 3 or a.shape != b.shape:
         raise RouteError(
             f"route tables must both have shape [tokens, layers, k]: a {tuple(a.shape)} vs b {tuple(b.shape)}"
         )
-    tokens, layers, k = a.shape
-    if layers == 0 or k == 0:
+    if a.shape[1] == 0 or a.shape[2] == 0:
         raise RouteError(f"route tables have no (layer, expert) slots: shape {tuple(a.shape)}")
+    a = _sorted_rows(a, "a")
+    b = _sorted_rows(b.to(a.device), "b")
+    return (a.unsqueeze(-1) == b.unsqueeze(-2)).sum(dim=(-1, -2))
+
+
+def flipped_slots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[tokens, layers]`` bool: the (token, layer) slots whose expert sets differ between ``a`` and ``b``."""
+    return _shared_experts(a, b) != a.shape[-1]
+
+
+def route_flip_metrics(
+    a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None
+) -> RouteFlipMetrics:
+    """Flip metrics between route tables ``a`` and ``b`` (``[tokens, layers, k]``, any integer dtypes)."""
+    shared = _shared_experts(a, b)   # |A & B| per (token, layer)
+    tokens, layers, k = a.shape
     if valid is None:
         valid = torch.ones(tokens, dtype=torch.bool, device=a.device)
     else:
@@ -71,10 +85,6 @@ def route_flip_metrics(
         if valid.dtype != torch.bool:
             raise RouteError(f"valid must be a bool tensor, got dtype {valid.dtype}")
         valid = valid.to(a.device)
-    a = _sorted_rows(a, "a")
-    b = _sorted_rows(b.to(a.device), "b")
-
-    shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).sum(dim=(-1, -2))  # |A & B| per (token, layer)
     flipped = shared != k  # distinct ids and equal sizes: same set iff all k are shared
     jaccard = shared.double() / (2 * k - shared).double()  # |A | B| = 2k - |A & B|
 
