@@ -54,6 +54,7 @@ __all__ = [
     "SWITCH_KEYS",
     "SAMPLING_KEYS",
     "layer_key",
+    "tensor_digest",
     "bulk_dtype",
     "weight_digests",
     "check_contract",
@@ -140,6 +141,15 @@ def _hash_tensor(h, name: str, tensor: torch.Tensor, rounding: str) -> None:
             part = part.to(target)
         part = part.to("cpu").contiguous()
         h.update(part.view(torch.uint8).numpy().tobytes())
+
+
+def tensor_digest(name: str, tensor: torch.Tensor, rounding: str | None = None) -> str:
+    """SHA-256 of one tensor as :func:`weight_digests` hashes it (name, shape, rounding dtype, bytes); ``rounding``
+    defaults to the dtype the tensor is held in (its own bytes, no cast)."""
+    rounding = rounding or _name(tensor.dtype)
+    h = hashlib.sha256(b"moealign-tensor\0")
+    _hash_tensor(h, name, tensor, rounding)
+    return h.hexdigest()
 
 
 def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> dict:

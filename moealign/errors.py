@@ -20,6 +20,7 @@ CheckpointMismatchError        ValueError             state-dict keys or shapes 
 ReplayError                    RuntimeError           routing replay would not apply exactly as asked
 RouteError                     (Replay) + ValueError  a malformed route table or layout
 ReplayConfigError              (Replay) + ValueError  an engine config in which replay would silently not apply
+RefitError                     RuntimeError           a weight refit that skipped or mangled a tensor, or cannot be exact
 RecordError                    ValueError             a malformed rollout record
 RecordFormatError              (Record)               a record file that cannot be read as one
 RecordMismatchError            (Record)               a record of another model than the one it meets
@@ -59,6 +60,7 @@ __all__ = [
     "BatchInvariantError",
     "TreeReductionError",
     "MissingFileError",
+    "RefitError",
     "MissingDependencyError",
     "MoealignWarning",
 ]
@@ -115,6 +117,12 @@ class RouteError(ReplayError, ValueError):
 
 class ReplayConfigError(ReplayError, ValueError):
     """An engine configuration in which routing replay would silently not apply, or apply wrongly."""
+
+
+class RefitError(MoealignError, RuntimeError):
+    """A weight refit into a running rollout engine that did not (or would not) leave the engine holding exactly the
+    trainer's weights: a tensor skipped or mangled (named with the worker), another architecture, an engine whose
+    reload path moealign does not know."""
 
 
 class RecordError(MoealignError, ValueError):

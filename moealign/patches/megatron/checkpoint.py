@@ -57,6 +57,7 @@ __all__ = [
     "build_megatron_from_hf",
     "load_hf_into_megatron",
     "hf_state_dict_from_megatron",
+    "iter_hf_tensors_from_megatron",
     "megatron_state_dict_from_hf",
 ]
 
@@ -464,17 +465,19 @@ def load_hf_into_megatron(megatron_model: torch.nn.Module, hf_state_dict: dict, 
             param.copy_(local)
 
 
-def hf_state_dict_from_megatron(megatron_model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
-    """The transformers state dict of a (TP=1) Megatron model: the reverse of :func:`load_hf_into_megatron`.
+def iter_hf_tensors_from_megatron(megatron_model: torch.nn.Module, hf_config, *, meta: bool = False):
+    """``(transformers name, tensor)`` of a (TP=1) Megatron model, one mapping group at a time (a weight refit
+    streams these: at most one group's tensors exist beyond the model's own). ``meta=True`` yields meta-device
+    tensors (names and shapes only, nothing copied: the refit's manifest, checked before any weight moves).
 
-    Raises :class:`CheckpointMismatchError` if a mapped parameter is missing or a parameter is unmapped.
-    """
+    Raises :class:`CheckpointMismatchError` if a mapped parameter is missing or a parameter is unmapped, before
+    the first tensor is yielded."""
     megatron_version()
     for name, param in megatron_model.named_parameters():
         if getattr(param, "tensor_model_parallel", False) and _parallel_ranks(name)[1] != 1:
             raise UnsupportedConversionError("tensor parallelism in hf_state_dict_from_megatron: gather the "
                                              "slices first (TP=1 only)")
-    params = {name: p.detach() for name, p in megatron_model.named_parameters()}
+    params = {name: (p.detach().to("meta") if meta else p.detach()) for name, p in megatron_model.named_parameters()}
     groups = _mapping(hf_config)
     wanted = {k for g in groups for k in g.mcore_keys}
     missing, unused = wanted - set(params), set(params) - wanted
@@ -482,9 +485,23 @@ def hf_state_dict_from_megatron(megatron_model: torch.nn.Module, hf_config) -> d
         raise CheckpointMismatchError("Megatron model does not match the mapping: " +
                                       _key_report(missing, unused, "mapped Megatron parameters missing",
                                                   "Megatron parameters with no transformers key"))
-    out = {}
+    return _iter_groups(groups, params, bool(_get(hf_config, "tie_word_embeddings", False)))
+
+
+def _iter_groups(groups, params, tied: bool):
+    embedding = None
     for g in groups:
-        out.update(zip(g.hf_keys, g.to_hf([params[k] for k in g.mcore_keys])))
-    if bool(_get(hf_config, "tie_word_embeddings", False)):
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+        for key, tensor in zip(g.hf_keys, g.to_hf([params[k] for k in g.mcore_keys])):
+            if key == "model.embed_tokens.weight":
+                embedding = tensor
+            yield key, tensor
+    if tied:
+        yield "lm_head.weight", embedding
+
+
+def hf_state_dict_from_megatron(megatron_model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:
+    """The transformers state dict of a (TP=1) Megatron model: the reverse of :func:`load_hf_into_megatron`.
+
+    Raises :class:`CheckpointMismatchError` if a mapped parameter is missing or a parameter is unmapped.
+    """
+    return dict(iter_hf_tensors_from_megatron(megatron_model, hf_config))
