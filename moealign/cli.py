@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import os  # noqa: F401 - kept for the commands added beside these
 import sys
 
 from . import __version__
@@ -56,7 +56,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     if args.sweep and (args.diagnose or args.report or args.inject_fault):
         raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
                           "to one mismatch test; drop --sweep")
-    _check_json_path(args.json, cfg.inputs(), {"--save-record": args.save_record})
+    _check_json_path(args.json, cfg.inputs(), cfg.outputs(), created_dirs=[cfg.report_dir])
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.contract:
@@ -94,20 +94,16 @@ def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
 CLI_ROLLOUT, CLI_TRAIN = "vllm", "megatron"
 
 
-def _check_json_path(json_path: str | None, inputs: dict[str, str | None] | None = None,
-                     outputs: dict[str, str | None] | None = None) -> None:
-    """``--json`` is checked before any work starts: a regular file (or none) in a writable directory, and
-    neither an input of the command (the record, the prompts, a checkpoint file) nor its other output."""
+def _check_json_path(json_path: str | None, inputs: dict[str, str | None] | None = None, outputs=(),
+                     created_dirs=()) -> None:
+    """``--json`` is checked before any work starts (:func:`moealign._files.check_outputs`, the one output guard):
+    a regular file (or none) in a writable directory, neither an input of the command (the record, the prompts,
+    any file of the checkpoint) nor one of its other ``outputs``."""
     if json_path is None:
         return
-    from ._files import check_output_path
-    from .mismatch.rollout import check_not_an_input
+    from ._files import check_outputs
 
-    check_output_path(json_path, "--json")
-    check_not_an_input(json_path, "--json", dict(inputs or {}))
-    for out_flag, other in (outputs or {}).items():
-        if other is not None and os.path.abspath(other) == os.path.abspath(json_path):
-            raise ConfigError(f"--json {json_path} is also the {out_flag} path: refusing to overwrite the record")
+    check_outputs([("--json", json_path), *outputs], inputs or {}, created_dirs=created_dirs)
 
 
 def _write_json(path: str, report: dict) -> None:
@@ -215,7 +211,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
     from .tp_check import format_results, parse_world_sizes, run_tp_check, run_vllm_tp_check, tree_failures
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    _check_json_path(args.json)
+    _check_json_path(args.json, {"--model": args.model})
     if args.engine == "vllm":
         if args.repeats is not None:
             raise ConfigError("--repeats times the op-level check; --engine vllm times one generate per run")
@@ -265,7 +261,7 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
     from .record import RolloutRecord
     from .record_inspect import format_inspection, inspect_record
 
-    _check_json_path(args.json)
+    _check_json_path(args.json, {"record": args.file, "--model": args.model})
     model_layers = None
     if args.model is not None:
         from .families import get_family
@@ -280,8 +276,6 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
         config = types.SimpleNamespace(**config)
         pattern = get_family(getattr(config, "model_type", None)).moe_layer_pattern(config)
         model_layers = tuple(i for i, sparse in enumerate(pattern) if sparse)
-    if args.json and pathlib.Path(args.json).resolve() == pathlib.Path(args.file).resolve():
-        raise ConfigError(f"--json {args.json} is the record being inspected: refusing to overwrite it")
     result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers)
     failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
     return _finish("record inspect", format_inspection(result), result, args.json, failures)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ._files import atomic_write, check_output_path
+from ._files import atomic_write, check_outputs
 from .errors import ConfigError, InputError, MissingFileError, RecordError, UnsupportedModelError
 from .families import get_family
 from .record import (
@@ -633,9 +633,7 @@ def run(args: Any) -> str:
     if (args.from_format is None) == (args.to_format is None):
         raise ConfigError("give exactly one of --from FORMAT (engine output -> record) or --to FORMAT "
                           "(record -> a framework's batch file)")
-    check_output_path(args.output, "-o")
-    if os.path.exists(args.input) and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
-        raise ConfigError(f"-o {args.output} is the input file: refusing to overwrite it")
+    check_outputs({"-o": args.output}, {"input": args.input, "--model": args.model, "--eplb": args.eplb})
     if args.to_format is not None:
         given = [flag for flag, value in (("--model", args.model), ("--eplb", args.eplb),
                                           ("--engine-version", args.engine_version), ("--dtype", args.dtype))

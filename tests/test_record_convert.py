@@ -270,8 +270,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, sparse, capsys):
     _one_line_exit_2([*cmd, "--from", "sglang", str(good), "-o", out], capsys, "--from needs --model")
     _one_line_exit_2([*cmd, str(good), "-o", out], capsys, "exactly one of --from")
     _one_line_exit_2([*cmd, "--from", "sglang", str(good), "--model", sparse, "-o", str(good)], capsys,
-                     "is the input file")
-    _one_line_exit_2([*cmd, "--from", "sglang", str(good), "--model", str(tmp_path), "-o", out], capsys,
+                     "is also the input file")
+    (tmp_path / "empty").mkdir()
+    _one_line_exit_2([*cmd, "--from", "sglang", str(good), "--model", str(tmp_path / "empty"), "-o", out], capsys,
                      "no config.json")
     _one_line_exit_2([*cmd, "--from", "sglang", str(good), "--model", sparse, "-o", out, "--eplb", str(good)],
                      capsys, "trtllm format only")

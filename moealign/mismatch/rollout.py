@@ -14,12 +14,11 @@ import json
 import math
 import os
 import pathlib
-import stat
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .._files import check_output_path
+from .._files import check_input_file, check_output_dir, check_output_path, check_outputs
 from ..errors import ConfigError, EngineError, MoealignError, RecordError
 from ..embedded import MAX_PROMPTS_BYTES
 from ..record import MIN_TEMPERATURE, RolloutRecord, SamplingParams
@@ -52,25 +51,10 @@ def flag(name: str) -> str:
             "load_record": "--load-record", "save_record": "--save-record"}.get(name, "--" + name.replace("_", "-"))
 
 
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
 def check_not_an_input(path: str, out_flag: str, inputs: dict[str, str | None]) -> None:
     """Refuse an output path that is one of the command's inputs (``{flag: path}``; a directory input, the
-    checkpoint, covers every file in it): writing it would destroy what the run reads."""
-    for in_flag, source in inputs.items():
-        if source is None:
-            continue
-        if os.path.isdir(source):
-            inside = os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(source)
-            if inside and os.path.exists(path):
-                raise ConfigError(f"{out_flag} {path} is a file of the {in_flag} checkpoint: refusing to overwrite it")
-        elif _same_file(path, source):
-            raise ConfigError(f"{out_flag} {path} is also the {in_flag} file: refusing to overwrite it")
+    checkpoint, covers every file in it): :func:`moealign._files.check_outputs` for one output."""
+    check_outputs({out_flag: path}, inputs)
 
 
 def check_checkpoint(path: str) -> dict:
@@ -98,15 +82,7 @@ def check_checkpoint(path: str) -> dict:
 
 def check_prompts_file(path: str) -> None:
     """``--prompts`` names a regular file of at most :data:`MAX_PROMPTS_BYTES` (not a FIFO or ``/dev/zero``)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"--prompts: cannot read prompts from {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"--prompts: cannot read prompts from {path}: not a regular file")
-    if st.st_size > MAX_PROMPTS_BYTES:
-        raise ConfigError(f"--prompts: {path} holds {st.st_size} bytes, more than the {MAX_PROMPTS_BYTES} a prompt "
-                          f"file may hold")
+    check_input_file(path, "--prompts", max_bytes=MAX_PROMPTS_BYTES)
 
 
 def _check_safetensors(file: pathlib.Path) -> None:
@@ -205,13 +181,13 @@ class MismatchConfig:
             if isinstance(limit, int) and self.max_new_tokens >= limit:
                 raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the embedded model holds at most {limit} "
                                   f"positions (max_position_embeddings), prompt included")
-        if self.load_record is not None and not pathlib.Path(self.load_record).is_file():
-            raise ConfigError(f"--load-record: no record file at {self.load_record}")
+        if self.load_record is not None:
+            check_input_file(self.load_record, "--load-record", error_cls=ConfigError)
         if self.prompts_file is not None:
             check_prompts_file(self.prompts_file)
-        if self.save_record is not None:
-            check_output_path(self.save_record, "--save-record")
-            check_not_an_input(self.save_record, "--save-record", self.inputs())
+        if self.report_dir is not None:
+            check_output_dir(self.report_dir, "--report")
+        check_outputs(self.outputs(), self.inputs(), created_dirs=[self.report_dir])
         if self.rollout_tp is not None:
             if isinstance(self.rollout_tp, bool) or not isinstance(self.rollout_tp, int) or self.rollout_tp < 1:
                 raise ConfigError(f"--rollout-tp must be an integer >= 1, got {self.rollout_tp!r}")
@@ -220,8 +196,6 @@ class MismatchConfig:
         if not isinstance(self.diagnose, bool):
             raise ConfigError(f"diagnose must be a bool, got {self.diagnose!r}")
         if self.report_dir is not None:
-            if os.path.exists(self.report_dir) and not os.path.isdir(self.report_dir):
-                raise ConfigError(f"--report {self.report_dir}: exists and is not a directory")
             self.diagnose = True
         if self.inject_fault is not None:
             from .faults import parse_fault
@@ -232,8 +206,15 @@ class MismatchConfig:
                                   "--rollout hf and no --load-record")
 
     def inputs(self) -> dict[str, str | None]:
-        """``{flag: path}`` of every file or directory the run reads (outputs may not name one)."""
-        return {"--load-record": self.load_record, "--prompts": self.prompts_file, "--model": self.model}
+        """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the
+        embedded model's directory when none is given."""
+        return {"--load-record": self.load_record, "--prompts": self.prompts_file, "--model": self.model_path()}
+
+    def outputs(self) -> list[tuple[str, str | None]]:
+        """``(flag, path)`` of every file the run writes: the record and the report's two files."""
+        report = [] if self.report_dir is None else [
+            ("--report", os.path.join(self.report_dir, name)) for name in ("report.json", "report.html")]
+        return [("--save-record", self.save_record), *report]
 
     def _check_sampling(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
