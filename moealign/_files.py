@@ -238,8 +238,8 @@ def parse_json(text: str | bytes, what: str, *, max_depth: int = MAX_JSON_DEPTH,
         value = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise error_cls(f"{what}: JSON nested too deeply (at most {max_depth} levels)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise error_cls(f"{what}: not JSON ({' '.join(str(exc).split())[:200]})") from None
+    except (ValueError, TypeError) as exc:     # UnicodeDecodeError and ConfigError (NaN) are ValueErrors
+        raise error_cls(f"{what} is not JSON: {' '.join(str(exc).split())[:200]}") from None
     if json_depth(value) > max_depth:
         raise error_cls(f"{what}: JSON nested too deeply (at most {max_depth} levels)")
     return value

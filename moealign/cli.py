@@ -255,27 +255,15 @@ def _add_tp_check(sub) -> None:
 
 
 def _cmd_record_inspect(args: argparse.Namespace) -> int:
-    import pathlib
-    import types
-
     from .record import RolloutRecord
     from .record_inspect import format_inspection, inspect_record
 
     _check_json_path(args.json, {"record": args.file, "--model": args.model})
     model_layers = None
     if args.model is not None:
-        from .families import get_family
+        from .model_config import moe_layers, read_model_config
 
-        config_path = pathlib.Path(args.model) / "config.json"
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--model {args.model}: no readable config.json ({type(exc).__name__})") from None
-        if not isinstance(config, dict):
-            raise ConfigError(f"--model {args.model}: config.json is not a JSON object")
-        config = types.SimpleNamespace(**config)
-        pattern = get_family(getattr(config, "model_type", None)).moe_layer_pattern(config)
-        model_layers = tuple(i for i, sparse in enumerate(pattern) if sparse)
+        model_layers = moe_layers(read_model_config(args.model), f"--model {args.model}")
     result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers)
     failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
     return _finish("record inspect", format_inspection(result), result, args.json, failures)
@@ -370,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mismatch(sub)
     _add_tp_check(sub)
     _add_record(sub)
+    from .rl.cli import add_rl_check
+
+    add_rl_check(sub)
     return parser
 
 

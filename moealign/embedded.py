@@ -6,7 +6,6 @@ Python standard library's own source); ``prompts.json`` is the default prompt se
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .errors import ConfigError, MissingFileError
@@ -29,18 +28,10 @@ def embedded_model_path() -> Path:
 
 def default_prompts(path: str | Path | None = None) -> list[str]:
     """The default prompt set (``prompts.json``: a JSON list of strings), or the one at ``path``."""
+    from ._files import read_json_file      # the input-file guard: no FIFO or /dev/zero, bounded size
+
     path = Path(path) if path is not None else EMBEDDED_MODEL_DIR / "prompts.json"
-    try:
-        with open(path, "rb") as fh:          # bounded: a FIFO or /dev/zero must not fill the memory
-            data = fh.read(MAX_PROMPTS_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read prompts from {path}: {exc}") from None
-    if len(data) > MAX_PROMPTS_BYTES:
-        raise ConfigError(f"cannot read prompts from {path}: more than {MAX_PROMPTS_BYTES} bytes")
-    try:
-        prompts = json.loads(data.decode("utf-8"))
-    except ValueError as exc:
-        raise ConfigError(f"cannot read prompts from {path}: {exc}") from None
+    prompts = read_json_file(path, "prompts file", max_bytes=MAX_PROMPTS_BYTES)
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise ConfigError(f"{path} must hold a non-empty JSON list of non-empty strings")
     return prompts

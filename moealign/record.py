@@ -51,7 +51,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ._files import atomic_write
+from ._files import atomic_write, parse_json
 from ._validate import check_log_prob_max
 from .errors import (
     MissingFileError,
@@ -63,6 +63,7 @@ from .errors import (
 from .families import arch_keys
 from .routing_replay.protocol import ReplayBatch
 from .routing_replay.routes import (
+    INT16_MAX_EXPERTS,
     RouteError,
     expand_routes,
     route_dtype,
@@ -72,6 +73,10 @@ from .routing_replay.sampling_mask import check_tokens_in_kept, validate_kept_se
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_LAYERS",
+    "MAX_EXPERTS",
+    "MAX_VOCAB",
+    "MIN_TEMPERATURE",
     "RecordError",
     "RecordFormatError",
     "RecordMismatchError",
@@ -95,6 +100,14 @@ _VERSION_KEY = "moealign.format_version"
 _CHECKSUM_KEY = "moealign.checksum"
 _CONTRACT_KEY = "moealign.contract"   # the rollout side's execution contract (moealign.contract), when stated
 _ROUTER_SIGNATURE_RTOL = 2e-2
+
+
+#: The most decoder layers a record (and a config.json moealign reads) may state.
+MAX_LAYERS = 10_000
+#: The most experts: what a compact route table holds (int16 ids).
+MAX_EXPERTS = INT16_MAX_EXPERTS
+#: The largest vocabulary: kept-set ids are int32.
+MAX_VOCAB = 2 ** 31 - 1
 
 
 #: The smallest sampling temperature an engine samples with: below vLLM's sampling epsilon (1e-5) vLLM samples
@@ -178,6 +191,10 @@ class RecordMeta:
         for name in ("router_signature", "router_samples"):
             values = _meta_seq(name, getattr(self, name))
             object.__setattr__(self, name, tuple(_meta_float(f"{name}[{i}]", x) for i, x in enumerate(values)))
+        for name, hi in (("num_layers", MAX_LAYERS), ("num_experts", MAX_EXPERTS), ("vocab_size", MAX_VOCAB),
+                         ("top_k", MAX_EXPERTS)):
+            if getattr(self, name) > hi:
+                raise RecordError(f"meta: {name} must be at most {hi}, got {_short(getattr(self, name))}")
         if self.num_layers < 1:
             raise RecordError(f"meta: num_layers must be >= 1, got {self.num_layers}")
         if len(self.router_signature) % 2:
@@ -209,10 +226,7 @@ class RecordMeta:
     def from_json(cls, text: str, *, file_version: int = FORMAT_VERSION) -> "RecordMeta":
         """The metadata of a file of format ``file_version``; :class:`RecordFormatError` naming the first
         problem (not JSON, not an object, unknown or missing fields, a field of the wrong type or value)."""
-        try:
-            data = json.loads(text)
-        except (TypeError, ValueError) as exc:
-            raise RecordFormatError(f"record metadata is not JSON: {exc}") from None
+        data = parse_json(text, "record metadata", error_cls=RecordFormatError)
         if not isinstance(data, dict):
             raise RecordFormatError(f"record metadata must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -856,10 +870,7 @@ def _contract_from_metadata(metadata: dict[str, str], path: str) -> dict | None:
     text = metadata.get(_CONTRACT_KEY)
     if text is None:
         return None
-    try:
-        contract = json.loads(text)
-    except ValueError as exc:
-        raise RecordFormatError(f"{path}: the record's contract is not JSON: {exc}") from None
+    contract = parse_json(text, f"{path}: the record's contract", error_cls=RecordFormatError)
     try:
         return check_contract(contract)
     except RecordError as exc:

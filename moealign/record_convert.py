@@ -41,12 +41,10 @@ entry and what is wrong.
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
 import re
-import types
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +53,20 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ._files import atomic_write, check_outputs
-from .errors import ConfigError, InputError, MissingFileError, RecordError, UnsupportedModelError
+from ._files import (
+    MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
+    atomic_write,
+    check_input_file,
+    check_outputs,
+    json_depth,
+    parse_json,
+    read_input_bytes,
+    read_json_file,
+)
+from .errors import ConfigError, InputError, RecordError, UnsupportedModelError
 from .families import get_family
+from .model_config import ConfigView, moe_layers, read_model_config
 from .record import (
     RecordMeta,
     RolloutRecord,
@@ -90,9 +99,6 @@ WRITABLE = ("nemo-rl", "verl", "slime")
 #: vLLM's chat logprob for a token outside the distribution (-inf clamped): never a sampled token's
 VLLM_LOGPROB_FLOOR = -9999.0
 _GATE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
-#: config attribute aliases (transformers' attribute_map), so a config.json read without transformers resolves them
-_ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts"), "num_local_experts": ("num_experts",),
-            "n_routed_experts": ("num_experts", "num_local_experts")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,33 +106,16 @@ _ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts"), "num_local
 # --------------------------------------------------------------------------------------------------
 
 
-class _Config(types.SimpleNamespace):
-    """A config.json as attributes, with transformers' aliases of the expert count."""
-
-    def __getattr__(self, name):
-        for alias in _ALIASES.get(name, ()):
-            if alias in self.__dict__:
-                return self.__dict__[alias]
-        raise AttributeError(name)
-
-
 def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> RecordMeta:
-    """The record metadata of the model of ``model_dir/config.json`` (``engine`` a placeholder the converter replaces) (its family from :mod:`moealign.families`); the router signature from
-    ``model_dir/*.safetensors`` when they hold every MoE layer's router (gate) weight."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MissingFileError(f"--model {model_dir}: no config.json") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--model {model_dir}: config.json is not readable JSON ({type(exc).__name__}: "
-                          f"{exc})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--model {model_dir}: config.json is not a JSON object")
-    view = _Config(**config)
+    """The record metadata of the model of ``model_dir/config.json`` (read by
+    :func:`moealign.model_config.read_model_config`; ``engine`` a placeholder the converter replaces; its family from
+    :mod:`moealign.families`); the router signature from ``model_dir/*.safetensors`` when they hold every MoE layer's
+    router (gate) weight."""
+    config = read_model_config(model_dir)
+    layers = moe_layers(config, f"--model {os.fspath(model_dir)}")
+    view = ConfigView(**config)
     family = get_family(config.get("model_type"))
     try:
-        pattern = family.moe_layer_pattern(view)
         num_experts = int(family.num_experts(view))
         top_k = int(view.num_experts_per_tok)
         num_layers = int(view.num_hidden_layers)
@@ -134,14 +123,13 @@ def model_info(model_dir: str | os.PathLike, *, dtype: str | None = None) -> Rec
     except (AttributeError, TypeError, ValueError) as exc:
         raise ConfigError(f"--model {model_dir}: config.json lacks a field the {family.model_type} family needs "
                           f"({type(exc).__name__}: {exc})") from None
-    moe_layers = tuple(i for i, sparse in enumerate(pattern) if sparse)
-    if not moe_layers:
+    if not layers:
         raise UnsupportedModelError(f"--model {model_dir}: no MoE layer in config.json (a dense model has no routes)")
     name = dtype or config.get("torch_dtype") or config.get("dtype") or "float32"
-    weights = _router_weights(Path(model_dir), moe_layers, num_experts)
     try:
+        weights = _router_weights(Path(model_dir), layers, num_experts)
         return RecordMeta(engine="checkpoint", engine_version="", model_fingerprint=config_fingerprint(config),
-                          num_layers=num_layers, moe_layers=moe_layers, num_experts=num_experts, top_k=top_k,
+                          num_layers=num_layers, moe_layers=layers, num_experts=num_experts, top_k=top_k,
                           vocab_size=vocab_size, dtype=str(name).replace("torch.", ""),
                           router_signature=router_signature(weights) if weights else (),
                           router_samples=router_samples(weights) if weights else (),
@@ -158,6 +146,8 @@ def _router_weights(root: Path, layers: Sequence[int], num_experts: int) -> list
     from safetensors import safe_open
 
     found: dict[int, torch.Tensor] = {}
+    for file in files:
+        check_input_file(file, f"--model {root}:")          # a FIFO named *.safetensors must not block
     try:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -181,15 +171,7 @@ def _router_weights(root: Path, layers: Sequence[int], num_experts: int) -> list
 
 
 def _load_json_list(path: str, what: str) -> list:
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not readable ({type(exc).__name__}: {exc})") from None
-    except ValueError as exc:
-        raise InputError(f"{path}: not JSON ({exc})") from None
+    data = read_json_file(path, "input", error_cls=InputError)
     if not isinstance(data, list) or not data:
         raise InputError(f"{path}: expected a non-empty JSON list of {what}, got "
                          f"{type(data).__name__ if not isinstance(data, list) else 'an empty list'}")
@@ -201,8 +183,7 @@ def _load_json_list(path: str, what: str) -> list:
 
 def _load_tensors(path: str, *, nested: bool = False) -> dict:
     """A ``.pt`` (``torch.load(weights_only=True)``), ``.safetensors`` or ``.npz`` file as a dict."""
-    if not os.path.isfile(path):
-        raise MissingFileError(f"{path}: no such file" + (" (not a regular file)" if os.path.exists(path) else ""))
+    check_input_file(path, "input", error_cls=InputError)
     suffix = Path(path).suffix
     try:
         if suffix == ".safetensors" and not nested:
@@ -508,25 +489,21 @@ _READERS: dict[str, Callable[[str, _Args], list[Sample]]] = {
 
 
 def _load_eplb(path: str) -> dict:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise MissingFileError(f"--eplb {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--eplb {path}: not readable ({type(exc).__name__})") from None
+    data = read_input_bytes(path, "--eplb", max_bytes=MAX_JSON_BYTES)
     if Path(path).suffix in (".yaml", ".yml"):
         from ._optional import require
 
         yaml = require("yaml", "reading a YAML EPLB config (--eplb)")
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
+            data = yaml.safe_load(data)
+        except RecursionError:
+            raise ConfigError(f"--eplb {path}: YAML nested too deeply") from None
+        except (yaml.YAMLError, ValueError) as exc:
             raise ConfigError(f"--eplb {path}: not YAML ({' '.join(str(exc).split())[:200]})") from None
+        if json_depth(data) > MAX_JSON_DEPTH:
+            raise ConfigError(f"--eplb {path}: YAML nested too deeply (at most {MAX_JSON_DEPTH} levels)")
     else:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"--eplb {path}: not JSON ({exc})") from None
+        data = parse_json(data, f"--eplb {path}")
     if not isinstance(data, dict):
         raise ConfigError(f"--eplb {path}: not a MoeLoadBalancerConfig object")
     return data
@@ -649,8 +626,7 @@ def run(args: Any) -> str:
         return (f"wrote {args.output}: {len(record)} samples of {args.input} in {args.to_format}'s layout")
     if args.model is None:
         raise ConfigError("--from needs --model DIR (the checkpoint whose config.json says which layers are MoE)")
-    if not os.path.exists(args.input):
-        raise MissingFileError(f"{args.input}: no such file")
+    check_input_file(args.input, "input", error_cls=InputError)
     try:
         sampling = SamplingParams(temperature=1.0 if args.temperature is None else args.temperature,
                                   top_k=0 if args.top_k is None else args.top_k,

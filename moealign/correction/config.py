@@ -138,12 +138,18 @@ class RolloutCorrectionConfig:
     @classmethod
     def from_yaml(cls, source: str) -> "RolloutCorrectionConfig":
         """Build from a YAML file path or YAML text (needs PyYAML)."""
+        from moealign._files import read_input_bytes
         from moealign._optional import require
 
         yaml = require("yaml", "reading rollout-correction YAML needs PyYAML (pip install pyyaml)")
         import os
 
-        text = open(source).read() if os.path.exists(source) else source
+        text = source
+        if os.path.lexists(source):     # a file: through the input-file guard (no FIFO / device, bounded size)
+            try:
+                text = read_input_bytes(source, "rollout-correction YAML", max_bytes=1 << 20).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"rollout-correction YAML {source}: not UTF-8 text") from None
         data = yaml.safe_load(_quote_bands(text))
         if data is None:
             data = {}

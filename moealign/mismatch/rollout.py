@@ -21,6 +21,7 @@ import torch
 from .._files import check_input_file, check_output_dir, check_output_path, check_outputs
 from ..errors import ConfigError, EngineError, MoealignError, RecordError
 from ..embedded import MAX_PROMPTS_BYTES
+from ..model_config import read_model_config
 from ..record import MIN_TEMPERATURE, RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -63,15 +64,10 @@ def check_checkpoint(path: str) -> dict:
     file has a readable header whose tensors lie inside the file (a truncated download is named, not met as a
     loader's traceback minutes later)."""
     root = pathlib.Path(path)
-    if not root.is_dir() or not (root / "config.json").is_file():
+    if not root.is_dir() or not os.path.lexists(root / "config.json"):
         raise ConfigError(f"--model {path}: not a local checkpoint directory with a config.json (the mismatch test "
                           f"loads local checkpoints only, never from the network)")
-    try:
-        config = json.loads((root / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"--model {path}: config.json is not valid JSON ({exc})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ConfigError(f"--model {path}: config.json must be a JSON object with a model_type")
+    config = read_model_config(path)
     weights = sorted(root.glob("*.safetensors"))
     if not weights and not any(root.glob("*.bin")):
         raise ConfigError(f"--model {path}: no weights (*.safetensors) in the checkpoint directory")
@@ -90,6 +86,7 @@ def _check_safetensors(file: pathlib.Path) -> None:
     cover, reading the header only)."""
     from safetensors import safe_open
 
+    check_input_file(file, "--model:")                      # a FIFO named *.safetensors must not block
     try:
         with safe_open(str(file), framework="pt"):
             pass
@@ -177,12 +174,14 @@ class MismatchConfig:
         else:
             from ..embedded import embedded_model_path
 
-            limit = json.loads((embedded_model_path() / "config.json").read_text()).get("max_position_embeddings")
+            limit = read_model_config(embedded_model_path()).get("max_position_embeddings")
             if isinstance(limit, int) and self.max_new_tokens >= limit:
                 raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the embedded model holds at most {limit} "
                                   f"positions (max_position_embeddings), prompt included")
         if self.load_record is not None:
-            check_input_file(self.load_record, "--load-record", error_cls=ConfigError)
+            if not os.path.lexists(self.load_record):
+                raise ConfigError(f"--load-record: no record file at {self.load_record}")
+            check_input_file(self.load_record, "--load-record")
         if self.prompts_file is not None:
             check_prompts_file(self.prompts_file)
         if self.report_dir is not None:
