@@ -64,7 +64,7 @@ from ._files import (
     read_input_bytes,
     read_json_file,
 )
-from .errors import ConfigError, InputError, RecordError, UnsupportedModelError
+from .errors import ConfigError, InputError, MoealignError, RecordError, UnsupportedModelError
 from .families import get_family
 from .model_config import ConfigView, moe_layers, read_model_config
 from .record import (
@@ -203,6 +203,20 @@ def _load_tensors(path: str, *, nested: bool = False) -> dict:
     return data
 
 
+def _obj(value, where: str) -> dict:
+    """An optional JSON object: ``{}`` for a missing one, else it must be an object."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _short(value, limit: int = 80) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _need(data: dict, key: str, where: str):
     if key not in data or data[key] is None:
         raise InputError(f"{where}: no {key!r}")
@@ -290,7 +304,8 @@ def _read_sglang(path: str, a: _Args) -> list[Sample]:
         if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) >= 2 for p in pairs):
             raise InputError(f"{where}: meta_info.output_token_logprobs is not a list of [logprob, token_id, ...]")
         response = _ids([p[1] for p in pairs], f"{where}: output_token_logprobs token ids", a.model.vocab_size)
-        if "output_ids" in entry and list(entry["output_ids"] or []) != response:
+        if entry.get("output_ids") is not None and _ids(entry["output_ids"], f"{where}: output_ids",
+                                                         a.model.vocab_size) != response:
             raise InputError(f"{where}: output_ids and the token ids of output_token_logprobs differ")
         logprobs = [_logprob(p[0], f"{where}: output_token_logprobs[{j}]") for j, p in enumerate(pairs)]
         start = meta_info.get("routed_experts_start_len", entry.get("routed_experts_start_len", 0))
@@ -307,8 +322,12 @@ def _read_vllm_0_21(path: str, a: _Args) -> list[Sample]:
         kind = entry.get("object")
         if kind not in ("text_completion", "chat.completion"):
             raise InputError(f"{where}: object {kind!r} is not a completion ('text_completion' / 'chat.completion')")
-        details = (entry.get("usage") or {}).get("prompt_tokens_details") or {}
+        details = _obj(_obj(entry.get("usage"), f"{where}: usage").get("prompt_tokens_details"),
+                       f"{where}: usage.prompt_tokens_details")
         cached = details.get("cached_tokens") or 0
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise InputError(f"{where}: usage.prompt_tokens_details.cached_tokens must be an integer >= 0, got "
+                             f"{cached!r}")
         choices = _need(entry, "choices", where)
         if not isinstance(choices, list) or not choices:
             raise InputError(f"{where}: no choices")
@@ -430,6 +449,11 @@ def _read_verl(path: str, a: _Args) -> list[Sample]:
         raise InputError(f"{path}: input_ids is not prompts followed by responses")
     rows = routes_from_verl(routed, mask, prompt_width=Sp, num_hidden_layers=a.model.num_layers, **a.kw)
     response_mask = data.get("response_mask")
+    if response_mask is not None:
+        response_mask = _tensor(data, "response_mask", path, 2)
+        if tuple(response_mask.shape) != (B, Sr):
+            raise InputError(f"{path}: response_mask has shape {tuple(response_mask.shape)}, the responses "
+                             f"{(B, Sr)}: a mask that does not cover every response token would leave tokens unread")
     out = []
     for b in range(B):
         where = f"{path}: sample {b}"
@@ -469,6 +493,12 @@ def _read_slime(path: str, a: _Args) -> list[Sample]:
         if isinstance(R, bool) or not isinstance(R, int) or not 0 < R < len(tokens):
             raise InputError(f"{where}: response_length {R!r} does not fit {len(tokens)} tokens")
         loss_mask = entry.get("loss_mask")
+        if loss_mask is not None:
+            loss_mask = loss_mask.tolist() if isinstance(loss_mask, torch.Tensor) else loss_mask
+            if (not isinstance(loss_mask, list) or len(loss_mask) != R
+                    or not all(isinstance(x, (int, float)) and x in (0, 1) for x in loss_mask)):
+                raise InputError(f"{where}: loss_mask must be a list of {R} zeros and ones (one per response token), "
+                                 f"got {_short(loss_mask)}")
         if loss_mask is not None and not all(int(x) == 1 for x in loss_mask):
             raise InputError(f"{where}: loss_mask holds 0 (non-trainable tokens, e.g. tool output): their log-probs "
                              f"are placeholders and a record has no per-token loss mask")
@@ -517,7 +547,15 @@ def convert_to_record(fmt: str, path: str, model: RecordMeta, *, engine_version:
         raise ConfigError(f"format {fmt!r} is not one of {sorted(FORMATS)}")
     if fmt != "trtllm" and (expert_ids != "logical" or eplb is not None):
         raise ConfigError("--expert-ids / --eplb apply to the trtllm format only")
-    samples = _READERS[fmt](path, _Args(model, sampling, expert_ids, eplb))
+    try:
+        samples = _READERS[fmt](path, _Args(model, sampling, expert_ids, eplb))
+    except MoealignError:
+        raise
+    except (TypeError, AttributeError, IndexError, KeyError, ValueError, OverflowError, RuntimeError,
+            RecursionError) as exc:
+        # the input boundary: a field of a type no check above foresaw is still the input's fault, never a traceback
+        raise InputError(f"{path}: a malformed {fmt} field ({type(exc).__name__}: "
+                         f"{_short(' '.join(str(exc).split()))})") from None
     meta = dataclasses.replace(model, engine=FORMATS[fmt], engine_version=engine_version)
     try:
         return RolloutRecord(meta, samples)

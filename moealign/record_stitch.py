@@ -18,7 +18,9 @@ does. :func:`stitch_turns` builds the trajectory's route table row by row:
 
 The stitched sample's response is the final turn's response (its log-probs and kept sets); earlier turns' responses
 sit in the context, their routes replayed like every other row. Turn ``t + 1``'s tokens must start with all of turn
-``t``'s tokens (the trajectory only grows); anything else is refused naming the first differing position.
+``t``'s tokens (the trajectory only grows), and its prompt must hold all of them (a turn never claims an earlier
+turn's tokens as its own response); anything else is refused naming the first differing position or the overlap.
+Every turn's routes are in the record's route dtype and its weight version fits int64.
 """
 
 from __future__ import annotations
@@ -79,10 +81,16 @@ def stitch_turns(meta: RecordMeta, turns: Sequence[Turn], *, allow_stale: bool =
     for t, turn in enumerate(turns):
         if not isinstance(turn, Turn):
             raise RecordError(f"turn {t}: expected a Turn, got {type(turn).__name__}")
-        if isinstance(turn.weight_version, bool) or not isinstance(turn.weight_version, int) or turn.weight_version < 0:
-            raise RecordError(f"turn {t}: weight_version must be an integer >= 0, got {turn.weight_version!r}")
+        if (isinstance(turn.weight_version, bool) or not isinstance(turn.weight_version, int)
+                or not 0 <= turn.weight_version < 2 ** 63):
+            raise RecordError(f"turn {t}: weight_version must be an integer in [0, 2**63) (stored as int64), got "
+                              f"{turn.weight_version!r}")
         if turn.routes is None:
             raise RecordError(f"turn {t}: has no routes (stitching builds a route table)")
+        if not isinstance(turn.routes, torch.Tensor) or turn.routes.dtype != meta.route_dtype:
+            got = turn.routes.dtype if isinstance(turn.routes, torch.Tensor) else type(turn.routes).__name__
+            raise RecordError(f"turn {t}: routes are {got}, the record's route dtype is {meta.route_dtype} (every "
+                              f"turn's table in the record's dtype)")
         turn.as_sample().validate(meta, t)
         versions.append(turn.weight_version)
     if len(set(versions)) > 1 and not allow_stale:
@@ -100,6 +108,10 @@ def stitch_turns(meta: RecordMeta, turns: Sequence[Turn], *, allow_stale: bool =
             pos = int(differ[0, 0])
             raise RecordError(f"turn {t} does not continue turn {t - 1}: token {pos} is {int(cur[pos])} in turn {t}, "
                               f"{int(prev[pos])} in turn {t - 1} (re-tokenised context?)")
+        if turns[t].prompt_len < prev.numel():
+            raise RecordError(f"turn {t} has prompt_len {turns[t].prompt_len}, shorter than turn {t - 1}'s "
+                              f"{prev.numel()} tokens: turn {t} claims tokens turn {t - 1} already holds (its response) "
+                              f"as its own response; overlapping claims that disagree are refused")
         starts.append(int(prev.numel()))
     last = turns[-1]
     rows = last.token_ids.numel() - 1

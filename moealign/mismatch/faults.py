@@ -66,6 +66,8 @@ def parse_fault(text: str) -> Fault:
         layer, scale, seed = int(opts["layer"]), float(opts.get("scale", 0.05)), int(opts.get("seed", 1234))
     except ValueError:
         raise ConfigError(f"--inject-fault {text!r}: layer and seed must be integers, scale a number") from None
+    if not 0 <= seed < 2 ** 63:
+        raise ConfigError(f"--inject-fault {text!r}: seed must be in [0, 2**63), got {seed}")
     if layer < 0 or not 0 < scale < 10:
         raise ConfigError(f"--inject-fault {text!r}: layer must be >= 0 and scale in (0, 10)")
     return Fault("weights", layer, scale, seed)

@@ -203,6 +203,10 @@ class MismatchConfig:
             if fault.kind == "weights" and (self.load_record is not None or self.rollout_engine != "hf"):
                 raise ConfigError("--inject-fault weights perturbs the transformers rollout engine's weights: it needs "
                                   "--rollout hf and no --load-record")
+            layers = read_model_config(self.model_path())["num_hidden_layers"] if fault.kind == "weights" else None
+            if layers is not None and fault.layer >= layers:
+                raise ConfigError(f"--inject-fault weights:layer={fault.layer}: the model has {layers} decoder layers "
+                                  f"(0 .. {layers - 1})")
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the
