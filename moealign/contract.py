@@ -55,6 +55,7 @@ __all__ = [
     "SAMPLING_KEYS",
     "layer_key",
     "tensor_digest",
+    "tensor_fingerprint",
     "bulk_dtype",
     "weight_digests",
     "check_contract",
@@ -150,6 +151,46 @@ def tensor_digest(name: str, tensor: torch.Tensor, rounding: str | None = None) 
     h = hashlib.sha256(b"moealign-tensor\0")
     _hash_tensor(h, name, tensor, rounding)
     return h.hexdigest()
+
+
+_FP_CHUNK = 1 << 20
+_FP_KEYS: dict = {}
+
+
+def _fp_keys(device) -> torch.Tensor:
+    """``[3, _FP_CHUNK]`` odd int64 keys (two lanes + chunk multipliers), drawn once per device from a fixed seed."""
+    key = str(device)
+    if key not in _FP_KEYS:
+        g = torch.Generator().manual_seed(0x6D6F65616C69676E)          # "moealign"
+        keys = torch.randint(-2 ** 62, 2 ** 62, (3, _FP_CHUNK), generator=g, dtype=torch.int64) * 2 + 1
+        _FP_KEYS[key] = keys.to(device)
+    return _FP_KEYS[key]
+
+
+def tensor_fingerprint(tensor: torch.Tensor, *, rows: bool = False):
+    """A 128-bit keyed fingerprint of a tensor's bytes, computed with vectorised integer arithmetic on the tensor's
+    own device (one host read): the bytes as int64 words, dotted with two fixed odd pseudo-random keys (wrapping
+    arithmetic), chunks weighted by a third key, plus dtype and shape. Any single changed word changes both lanes
+    (odd multipliers); a transposition or a shifted block changes them unless the keys collide (about 2^-64 per
+    lane). Not a cryptographic digest (:func:`tensor_digest` is): it guards against bugs, not adversaries.
+    ``rows=True``: one fingerprint per index of the first dimension (a list), in one pass."""
+    t = tensor.detach()
+    lead = t.shape[0] if rows else 1
+    flat = t.contiguous().reshape(lead, -1).view(torch.uint8)
+    pad = (-flat.shape[1]) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(lead, pad)], dim=1)
+    words = flat.view(torch.int64)
+    keys = _fp_keys(words.device)
+    lanes = torch.zeros(lead, 2, dtype=torch.int64, device=words.device)
+    for c, start in enumerate(range(0, words.shape[1], _FP_CHUNK)):
+        part = words[:, start:start + _FP_CHUNK]
+        n = part.shape[1]
+        lanes += (part[:, None, :] * keys[None, :2, :n]).sum(dim=2) * keys[2, c % _FP_CHUNK]
+    dtype = str(t.dtype).replace("torch.", "")
+    shape = tuple(t.shape[1:]) if rows else tuple(t.shape)
+    out = [(dtype, shape, a, b) for a, b in lanes.tolist()]
+    return out if rows else out[0]
 
 
 def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> dict:

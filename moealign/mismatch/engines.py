@@ -426,7 +426,10 @@ class MegatronTrainEngine:
     def meta(self) -> RecordMeta:
         return self._meta
 
-    def forward(self, record: RolloutRecord, indices, *, replay: bool) -> TrainForward:
+    def forward(self, record: RolloutRecord, indices, *, replay: bool, grad: bool = False) -> TrainForward:
+        """The logits at the response positions of ``record.samples[indices]`` (and the experts each router used).
+        ``grad=True`` keeps the autograd graph (a training step: the caller runs the backward); the default runs
+        under ``no_grad``."""
         from ..patches.megatron.capture import capture_routes
 
         sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
@@ -437,7 +440,8 @@ class MegatronTrainEngine:
         causal = torch.ones(T, T, dtype=torch.bool).triu(1)
         mask = (causal[None, None] | (batch.attention_mask == 0)[:, None, None, :]).to(dev)
         try:
-            with torch.no_grad(), _bi_context(self.batch_invariant), capture_routes(self.model) as capture:
+            with torch.set_grad_enabled(grad), _bi_context(self.batch_invariant), \
+                    capture_routes(self.model) as capture:
                 if replay:
                     self.driver.set_routes(batch.replay_batch())
                     with self.driver.forward():
@@ -452,7 +456,7 @@ class MegatronTrainEngine:
         used = used[batch.route_mask.reshape(-1).to(used.device)]
         b, p = batch.response_mask.nonzero(as_tuple=True)
         out = logits[b.to(dev), (p - 1).to(dev)].float()
-        return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used)
+        return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used.detach())
 
     def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
         """The execution contract of the converted model (:mod:`moealign.contract`)."""

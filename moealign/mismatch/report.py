@@ -27,7 +27,7 @@ from .scoring import SideScores
 
 __all__ = ["RUN_NAMES", "ALIGNED_RUN", "METRIC_NAMES", "ICEPOP_BAND", "GEO_RS_BAND", "LOWER_IS_BETTER",
            "HIGHER_IS_BETTER", "TWO_SIDED", "parse_fail_above", "judged_run",
-           "check_fail_above", "run_metrics", "build_report", "format_table", "format_sweep", "format_diagnosis"]
+           "check_fail_above", "run_metrics", "side_metrics", "build_report", "format_table", "format_sweep", "format_diagnosis"]
 
 RUN_NAMES = ("baseline", "routing_replay", "sampling_mask", "routing_replay+sampling_mask")
 ALIGNED_RUN = RUN_NAMES[-1]
@@ -161,20 +161,30 @@ def run_metrics(record: RolloutRecord, sides: dict[bool, SideScores]) -> list[di
     for name in RUN_NAMES:
         replay = name.startswith("routing_replay")
         masked = name.endswith("sampling_mask")
-        side = sides[replay]
         if masked and not record.has_kept_sets:
             continue
-        flips = side.flips
-        metrics = {"router_flip_rate": flips.router_flip_rate, "token_flip_rate": flips.token_flip_rate}
-        metrics.update(_logprob_metrics(side.logprobs(masked), rollout_lp, lengths))
-        if record.has_kept_sets:
-            metrics["support_mismatch_rate"] = float(side.support_mismatch(masked).double().mean())
-        else:
-            metrics["support_mismatch_rate"] = float("nan")
-        metrics["per_layer_flip_rate"] = list(flips.per_layer_flip_rate)
-        metrics["mean_jaccard"] = flips.mean_jaccard
-        runs.append({"name": name, "metrics": metrics})
+        runs.append({"name": name, "metrics": side_metrics(record, sides[replay], masked, rollout_lp, lengths)})
     return runs
+
+
+def side_metrics(record: RolloutRecord, side: SideScores, masked: bool, rollout_lp: torch.Tensor | None = None,
+                 lengths: list[int] | None = None) -> dict:
+    """The :data:`METRIC_NAMES` metrics (plus per-layer flips and the mean Jaccard) of one trainer pass ``side``
+    (its log-probs restricted to the recorded kept sets when ``masked``) against the record's log-probs."""
+    if rollout_lp is None:
+        rollout_lp = torch.cat([s.logprobs.float() for s in record.samples])
+    if lengths is None:
+        lengths = [s.response_len for s in record.samples]
+    flips = side.flips
+    metrics = {"router_flip_rate": flips.router_flip_rate, "token_flip_rate": flips.token_flip_rate}
+    metrics.update(_logprob_metrics(side.logprobs(masked), rollout_lp, lengths))
+    if record.has_kept_sets:
+        metrics["support_mismatch_rate"] = float(side.support_mismatch(masked).double().mean())
+    else:
+        metrics["support_mismatch_rate"] = float("nan")
+    metrics["per_layer_flip_rate"] = list(flips.per_layer_flip_rate)
+    metrics["mean_jaccard"] = flips.mean_jaccard
+    return metrics
 
 
 def build_report(*, model: str, record: RolloutRecord, sides: dict[bool, SideScores], rollout: dict, train: dict,

@@ -28,7 +28,7 @@ vocabulary is refused by name with nothing sent. Checkpoints that store experts 
 rank's shard: plain parameters as they are; linear layers whose weight the CPU build moved into a oneDNN / packed
 kernel (the parameter left empty) are read back *through the kernel* (``cpu_linear`` applied to the identity
 matrix: exact, every output is one product with 1.0); prepacked MoE experts as packed bytes, per expert.
-:func:`verify_weights` hashes the expected tensors the same way (sliced for the rank, cast to the held dtype, packed
+:func:`verify_weights` fingerprints (:func:`moealign.contract.tensor_fingerprint`) the expected tensors the same way (sliced for the rank, cast to the held dtype, packed
 with the worker's own prepack op where the worker packs) and names every (tensor, worker) that differs.
 Un-fusing is written for the qwen3_moe layout (``qkv_proj``, ``gate_up_proj``, ``w13`` / ``w2``); another family is
 refused by name.
@@ -45,7 +45,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from ...contract import tensor_digest
+from ...contract import tensor_fingerprint
 from ...errors import ConfigError, InputTypeError, RefitError, UnsupportedEngineError, UnsupportedModelError
 from ...handle import PatchHandle
 from .._version import check_engine_version, require_attr
@@ -381,7 +381,7 @@ def _rpc_held(worker) -> dict:
     cpu_experts = _cpu_experts_class()
 
     def put(name, tensor, shard, packed=False):
-        out[name] = (tensor_digest(name, tensor), tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+        out[name] = (tensor_fingerprint(tensor), tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                      shard, packed)
 
     for pname, param in model.named_parameters():
@@ -418,8 +418,10 @@ def _rpc_held(worker) -> dict:
                                              f"verification reads tensor-parallel expert shards only")
             tp_rank, tp_size = int(getattr(moe, "tp_rank", 0) or 0), int(getattr(moe, "tp_size", 1) or 1)
             shard = _shard("glu", 1, tp_rank, tp_size) if leaf == "w13_weight" else _shard("chunk", 2, tp_rank, tp_size)
-            for e in range(param.shape[0]):          # per expert: a mangled expert is named
-                put(f"{hf}[{e}]", param[e], ("expert", e, shard), packed)
+            # one fingerprint per expert (one vectorised pass): a mangled expert is named
+            for e, fp in enumerate(tensor_fingerprint(param, rows=True)):
+                out[f"{hf}[{e}]"] = (fp, tuple(param.shape[1:]), str(param.dtype).replace("torch.", ""),
+                                     ("expert", e, shard), packed)
         elif mname.endswith(("o_proj", "mlp.down_proj")):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             put(pname, t, _shard("chunk", 1, tp_rank, tp_size), packed)
@@ -463,15 +465,17 @@ def _expected(full: torch.Tensor, shard: tuple) -> torch.Tensor:
     return full.chunk(world, dim=dim)[rank]
 
 
-def _prepack(tensor: torch.Tensor, isa: str) -> torch.Tensor:
+def _prepack_all(tensor: torch.Tensor, isa: str) -> torch.Tensor:
+    """vLLM's CPU grouped-GEMM prepack of stacked expert weights (each expert packed on its own)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    return cpu_prepack_moe_weight(tensor.unsqueeze(0).contiguous(), isa)[0]
+    return cpu_prepack_moe_weight(tensor.contiguous(), isa)
 
 
 def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> WeightCheck:
     """Compare what every worker of ``llm`` holds against ``named`` (the trainer's full tensors, transformers names;
-    experts fused ``[E, 2I, H]`` / ``[E, H, I]``): per (tensor shard, worker) SHA-256 of the held bytes vs the
+    experts fused ``[E, 2I, H]`` / ``[E, H, I]``): per (tensor shard, worker) the fingerprint of the held bytes
+    (:func:`moealign.contract.tensor_fingerprint`, a 128-bit keyed checksum computed on the tensor's device) vs the
     expected ones (sliced for the rank, cast to the held dtype, prepacked where the worker packs). Returns a
     :class:`WeightCheck` (``.check()`` raises naming each mismatch); never raises for a mismatch itself."""
     t0 = time.perf_counter()
@@ -480,6 +484,7 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
         state["lm_head.weight"] = state["model.embed_tokens.weight"]      # tied embeddings
     per_rank = held_tensors(llm)
     result = WeightCheck(workers=len(per_rank))
+    expert_cache: dict = {}
     for rank, held in enumerate(per_rank):
         isa = held.get("_isa")
         for name, value in held.items():
@@ -493,14 +498,25 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
             if full is None:
                 result.mismatches.append((name, rank, "the trainer has no such tensor"))
                 continue
+            if shard[0] == "expert":
+                # every expert of this shard at once: sliced, cast, prepacked where the worker packs, fingerprinted
+                key = (base, shard[2], dtype, bool(packed))
+                if key not in expert_cache:
+                    want = _expected(full.detach(), shard[2]).to(getattr(torch, dtype))
+                    if packed:
+                        want = _prepack_all(want, isa)
+                    expert_cache[key] = (tuple(want.shape[1:]), tensor_fingerprint(want, rows=True))
+                want_shape, prints = expert_cache[key]
+                if want_shape != tuple(shape):
+                    result.mismatches.append((name, rank, f"held shape {tuple(shape)}, the trainer's {want_shape}"))
+                elif prints[shard[1]] != digest:
+                    result.mismatches.append((name, rank, "held bytes differ"))
+                continue
             want = _expected(full.detach(), shard).to(getattr(torch, dtype))
             if tuple(want.shape) != tuple(shape):
                 result.mismatches.append((name, rank, f"held shape {tuple(shape)}, the trainer's "
                                                       f"{tuple(want.shape)}"))
-                continue
-            if packed and shard[0] == "expert":
-                want = _prepack(want, isa)
-            if tensor_digest(name, want.contiguous()) != digest:
+            elif tensor_fingerprint(want) != digest:
                 result.mismatches.append((name, rank, "held bytes differ"))
     result.seconds = time.perf_counter() - t0
     return result

@@ -1,0 +1,16 @@
+"""The RL loop under measurement: ``moealign rl-check`` and the refit library calls users' own loops use.
+
+* :func:`refit` / :func:`verify_refit` (:mod:`moealign.rl.refit`): the trainer's weights into a running vLLM
+  engine in place, and the proof that every worker now holds them (digests through vLLM's packing, a probe forward);
+* :func:`run_rl_check` (:mod:`moealign.rl.loop`): K steps of group-relative policy gradient, vLLM rolling out and
+  Megatron-core training, every step measured (mismatch, router flips, correction, reward, refit, verification);
+* :class:`RLCheckConfig` (:mod:`moealign.rl.config`): its options, checked before any engine starts.
+"""
+
+from .config import LEVERS, RLCheckConfig
+from .loop import STEP_METRICS, run_rl_check
+from .refit import Probe, RefitCheck, refit, trainer_tensors, verify_refit
+from .reward import REWARD_NAME, balanced_brackets, group_advantages, rewards
+
+__all__ = ["LEVERS", "RLCheckConfig", "STEP_METRICS", "run_rl_check", "Probe", "RefitCheck", "refit",
+           "trainer_tensors", "verify_refit", "REWARD_NAME", "balanced_brackets", "group_advantages", "rewards"]

@@ -1,0 +1,90 @@
+"""``moealign rl-check``: the argparse side (the parser entry :func:`add_rl_check`, the command :func:`cmd_rl_check`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+
+__all__ = ["add_rl_check", "cmd_rl_check"]
+
+
+def cmd_rl_check(args: argparse.Namespace) -> int:
+    from ..cli import _finish
+    from ..mismatch.report import parse_fail_above
+    from .config import RLCheckConfig
+    from .loop import run_rl_check
+    from .report import check_steps, format_steps, write_report_dir
+
+    bounds = parse_fail_above(args.fail_above)
+    cfg = RLCheckConfig(model=args.model, steps=args.steps, group_size=args.group_size, num_prompts=args.num_prompts,
+                        max_new_tokens=args.max_new_tokens, lr=args.lr, levers=args.levers,
+                        correction=args.correction, staleness=args.staleness,
+                        rollout_precision=args.rollout_precision, train_precision=args.train_precision,
+                        rollout_tp=args.rollout_tp, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
+                        verify=not args.no_verify, json=args.json, report_dir=args.report, fail_above=bounds,
+                        compare=args.compare, device=args.device)
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_rl_check(cfg, log=log)
+    failures = check_steps(report, bounds)
+    if cfg.report_dir:
+        paths = write_report_dir(report, cfg.report_dir)
+        log(f"report: {paths['html']}")
+    return _finish("rl-check", format_steps(report), report, args.json, failures)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{text!r} is not a number") from None
+
+
+def add_rl_check(sub) -> None:
+    from ..correction.config import PRESETS
+    from .config import DEFAULT_CORRECTION, LEVERS
+
+    p = sub.add_parser(
+        "rl-check",
+        help="K steps of RL (vLLM rollouts, Megatron training, in-place refits): mismatch measured and refit "
+             "verified at every step",
+        description="Certify alignment through weight refits. Each step: vLLM samples --group-size completions per "
+        "prompt (routes and kept sets recorded); a verifiable reward (balanced brackets) and group-relative "
+        "advantages; Megatron-core re-computes the log-probs with the chosen --levers, applies the rollout "
+        "correction and takes an Adam step; the weights are refit into the running vLLM engine in place and "
+        "verified (every worker's tensors against the trainer's, and a probe forward within the step-0 bound). "
+        "With no arguments it runs the embedded model on CPU.")
+    p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
+    p.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
+    p.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4, at least 2)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion (default 32)")
+    p.add_argument("--lr", type=_positive_float, default=2e-3, help="Adam learning rate (default 2e-3; 0: a no-op "
+                   "update, the weights never change)")
+    p.add_argument("--levers", choices=list(LEVERS), default="all",
+                   help="alignment levers of the trainer: routing replay, the sampling mask, both (default) or none")
+    p.add_argument("--correction", default=DEFAULT_CORRECTION, metavar="PRESET",
+                   help=f"rollout-correction preset (default {DEFAULT_CORRECTION}): "
+                   + ", ".join(sorted(n for n in PRESETS if not n.startswith("bypass"))))
+    p.add_argument("--staleness", type=int, default=0, metavar="N",
+                   help="rollouts from the weights of N steps earlier (asynchronous RL; default 0)")
+    p.add_argument("--rollout-precision", default="bf16", metavar="NAME",
+                   help="vLLM's precision policy (default bf16, as the mismatch test)")
+    p.add_argument("--train-precision", default="fp32", metavar="NAME",
+                   help="Megatron's precision policy (default fp32)")
+    p.add_argument("--rollout-tp", type=int, default=1, metavar="N", help="vLLM tensor-parallel size (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
+    p.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--no-verify", action="store_true", help="skip the refit verification (for overhead benchmarks)")
+    p.add_argument("--compare", action="store_true",
+                   help="run the stock loop (levers none) and the aligned loop from the same seed, side by side")
+    p.add_argument("--json", metavar="PATH", help="write the report (header + one object per step) as JSON")
+    p.add_argument("--report", metavar="DIR", help="write DIR/report.html (plots over steps) and DIR/report.json")
+    p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
+                   help="exit 3 when METRIC exceeds VALUE at any step of the judged (aligned) run; a failed refit "
+                   "verification also exits 3")
+    p.add_argument("-q", "--quiet", action="store_true", help="no log lines on stderr")
+    p.set_defaults(func=cmd_rl_check)

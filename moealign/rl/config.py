@@ -1,0 +1,139 @@
+"""``RLCheckConfig``: every option of ``moealign rl-check``, checked once, before any engine starts."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..record import MIN_TEMPERATURE, SamplingParams
+
+__all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION"]
+
+#: ``--levers``: (routing replay, sampling mask).
+LEVERS = {"none": (False, False), "replay": (True, False), "mask": (False, True), "all": (True, True)}
+#: The default rollout correction: token-level IcePop (mask tokens whose pi_train / pi_rollout leaves [0.5, 5]).
+DEFAULT_CORRECTION = "decoupled_token_icepop"
+
+
+def _int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"--{name.replace('_', '-')} must be an integer {span}, got {value!r}")
+    return value
+
+
+def _float(name: str, value, low: float, *, inclusive: bool = True, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (value < low if inclusive else value <= low) or (high is not None and value > high):
+        raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>=' if inclusive else '>'} {low}"
+                          f"{'' if high is None else f' and <= {high}'}, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class RLCheckConfig:
+    """``moealign rl-check``'s options (see the CLI help). Checked in ``__post_init__``: a config that exists is
+    one the loop can run."""
+
+    model: str | None = None            # a local transformers MoE checkpoint; None: the embedded model
+    steps: int = 8
+    group_size: int = 4
+    num_prompts: int = 16
+    max_new_tokens: int = 32
+    lr: float = 2e-3
+    levers: str = "all"
+    correction: str = DEFAULT_CORRECTION
+    staleness: int = 0
+    rollout_precision: str = "bf16"
+    train_precision: str = "fp32"
+    rollout_tp: int = 1
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.9
+    max_grad_norm: float = 1.0
+    verify: bool = True                 # digests + probe after every refit
+    probe_sequences: int = 2
+    json: str | None = None
+    report_dir: str | None = None
+    fail_above: dict = field(default_factory=dict)
+    compare: bool = False
+    device: str = "auto"
+
+    def __post_init__(self):
+        for name, low in (("steps", 1), ("group_size", 2), ("num_prompts", 1), ("max_new_tokens", 1),
+                          ("rollout_tp", 1), ("probe_sequences", 1)):
+            _int(name, getattr(self, name), low, 4096 if name != "max_new_tokens" else 100_000)
+        _int("seed", self.seed, 0, 2 ** 63 - 1)
+        _int("staleness", self.staleness, 0)
+        if self.staleness >= self.steps:
+            raise ConfigError(f"--staleness {self.staleness} must be below --steps {self.steps} (rollouts from the "
+                              f"weights of N steps earlier need more than N steps)")
+        self.lr = _float("lr", self.lr, 0.0, high=1.0)
+        self.max_grad_norm = _float("max_grad_norm", self.max_grad_norm, 0.0, inclusive=False)
+        self.temperature = _float("temperature", self.temperature, MIN_TEMPERATURE)
+        self.top_p = _float("top_p", self.top_p, 0.0, inclusive=False, high=1.0)
+        if self.levers not in LEVERS:
+            raise ConfigError(f"unknown --levers {self.levers!r}; choose one of {', '.join(LEVERS)}")
+        from ..correction.config import PRESETS
+
+        if self.correction not in PRESETS:
+            raise ConfigError(f"unknown --correction preset {self.correction!r}; choose one of "
+                              f"{', '.join(sorted(PRESETS))}")
+        if PRESETS[self.correction]().bypass_mode:
+            raise ConfigError(f"--correction {self.correction}: a bypass-mode preset; rl-check runs the decoupled "
+                              f"loss (pi_old = the trainer's own log-probs): choose a decoupled_* preset or disabled")
+        from ..mismatch.engines import resolve_precision
+        from ..precision.policy import megatron_gaps, vllm_gaps
+
+        for side, gaps in (("rollout", vllm_gaps), ("train", megatron_gaps)):
+            policy = resolve_precision(getattr(self, f"{side}_precision"))
+            missing = gaps(policy)
+            if missing:
+                raise ConfigError(f"--{side}-precision {policy.name}: the {'vLLM' if side == 'rollout' else 'Megatron'}"
+                                  f" engine cannot express it ({'; '.join(missing)})")
+            setattr(self, f"{side}_precision", policy.name)
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device {self.device!r}: rl-check runs on cpu or cuda")
+        if self.model is not None:
+            from ..mismatch.rollout import check_checkpoint
+
+            check_checkpoint(self.model)
+        if self.probe_sequences > self.num_prompts * self.group_size:
+            raise ConfigError(f"--probe-sequences {self.probe_sequences} exceeds the samples of a step "
+                              f"({self.num_prompts} x {self.group_size})")
+        from .._files import check_outputs
+
+        created = [self.report_dir] if self.report_dir else []
+        outputs = [("--json", self.json)]
+        if self.report_dir:
+            outputs += [("--report", os.path.join(self.report_dir, "report.html")),
+                        ("--report", os.path.join(self.report_dir, "report.json"))]
+        check_outputs(outputs, {"--model": self.model}, created_dirs=created)
+
+    @property
+    def replay(self) -> bool:
+        return LEVERS[self.levers][0]
+
+    @property
+    def mask(self) -> bool:
+        return LEVERS[self.levers][1]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p)
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def model_path(self) -> str:
+        if self.model:
+            return str(self.model)
+        from ..embedded import embedded_model_path
+
+        return str(embedded_model_path())

@@ -1,0 +1,246 @@
+"""``moealign rl-check``: a real RL loop (vLLM rolls out, Megatron-core trains, weights refit in place) with the
+mismatch measured, and the refit verified, at every step.
+
+One step (synchronous; with ``staleness = N`` the rollout engine holds the weights of N steps earlier):
+
+1. **rollout**: vLLM samples ``group_size`` completions per prompt (sample ``i`` from seed ``seed + step * n + i``),
+   recording log-probs, routes and kept sets (:func:`moealign.patches.vllm.rollout.generate_with_record`);
+2. **reward**: :func:`moealign.rl.reward.balanced_brackets` of each completion's text; group-relative advantages;
+3. **train**: Megatron re-computes the log-probs with the chosen levers (routing replay through Megatron's
+   RouterReplay, the sampling mask: the log-prob restricted to the recorded kept set), the rollout correction
+   (a :mod:`moealign.correction` preset, decoupled: pi_old = the trainer's own log-probs) weights / masks the
+   tokens, PPO-clip loss (ratio 1 at the point: one update per batch), backward, grad-norm clip, Adam step;
+4. **measure**: the mismatch metrics ``moealign mismatch`` reports (same names) between the trainer's log-probs
+   (before the update) and the rollout's, the router flips of the trainer against the record;
+5. **refit**: the trainer's weights streamed into every vLLM worker in place (:func:`moealign.rl.refit.refit`);
+6. **verify**: every worker's tensors against the trainer's (digests through vLLM's packing) and a probe forward
+   within the step-0 bound (:func:`moealign.rl.refit.verify_refit`).
+
+``compare=True`` runs the stock loop (levers ``none``) and the aligned loop (the configured levers, ``all`` when
+``none`` was asked) from the same seed, one after the other on the same vLLM engine (refit back to the checkpoint
+before the second run, which is itself a refit the verifier checks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from .config import LEVERS, RLCheckConfig
+from .refit import Probe, refit, trainer_tensors, verify_refit
+from .reward import REWARD_NAME, group_advantages, rewards
+
+__all__ = ["run_rl_check", "STEP_METRICS"]
+
+#: The mismatch metrics reported per step (the names ``moealign mismatch`` uses).
+STEP_METRICS = ("router_flip_rate", "kl_k1", "kl_k3", "max_abs_logp_diff", "mean_abs_logp_diff",
+                "support_mismatch_rate", "icepop_masked_fraction", "geo_rs_masked_fraction")
+
+
+def _pad(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(list(values.split(lengths)), batch_first=True)
+
+
+def _snapshot(trainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in trainer_tensors(trainer)}
+
+
+class _Run:
+    """One loop (stock or aligned) on an open vLLM engine and a fresh Megatron trainer."""
+
+    def __init__(self, cfg: RLCheckConfig, name: str, levers: str, rollout, log: Callable[[str], None]):
+        from ..correction import RolloutCorrectionConfig
+        from ..mismatch.engines import MegatronTrainEngine
+
+        self.cfg, self.name, self.levers, self.log = cfg, name, levers, log
+        self.replay, self.mask = LEVERS[levers]
+        self.rollout = rollout
+        self.llm = rollout.llm
+        self.correction = RolloutCorrectionConfig.preset(cfg.correction)
+        self.trainer = MegatronTrainEngine(cfg.model_path(), cfg.train_precision, cfg.resolved_device())
+        self.params = [p for p in self.trainer.model.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+
+    # ------------------------------------------------------------------ pieces of a step
+    def _train(self, record) -> tuple[dict, object]:
+        from ..mismatch.engines import TrainForward
+        from ..record import concat_kept_sets
+        from ..routing_replay.sampling_mask import full_logprob, kept_logprob
+
+        from ..correction.losses import ppo_clip_loss
+
+        cfg = self.cfg
+        idx = list(range(len(record)))
+        lengths = [s.response_len for s in record.samples]
+        fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
+        if self.mask:
+            offsets, ids = concat_kept_sets(record.samples)
+            logp = kept_logprob(fwd.logits, fwd.tokens, offsets.to(fwd.logits.device), ids.to(fwd.logits.device),
+                                temperature=cfg.temperature)
+        else:
+            logp = full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
+        logp_pad = _pad(logp, lengths)
+        old = logp_pad.detach()
+        rollout_lp = _pad(torch.cat([s.logprobs.float() for s in record.samples]).to(old.device), lengths)
+        mask = _pad(torch.ones(sum(lengths), device=old.device), lengths)
+        weights, kept, corr = self.correction.compute(old, rollout_lp, mask)
+        texts = [self.tokenizer.decode(s.response_ids.tolist()) for s in record.samples]
+        reward = rewards(texts)
+        adv = group_advantages(reward, cfg.group_size).to(old.device)
+        loss, _ = ppo_clip_loss(logp_pad, old, adv[:, None].expand_as(old).contiguous(), kept,
+                                rollout_is_weights=weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        self.optimizer.step()
+        corr_floats = {k: v for k, v in corr.to_floats().items() if "masked" in k or "oob" in k or "veto" in k}
+        masked = 1.0 - float(kept.sum()) / max(1.0, float(mask.sum()))
+        out = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
+               "loss": float(loss.detach()), "grad_norm": grad_norm,
+               "correction": {"masked_fraction": masked, **corr_floats}}
+        detached = TrainForward(logits=fwd.logits.detach(), tokens=fwd.tokens, routes=fwd.routes)
+        return out, detached
+
+    def _measure(self, record, fwd) -> dict:
+        from ..mismatch.report import side_metrics
+        from ..mismatch.scoring import SideScores, score_batch
+
+        side = SideScores()
+        score_batch(record, list(range(len(record))), fwd, side)
+        recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+        recorded = torch.cat([s.routed_rows for s in record.samples])
+        side.finish(recorded_routes, recorded)
+        metrics = side_metrics(record, side, masked=self.mask and record.has_kept_sets)
+        return {k: metrics[k] for k in STEP_METRICS}
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, prompts: list[str]) -> dict:
+        from ..patches.vllm.rollout import generate_with_record
+
+        cfg = self.cfg
+        self.log(f"{self.name}: levers {self.levers}, correction {cfg.correction}, {cfg.steps} steps, "
+                 f"{len(prompts)} prompts x {cfg.group_size}, lr {cfg.lr:g}, staleness {cfg.staleness}")
+        t0 = time.perf_counter()
+        start = refit(self.llm, self.trainer)            # the engine starts from this trainer's weights
+        start_check = verify_refit(self.llm, self.trainer)
+        probe = None
+        if cfg.verify:
+            seqs = [torch.tensor(self.tokenizer(p)["input_ids"][:48]) for p in prompts[:cfg.probe_sequences]]
+            seqs = [s for s in seqs if s.numel() > 17]
+            if seqs:
+                probe = Probe(seqs)
+                probe.calibrate(self.llm, self.trainer)
+        header = {"name": self.name, "levers": self.levers, "replay": self.replay, "sampling_mask": self.mask,
+                  "initial_refit": {"seconds": round(start.seconds, 6), "verify": start_check.to_dict()},
+                  "probe": None if probe is None else {"sequences": len(probe.sequences), "scored_tokens":
+                                                       probe.score_last, "step0_gap": probe.step0_gap,
+                                                       "bound": probe.bound}}
+        history: dict[int, dict] = {}                    # staleness: weight version -> the trainer's tensors
+        repeated = [p for p in prompts for _ in range(cfg.group_size)]
+        steps = []
+        for step in range(cfg.steps):
+            times = {}
+            t = time.perf_counter()
+            record = generate_with_record(self.llm, repeated, sampling=cfg.sampling,
+                                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + step * len(repeated))
+            times["rollout"] = time.perf_counter() - t
+            t = time.perf_counter()
+            out, fwd = self._train(record)
+            times["train"] = time.perf_counter() - t
+            t = time.perf_counter()
+            out["metrics"] = self._measure(record, fwd)
+            times["measure"] = time.perf_counter() - t
+            t = time.perf_counter()
+            expected = None
+            if cfg.staleness:
+                history[step + 1] = _snapshot(self.trainer)
+                version = step + 1 - cfg.staleness       # the engine serves the weights of N steps earlier
+                for old in [v for v in history if v < version]:
+                    del history[old]
+                if version >= 1:
+                    expected = history[version]
+                    result = _refit_snapshot(self.llm, expected)
+                else:
+                    result = None                        # the engine keeps theta_0 until N steps have passed
+            else:
+                result = refit(self.llm, self.trainer)
+            times["refit"] = time.perf_counter() - t
+            t = time.perf_counter()
+            check = None
+            if cfg.verify and result is not None:
+                check = verify_refit(self.llm, self.trainer, expected=expected, probe=probe)
+            times["verify"] = time.perf_counter() - t
+            times["total"] = sum(times.values())
+            out.update({"step": step, "samples": len(record), "response_tokens": record.num_response_tokens,
+                        "refit": None if result is None else {"seconds": round(result.seconds, 6),
+                                                              "tensors": result.tensors, "bytes": result.bytes,
+                                                              "workers": result.workers},
+                        "verify": None if check is None else check.to_dict(),
+                        "time": {k: round(v, 6) for k, v in times.items()}})
+            steps.append(out)
+            m = out["metrics"]
+            self.log(f"{self.name} step {step}: reward {out['reward_mean']:.3f}, kl_k3 {m['kl_k3']:.3g}, "
+                     f"max|dlogp| {m['max_abs_logp_diff']:.3g}, router flips {m['router_flip_rate']:.4f}, refit "
+                     f"{'-' if result is None else f'{result.seconds * 1e3:.0f} ms'}, verify "
+                     f"{'-' if check is None else ('ok' if check.ok else 'FAILED')}")
+        header["elapsed_s"] = round(time.perf_counter() - t0, 3)
+        header["steps"] = steps
+        return header
+
+
+def _refit_snapshot(llm, snapshot: dict):
+    from ..patches.vllm import refit as vr
+
+    layout = vr.checkpoint_layout(vr._engine_model_path(llm))
+    named = list(vr.checkpoint_named(snapshot.items(), layout))
+    return vr.refit_weights(llm, iter(named), {n: tuple(t.shape) for n, t in named})
+
+
+def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None) -> dict:
+    """Run ``moealign rl-check`` (see the module docstring); returns the JSON-ready report."""
+    from ..embedded import default_prompts
+    from ..mismatch.engines import VLLMRolloutEngine, describe_engine
+    from ..patches.vllm.refit import _check_refit_version
+
+    log = log or (lambda msg: None)
+    if not isinstance(cfg, RLCheckConfig):
+        raise ConfigError(f"cfg must be an RLCheckConfig, got {type(cfg).__name__}")
+    _check_refit_version()                               # an engine whose reload path moealign does not know
+    t0 = time.perf_counter()
+    prompts = default_prompts()[:cfg.num_prompts]
+    if len(prompts) < cfg.num_prompts:
+        raise ConfigError(f"--num-prompts {cfg.num_prompts}: the prompt set holds {len(prompts)}")
+    runs_wanted = [("stock", "none"), ("aligned", cfg.levers if cfg.levers != "none" else "all")] if cfg.compare \
+        else [("aligned" if cfg.levers != "none" else "stock", cfg.levers)]
+    log(f"rollout: vllm {cfg.rollout_precision} (TP={cfg.rollout_tp}); train: megatron {cfg.train_precision}")
+    rollout = VLLMRolloutEngine(cfg.model_path(), cfg.rollout_precision, cfg.resolved_device(), tp=cfg.rollout_tp)
+    runs = []
+    try:
+        rollout_desc = describe_engine(rollout)
+        for name, levers in runs_wanted:
+            run = _Run(cfg, name, levers, rollout, log)
+            try:
+                runs.append(run.run(prompts))
+                train_desc = describe_engine(run.trainer)
+            finally:
+                run.close()
+    finally:
+        rollout.close()
+    return {"command": "rl-check", "model": cfg.model_path() if cfg.model else "embedded:tiny_moe",
+            "reward": REWARD_NAME, "correction": cfg.correction,
+            "config": {k: getattr(cfg, k) for k in ("steps", "group_size", "num_prompts", "max_new_tokens", "lr",
+                                                     "levers", "staleness", "rollout_precision", "train_precision",
+                                                     "rollout_tp", "seed", "temperature", "top_p", "compare")},
+            "rollout": rollout_desc, "train": train_desc, "runs": runs,
+            "elapsed_s": round(time.perf_counter() - t0, 3)}
