@@ -110,7 +110,7 @@ class RLCheckConfig:
         if self.report_dir:
             outputs += [("--report", os.path.join(self.report_dir, "report.html")),
                         ("--report", os.path.join(self.report_dir, "report.json"))]
-        check_outputs(outputs, {"--model": self.model}, created_dirs=created)
+        check_outputs(outputs, {"--model": self.model_path()}, created_dirs=created)   # embedded: its files too
 
     @property
     def replay(self) -> bool:
