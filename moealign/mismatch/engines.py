@@ -426,10 +426,14 @@ class MegatronTrainEngine:
     def meta(self) -> RecordMeta:
         return self._meta
 
-    def forward(self, record: RolloutRecord, indices, *, replay: bool, grad: bool = False) -> TrainForward:
+    def forward(self, record: RolloutRecord, indices, *, replay: bool, grad: bool = False,
+                capture: bool = True) -> TrainForward:
         """The logits at the response positions of ``record.samples[indices]`` (and the experts each router used).
         ``grad=True`` keeps the autograd graph (a training step: the caller runs the backward); the default runs
-        under ``no_grad``."""
+        under ``no_grad``. ``capture=False`` skips reading the experts each router used (``routes`` is then an
+        empty ``[0, layers, k]`` tensor: a plain training forward, the benchmarks' baseline)."""
+        import contextlib
+
         from ..patches.megatron.capture import capture_routes
 
         sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
@@ -441,7 +445,7 @@ class MegatronTrainEngine:
         mask = (causal[None, None] | (batch.attention_mask == 0)[:, None, None, :]).to(dev)
         try:
             with torch.set_grad_enabled(grad), _bi_context(self.batch_invariant), \
-                    capture_routes(self.model) as capture:
+                    (capture_routes(self.model) if capture else contextlib.nullcontext()) as captured:
                 if replay:
                     self.driver.set_routes(batch.replay_batch())
                     with self.driver.forward():
@@ -452,11 +456,14 @@ class MegatronTrainEngine:
         finally:
             self.driver.clear()
             self.driver.reset_counters()
-        used = capture.last_forward()                   # [B*T, n_layers, k], record row order
-        used = used[batch.route_mask.reshape(-1).to(used.device)]
+        if captured is not None:
+            used = captured.last_forward()              # [B*T, n_layers, k], record row order
+            used = used[batch.route_mask.reshape(-1).to(used.device)].detach()
+        else:
+            used = torch.zeros(0, len(self._meta.moe_layers), self._meta.top_k, dtype=torch.int64)
         b, p = batch.response_mask.nonzero(as_tuple=True)
         out = logits[b.to(dev), (p - 1).to(dev)].float()
-        return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used.detach())
+        return TrainForward(logits=out, tokens=batch.input_ids[b, p].to(dev), routes=used)
 
     def contract(self, sampling: SamplingParams | dict | None = None) -> dict:
         """The execution contract of the converted model (:mod:`moealign.contract`)."""

@@ -105,7 +105,8 @@ class _Run:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         self.optimizer.step()
         corr_floats = {k: v for k, v in corr.to_floats().items() if "masked" in k or "oob" in k or "veto" in k}
-        masked = 1.0 - float(kept.sum()) / max(1.0, float(mask.sum()))
+        dropped = (kept == 0) if weights is None else ((kept == 0) | (weights == 0))   # RS mask or IcePop's zeros
+        masked = float((dropped & (mask > 0)).sum()) / max(1.0, float(mask.sum()))
         out = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
                "loss": float(loss.detach()), "grad_norm": grad_norm,
                "correction": {"masked_fraction": masked, **corr_floats}}

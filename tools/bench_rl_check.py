@@ -1,0 +1,126 @@
+"""Benchmark: moealign's own per-step work inside the RL loop of ``moealign rl-check``, against the loop's plain step,
+in one run.
+
+One vLLM engine and one Megatron trainer (the embedded model by default, the rl-check defaults: 16 prompts x 4
+completions x 32 tokens, vLLM bf16, Megatron fp32), the same prompts, seeds and tokens. Interleaved rounds time:
+
+* rollout: plain ``LLM.generate`` (processed log-probs of the sampled tokens, what any RL loop asks for) vs
+  ``generate_with_record`` (routes and kept sets recorded and checked);
+* train: a plain Megatron forward + backward (no route capture) vs the same with routing replay (RouterReplay,
+  the replay verifier's device counters, the route capture that measures flips);
+* refit: moealign's in-place refit (manifest check, the CPU build's prepack fix) vs vLLM's own ``reload_weights`` of
+  the same tensors (the stock path: it corrupts the MoE layers on the CPU build, timed only as a baseline);
+* refit verification: ``verify_refit`` (every worker's tensors read back and fingerprinted, the probe forward).
+
+Printed: minimum / median seconds of each, the plain step (plain rollout + plain train + refit), moealign's own work
+per step ((record - plain) + (replay - plain) + verification) and its share of the aligned step (target <= 3%, aim
+1%). ``--json`` writes the figures.
+
+    python tools/bench_rl_check.py
+    python tools/bench_rl_check.py --num-prompts 32 --max-new-tokens 64 --repeats 7 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from _timing import interleaved, write_json
+
+    from moealign.embedded import default_prompts, embedded_model_path
+    from moealign.mismatch.engines import MegatronTrainEngine, VLLMRolloutEngine
+    from moealign.patches.vllm import refit as vr
+    from moealign.patches.vllm.rollout import generate_with_record, model_runner
+    from moealign.record import SamplingParams
+    from moealign.rl.refit import Probe, refit, trainer_tensors, verify_refit
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(embedded_model_path()))
+    ap.add_argument("--rollout-precision", default="bf16")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+
+    prompts = [p for p in default_prompts()[:args.num_prompts] for _ in range(args.group_size)]
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    rollout = VLLMRolloutEngine(args.model, args.rollout_precision, "cpu")
+    trainer = MegatronTrainEngine(args.model, "fp32", "cpu")
+    llm = rollout.llm
+    for p in trainer.model.parameters():
+        p.requires_grad_(True)
+    from vllm import SamplingParams as VllmSampling
+
+    plain_params = [VllmSampling(n=1, temperature=1.0, top_p=0.9, max_tokens=args.max_new_tokens, seed=i, logprobs=0)
+                    for i in range(len(prompts))]
+    record = generate_with_record(llm, prompts, sampling=sampling, max_new_tokens=args.max_new_tokens, seed=0)
+    idx = list(range(len(record)))
+    tok = llm.get_tokenizer()
+    probe = Probe([torch.tensor(tok(p)["input_ids"][:48]) for p in default_prompts()[:2]])
+    probe.calibrate(llm, trainer)
+    layout = vr.checkpoint_layout(args.model)
+
+    def train(replay: bool, capture: bool):
+        fwd = trainer.forward(record, idx, replay=replay, grad=True, capture=capture)
+        torch.nn.functional.cross_entropy(fwd.logits, fwd.tokens).backward()
+        trainer.model.zero_grad(set_to_none=True)
+
+    def stock_reload():
+        state = trainer_tensors(trainer)
+        model_runner(llm).reload_weights(weights_iterator=vr.checkpoint_named(state, layout))
+
+    fns = {
+        "rollout_plain": lambda: llm.generate(prompts, plain_params, use_tqdm=False),
+        "rollout_recorded": lambda: generate_with_record(llm, prompts, sampling=sampling,
+                                                         max_new_tokens=args.max_new_tokens, seed=0),
+        "train_plain": lambda: train(False, False),
+        "train_replay": lambda: train(True, True),
+        "refit_vllm_reload": stock_reload,
+        "refit_moealign": lambda: refit(llm, trainer),
+        "verify": lambda: verify_refit(llm, trainer, probe=probe),
+    }
+    t = interleaved(fns, args.repeats)
+    refit(llm, trainer)                        # leave the engine exact (the stock reload corrupted it)
+    assert verify_refit(llm, trainer, probe=probe).ok
+    plain_step = t["rollout_plain"] + t["train_plain"] + t["refit_moealign"]
+    own = max(0.0, t["rollout_recorded"] - t["rollout_plain"]) + max(0.0, t["train_replay"] - t["train_plain"]) \
+        + t["verify"]
+    aligned_step = plain_step + own
+    result = {k: round(v, 6) for k, v in t.items()}
+    result.update({
+        "samples": len(prompts), "response_tokens": record.num_response_tokens,
+        "recording_ratio": round(t["rollout_recorded"] / t["rollout_plain"], 4),
+        "replay_ratio": round(t["train_replay"] / t["train_plain"], 4),
+        "refit_ratio_vs_vllm_reload": round(t["refit_moealign"] / t["refit_vllm_reload"], 4),
+        "plain_step_s": round(plain_step, 6), "aligned_step_s": round(aligned_step, 6),
+        "moealign_own_s": round(own, 6), "moealign_share": round(own / aligned_step, 4),
+        "verify_share": round(t["verify"] / aligned_step, 4),
+    })
+    print(f"{len(prompts)} samples, {record.num_response_tokens} response tokens, vLLM {args.rollout_precision}, "
+          f"Megatron fp32, {args.repeats} interleaved rounds (min / median s)")
+    for name in fns:
+        print(f"  {name:18s} {t[name]:.4f} / {t[name + '_median']:.4f}")
+    print(f"  recording {result['recording_ratio']:.3f}x of the plain rollout; replay (+ verifier, capture) "
+          f"{result['replay_ratio']:.3f}x of the plain train step; refit {result['refit_ratio_vs_vllm_reload']:.3f}x "
+          f"of vLLM's own reload")
+    print(f"  plain step {plain_step:.3f} s; moealign's own work {own * 1e3:.1f} ms = {100 * result['moealign_share']:.2f}% "
+          f"of the aligned step (refit verification alone {100 * result['verify_share']:.2f}%)")
+    if args.json:
+        write_json(args.json, result)
+    trainer.close()
+    rollout.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
