@@ -139,3 +139,14 @@ def test_group_advantages_are_group_relative():
     assert a[0] > 0 and a[1] < 0 and a[3] > 0 and a[4] < 0
     flat = group_advantages(torch.ones(4), 2)                     # no spread in a group: no signal
     assert torch.equal(flat, torch.zeros(4))
+
+
+def test_unknown_engine_version_refused_before_any_engine(monkeypatch, capsys):
+    from packaging.version import Version
+
+    import moealign.patches.vllm.refit as vr
+
+    monkeypatch.setattr(vr, "vllm_version", lambda: Version("0.40.0"))
+    assert main(["rl-check", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "0.40.0" in err[0] and "in-place refit" in err[0]

@@ -106,3 +106,22 @@ def test_bench_diagnosis_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["diagnose_ratio"] > 0 and result["rescore_ratio"] > 0      # figures: README (tiny sizes here)
     assert result["lever_sets"] > 4
+
+
+def test_bench_rl_check_smoke(tmp_path):
+    import pytest
+
+    from moealign._optional import probe
+
+    if not (probe("vllm").available and probe("megatron.core").available):
+        pytest.skip("vLLM / Megatron-core not installed")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_rl_check.py"), "--num-prompts", "2", "--group-size", "2",
+         "--max-new-tokens", "4", "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["samples"] == 4 and result["verify"] > 0 and 0 <= result["moealign_share"] < 1
+    assert result["recording_ratio"] > 0 and result["replay_ratio"] > 0 and result["refit_ratio_vs_vllm_reload"] > 0
