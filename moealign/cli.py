@@ -81,7 +81,9 @@ def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
     from .mismatch.contract_check import run_contract_check
 
     other = [f for f, given in (("--sweep", args.sweep), ("--save-record", args.save_record),
-                                ("--fail-above", args.fail_above), ("--fail-below", args.fail_below)) if given]
+                                ("--fail-above", args.fail_above), ("--fail-below", args.fail_below),
+                                ("--diagnose", args.diagnose), ("--report", args.report),
+                                ("--inject-fault", args.inject_fault)) if given]
     if other:
         raise ConfigError(f"{', '.join(other)}: --contract compares the two sides' configurations and scores nothing; "
                           f"drop {'them' if len(other) > 1 else 'it'}")

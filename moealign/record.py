@@ -117,7 +117,9 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters of one sample. ``top_k=0``, ``top_p=1`` and ``min_p=0`` mean "off"."""
+    """Sampling parameters of one sample. ``top_k=0``, ``top_p=1`` and ``min_p=0`` mean "off". The bounds here are
+    the ones every record obeys, however it is made (an engine, ``record convert``, a file, ``mismatch``'s flags):
+    ``temperature >= MIN_TEMPERATURE``, ``top_p`` in (0, 1], ``min_p`` in [0, 1], ``top_k`` an integer >= 0."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -129,8 +131,9 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise RecordError(f"sampling {name} must be a number, got {value!r}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise RecordError(f"sampling temperature must be finite and > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            raise RecordError(f"sampling temperature must be finite and > 0, got {self.temperature} (at least "
+                              f"{MIN_TEMPERATURE}: below it engines sample greedily and logits / T overflows)")
         if not math.isfinite(self.top_k) or int(self.top_k) != self.top_k or self.top_k < 0:
             raise RecordError(f"sampling top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

@@ -247,12 +247,37 @@ def _logprob(value, where: str) -> float:
     return float(value)
 
 
+#: sampling_params keys a record states
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+#: keys that do not change the distribution a token is sampled from (lengths, stops, seeds, output options)
+_SAMPLING_INERT = frozenset({
+    "max_tokens", "max_new_tokens", "max_completion_tokens", "stop", "stop_token_ids", "stop_str", "seed", "n",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logprobs",
+    "prompt_logprobs", "return_logprob", "detokenize", "no_stop_trim", "best_of", "output_kind"})
+#: keys that change the distribution, with their neutral value (accepted only at it)
+_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {},
+              "min_tokens": 0, "bad_words": [], "no_repeat_ngram_size": 0, "allowed_token_ids": None,
+              "length_penalty": 1.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
 def _sampling(entry: dict, default: SamplingParams, where: str) -> SamplingParams:
     params = entry.get("sampling_params")
     if params is None:
         return default
     if not isinstance(params, dict):
         raise InputError(f"{where}: sampling_params is not an object")
+    for key, value in params.items():
+        if key in _SAMPLING_KEYS or key in _SAMPLING_INERT:
+            continue
+        if key in _PENALTIES:
+            if value in (None, _PENALTIES[key]) or value == []:   # the neutral value changes nothing
+                continue
+            raise InputError(f"{where}: sampling_params {key}={_short(value)}: the engine sampled from a penalised "
+                             f"distribution a record cannot state (its log-probs are not the model's); convert "
+                             f"rollouts sampled without {', '.join(sorted(_PENALTIES))}")
+        raise InputError(f"{where}: sampling_params has the unknown key {_short(repr(key))} (known: "
+                         f"{', '.join(_SAMPLING_KEYS)}; accepted without effect on the distribution: "
+                         f"{', '.join(sorted(_SAMPLING_INERT))})")
     try:
         top_k = params.get("top_k", 0)
         return SamplingParams(temperature=params.get("temperature", 1.0),

@@ -6,7 +6,8 @@ routes into every layer, a constant default written for every token, a layer lis
 patterns and their thresholds live in :mod:`moealign.routing_replay.degenerate` (every replay adapter refuses the same
 patterns at ``set_routes``); this module adds the record's summary: engine, model, layers, rows, route dtype, the
 fraction of rows the record marks missing (``Sample.route_missing``, left out of every check) and the stale rows of a
-record stitched across weight versions. A record whose every row is missing is reported as ``zero_rows``.
+record stitched across weight versions. A record whose every row is missing is reported as ``zero_rows``; a record without a route table as ``no_routes``
+(exit 3 as well: nothing was captured).
 
 A record whose row count does not match its tokens, or whose ids are out of range, does not load at all
 (:meth:`moealign.record.RolloutRecord.load` refuses it, naming the problem).
@@ -47,8 +48,11 @@ def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] |
         "router_signature": bool(meta.router_signature),
     }
     if not has_routes or rows == 0:
-        return {"summary": summary, "findings": find_degenerate(torch.zeros(0, len(meta.moe_layers), meta.top_k),
-                                                                meta.moe_layers, model_moe_layers=model_moe_layers)}
+        findings = find_degenerate(torch.zeros(0, len(meta.moe_layers), meta.top_k), meta.moe_layers,
+                                   model_moe_layers=model_moe_layers)
+        findings.append({"check": "no_routes", "detail": "the record has no route table: routing replay has nothing "
+                         "to replay and no capture can be checked (record the routes at rollout)"})
+        return {"summary": summary, "findings": findings}
     present = torch.cat([s.routed_rows for s in samples])
     routes = torch.cat([s.routes for s in samples])[present]           # [recorded rows, layers, k]
     findings = find_degenerate(routes, meta.moe_layers, model_moe_layers=model_moe_layers)

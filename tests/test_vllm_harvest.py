@@ -33,6 +33,7 @@ from moealign.errors import (
     InputError,
     InputTypeError,
     MoealignError,
+    RecordError,
     RecordMismatchError,
     RouteError,
 )
@@ -297,7 +298,7 @@ def test_sampling_options_a_record_cannot_state_are_refused():
             record_from_outputs([out], meta, sampling=VllmSamplingParams(temperature=0.9, top_k=5, **changed))
     with pytest.raises(ConfigError, match=r"greedy"):
         record_from_outputs([out], meta, sampling=VllmSamplingParams(temperature=0.0))
-    with pytest.raises(ConfigError, match=r"greedy"):
+    with pytest.raises(RecordError, match=r"at least 1e-05"):    # below the greedy threshold: no record states it
         record_from_outputs([out], meta, sampling=SamplingParams(temperature=1e-6))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moealign._optional import probe
-from moealign.errors import ConfigError, InputTypeError
+from moealign.errors import ConfigError, InputTypeError, RecordError
 from moealign.record import SamplingParams
 
 VLLM = probe("vllm")
@@ -142,7 +142,7 @@ def test_generate_with_record_refuses_bad_arguments():
 
     with pytest.raises(InputTypeError, match="SamplingParams"):
         generate_with_record(object(), ["x"], sampling={"temperature": 1.0}, max_new_tokens=4)
-    with pytest.raises(ConfigError, match="greedy threshold"):
+    with pytest.raises(RecordError, match="at least 1e-05"):     # below the greedy threshold: no record states it
         generate_with_record(object(), ["x"], sampling=SamplingParams(temperature=1e-6), max_new_tokens=4)
     with pytest.raises(ConfigError, match="max_new_tokens"):
         generate_with_record(object(), ["x"], sampling=SamplingParams(), max_new_tokens=0)

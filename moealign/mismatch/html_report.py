@@ -66,8 +66,16 @@ class _Missing(MoealignError):
 # --------------------------------------------------------------------------------------------------
 
 
-def _esc(value: Any) -> str:
+def _plain(value: Any) -> str:
+    """Escaped text for an attribute or the <title> (where no element may go)."""
     return html.escape(value if isinstance(value, str) else str(value), quote=True)
+
+
+def _esc(value: Any) -> str:
+    """Escaped text content, isolated in ``<bdi>``: a bidi control in model or user text (a prompt ending in U+202E)
+    cannot reorder anything after it. Every piece of text the report shows goes through here."""
+    text = _plain(value)
+    return f"<bdi>{text}</bdi>" if text else ""
 
 
 def _num(value: Any) -> float | None:
@@ -575,7 +583,7 @@ def _contract_table(report: dict) -> str:
     rows = []
     for f in fields:
         status = str(f.get("status", ""))
-        cls = f' class="status-{_esc(status)}"' if status in ("gap", "info", "differs", "same") else ""
+        cls = f' class="status-{_plain(status)}"' if status in ("gap", "info", "differs", "same") else ""
         rows.append(f"<tr{cls}><td><code>{_esc(f.get('field', ''))}</code></td><td>{_text(f.get('rollout'))}</td>"
                     f"<td>{_text(f.get('train'))}</td><td>{_esc(status)}</td><td>{_text(f.get('message'))}</td></tr>")
     return _table("table-contract", ["field", "rollout", "train", "status", "note"], rows,
@@ -652,7 +660,7 @@ def _diagnosis(report: dict) -> str:
                           caption="causes, largest first"))
     findings = [f for f in (d.get("findings") or []) if isinstance(f, dict)]
     if findings:
-        items = "".join(f'<li class="severity-{_esc(f.get("severity", ""))}"><code>{_esc(f.get("field", ""))}'
+        items = "".join(f'<li class="severity-{_plain(f.get("severity", ""))}"><code>{_esc(f.get("field", ""))}'
                         f'</code> ({_esc(f.get("severity", ""))}): {_esc(f.get("message", ""))}</li>'
                         for f in findings)
         out.append(f'<ul class="findings">{items}</ul>')
@@ -661,6 +669,7 @@ def _diagnosis(report: dict) -> str:
 
 
 _CSS = """
+bdi,td,th,dd,li,caption,figcaption{unicode-bidi:isolate}
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;margin:1.5em auto;
  max-width:1100px;padding:0 1em;color:#222;line-height:1.4}
 h1{font-size:1.5em;margin-bottom:.3em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
@@ -723,7 +732,7 @@ def render_html(report: dict) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>\n"
+            f"<title>{_plain(title)}</title><style>{_CSS}</style></head><body>\n"
             + "\n".join(body) + "\n</body></html>\n")
 
 

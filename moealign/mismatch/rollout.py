@@ -11,7 +11,6 @@ the record when asked and checks that it can measure routing replay. The caller
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 from dataclasses import asdict, dataclass
@@ -22,7 +21,7 @@ from .._files import check_input_file, check_output_dir, check_output_path, chec
 from ..errors import ConfigError, EngineError, MoealignError, RecordError
 from ..embedded import MAX_PROMPTS_BYTES
 from ..model_config import read_model_config
-from ..record import MIN_TEMPERATURE, RolloutRecord, SamplingParams
+from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
     ROLLOUT_ENGINES,
@@ -226,9 +225,6 @@ class MismatchConfig:
                 raise ConfigError(f"{flag(name)} must be a number, got {value!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ConfigError(f"--top-k must be an integer, got {self.top_k!r}")
-        if math.isfinite(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(f"--temperature {self.temperature!r} is below {MIN_TEMPERATURE} (engines sample greedily "
-                              f"there and logits / T overflows); use a temperature >= {MIN_TEMPERATURE}")
         try:
             self.sampling
         except RecordError as exc:           # SamplingParams names the field; the command line names the flag

@@ -13,9 +13,10 @@ short batch may legitimately route every token alike.
   of expert 0 in different layers are nearly independent (``1/E`` each, so rows zero everywhere are a small share of
   rows zero somewhere), a never-written buffer is zero in every layer at once. One MoE layer of top-1 routes cannot
   tell a written expert 0 from an unwritten one, and is not judged;
-* ``constant_layer``: a layer in which every row routes to one expert set;
-* ``identical_layers``: every row has the same expert set in every layer;
-* ``repeated_set``: one expert set for every row of every layer;
+* ``constant_layer``: a layer in which at least :data:`DOMINANT_SHARE` (90%) of the rows route to one expert set;
+* ``identical_layers``: at least 90% of the rows have the same expert set in every layer;
+* ``repeated_set``: one expert set for at least 90% of the rows of every layer together (reported instead of the
+  two above);
 * ``dense_layers``: the table's layers include layers the model runs dense.
 
 Pure torch.
@@ -27,15 +28,30 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DEGENERATE_CHECKS", "MIN_ROWS", "find_degenerate"]
+__all__ = ["DEGENERATE_CHECKS", "DOMINANT_SHARE", "MIN_ROWS", "find_degenerate"]
 
 #: Fewest recorded rows for the constant / identical / repeated / zero checks to be meaningful.
 MIN_ROWS = 16
 
 DEGENERATE_CHECKS = ("zero_rows", "constant_layer", "identical_layers", "repeated_set", "dense_layers")
 
+#: The share of rows at or above which one expert set (per layer, everywhere) or identical layers count as a broken
+#: capture. A real router spreads its tokens: a trained MoE's busiest top-k set holds a few percent of a layer's
+#: tokens, never most of them.
+DOMINANT_SHARE = 0.9
+
 _ZERO_MIN_ROWS = 4
 _ZERO_SHARE = 0.5
+
+
+def _set_keys(sets: torch.Tensor) -> torch.Tensor:
+    """One int64 key per sorted expert set (``[rows, layers, k]`` -> ``[rows, layers]``): positional in base 2**15
+    (exact for k <= 4; beyond, int64 arithmetic wraps and two sets may share a key with negligible probability,
+    which could only raise a share, never hide a pattern)."""
+    weights = torch.ones(sets.shape[-1], dtype=torch.int64, device=sets.device)
+    for j in range(1, sets.shape[-1]):
+        weights[j] = weights[j - 1] * (1 << 15)
+    return (sets.long() * weights).sum(dim=-1)
 
 
 def find_degenerate(routes: torch.Tensor, moe_layers: Sequence[int], *,
@@ -60,22 +76,28 @@ def find_degenerate(routes: torch.Tensor, moe_layers: Sequence[int], *,
             findings.append({"check": "zero_rows", "detail": f"{everywhere} of {rows} rows route to expert 0 in every "
                              f"layer ({anywhere} rows have expert 0 in some layer): a capture buffer that was never "
                              f"written"})
-    same_as_first = (sets == sets[:1]).all(dim=-1)                      # [rows, layers]
-    constant = same_as_first.all(dim=0)                                 # per layer
-    one_set = len(moe_layers) > 1 and bool((sets == sets[:, :1]).all())
-    if bool(constant.all()):
-        if one_set:
-            findings.append({"check": "repeated_set", "detail": f"every one of {rows} rows routes to experts "
-                             f"{sets[0, 0].tolist()} in every layer: a default written for every token, not a capture"})
-        else:
-            findings.append({"check": "constant_layer", "detail": f"every layer routes all {rows} rows to one expert "
-                             f"set each"})
-    else:
-        if bool(constant.any()):
-            layers = [moe_layers[i] for i in constant.nonzero().flatten().tolist()]
-            findings.append({"check": "constant_layer", "detail": f"layers {layers} route all {rows} rows to one "
-                             f"expert set each"})
-        if one_set:
-            findings.append({"check": "identical_layers", "detail": f"all {rows} rows have the same expert set in "
-                             f"every one of the {len(moe_layers)} layers: one layer's routes copied into all"})
+    n_layers = sets.shape[1]
+    keys = _set_keys(sets)                                               # [rows, layers]: one key per expert set
+    mode = keys.median(dim=0).values                                     # a set held by > half the rows is the median
+    layer_share = (keys == mode).double().mean(dim=0)                    # [layers]
+    everywhere = keys.reshape(-1).median()
+    all_share = float((keys == everywhere).double().mean())
+    pct = f"{DOMINANT_SHARE:.0%}"
+    if n_layers > 1 and all_share >= DOMINANT_SHARE:
+        r, l = (keys == everywhere).nonzero()[0].tolist()
+        findings.append({"check": "repeated_set", "detail": f"{all_share:.1%} of the {rows} rows x {n_layers} layers "
+                         f"route to experts {sets[r, l].tolist()}: a default written for most tokens, not a capture "
+                         f"(threshold {pct} of rows)"})
+        return findings
+    constant = (layer_share >= DOMINANT_SHARE).nonzero().flatten().tolist()
+    if constant:
+        shares = ", ".join(f"{moe_layers[i]}: {float(layer_share[i]):.1%}" for i in constant)
+        findings.append({"check": "constant_layer", "detail": f"layers {[moe_layers[i] for i in constant]} route most "
+                         f"of the {rows} rows to one expert set each ({shares}; threshold {pct} of rows)"})
+    if n_layers > 1:
+        identical = float((sets == sets[:, :1]).all(dim=-1).all(dim=-1).double().mean())
+        if identical >= DOMINANT_SHARE:
+            findings.append({"check": "identical_layers", "detail": f"{identical:.1%} of the {rows} rows have the same "
+                             f"expert set in every one of the {n_layers} layers: one layer's routes copied into all "
+                             f"(threshold {pct} of rows)"})
     return findings
