@@ -9,31 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
+from round3_util import copy_checkpoint, exit_2
 
 from moealign import _files
-from moealign.cli import main
-from moealign.embedded import embedded_model_path
 from moealign.errors import ConfigError, MissingFileError
 from moealign.model_config import read_model_config
 
 
 @pytest.fixture
 def ckpt(tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(embedded_model_path(), path)
-    return path
-
-
-def _exit_2(argv, capsys, *needles):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
+    return copy_checkpoint(tmp_path)
 
 
 def _specials(tmp_path):
@@ -80,10 +67,10 @@ def test_record_convert_inputs(tmp_path, ckpt, capsys, kind):
     out = str(tmp_path / "out" / "r.safetensors")
     os.makedirs(tmp_path / "out")
     for fmt in ("sglang", "nemo-rl"):
-        _exit_2(["record", "convert", "--from", fmt, path, "--model", str(ckpt), "-o", out], capsys, name)
+        exit_2(["record", "convert", "--from", fmt, path, "--model", str(ckpt), "-o", out], capsys, name)
     entry = tmp_path / "in.json"
     entry.write_text("[]")
-    _exit_2(["record", "convert", "--from", "trtllm", str(entry), "--model", str(ckpt), "--expert-ids", "physical",
+    exit_2(["record", "convert", "--from", "trtllm", str(entry), "--model", str(ckpt), "--expert-ids", "physical",
              "--eplb", path, "-o", out], capsys, "--eplb", name)
 
 
@@ -94,13 +81,13 @@ def test_checkpoint_files_that_are_fifos(tmp_path, ckpt, capsys, what):
     entry = tmp_path / "in.json"
     entry.write_text(json.dumps([{"input_ids": [1], "meta_info": {}}]))
     out = str(tmp_path / "r.safetensors")
-    _exit_2(["record", "convert", "--from", "sglang", str(entry), "--model", str(ckpt), "-o", out], capsys, "FIFO")
-    _exit_2(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--model", str(ckpt)], capsys, "FIFO")
+    exit_2(["record", "convert", "--from", "sglang", str(entry), "--model", str(ckpt), "-o", out], capsys, "FIFO")
+    exit_2(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--model", str(ckpt)], capsys, "FIFO")
     if what == "config.json":
         from test_record import make_record
 
         make_record(shapes=[(5, 2)]).save(tmp_path / "rec.safetensors")
-        _exit_2(["record", "inspect", str(tmp_path / "rec.safetensors"), "--model", str(ckpt)], capsys, "FIFO")
+        exit_2(["record", "inspect", str(tmp_path / "rec.safetensors"), "--model", str(ckpt)], capsys, "FIFO")
 
 
 @pytest.mark.parametrize("field, value, fragment", [
@@ -128,7 +115,7 @@ def test_config_values_are_typed_and_bounded_by_every_command(tmp_path, ckpt, ca
                   str(tmp_path / "r.safetensors")],
                  ["record", "inspect", str(tmp_path / "rec.safetensors"), "--model", str(ckpt)],
                  ["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--model", str(ckpt)]):
-        _exit_2(argv, capsys, fragment)
+        exit_2(argv, capsys, fragment)
 
 
 def test_the_shipped_config_passes(ckpt):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
+from round3_util import copy_checkpoint, exit_2
 from test_record import make_record
 
 from moealign import _files
@@ -20,9 +20,7 @@ from moealign.errors import ConfigError
 
 @pytest.fixture
 def ckpt(tmp_path):
-    path = tmp_path / "ckpt"
-    shutil.copytree(embedded_model_path(), path)
-    return path
+    return copy_checkpoint(tmp_path)
 
 
 @pytest.fixture
@@ -30,15 +28,6 @@ def record_file(tmp_path):
     path = tmp_path / "r.safetensors"
     make_record(shapes=[(5, 2), (4, 1)], seed=1).save(path)
     return path
-
-
-def _exit_2(argv, capsys, *needles):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _snapshot(directory):
@@ -104,7 +93,7 @@ def test_record_convert_never_writes_into_the_checkpoint(tmp_path, ckpt, capsys,
     entry = tmp_path / "in.json"
     entry.write_text(json.dumps([{"input_ids": [1, 2], "meta_info": {}}]))
     before = _snapshot(ckpt)
-    _exit_2(["record", "convert", "--from", "sglang", str(entry), "--model", str(ckpt), "-o", str(ckpt / target)],
+    exit_2(["record", "convert", "--from", "sglang", str(entry), "--model", str(ckpt), "-o", str(ckpt / target)],
             capsys, "--model", "refusing")
     assert _snapshot(ckpt) == before
 
@@ -113,17 +102,17 @@ def test_record_convert_never_writes_onto_the_eplb_table(tmp_path, ckpt, capsys)
     entry, eplb = tmp_path / "in.json", tmp_path / "eplb.json"
     entry.write_text("[]")
     eplb.write_text('{"num_slots": 16}')
-    _exit_2(["record", "convert", "--from", "trtllm", str(entry), "--model", str(ckpt), "--expert-ids", "physical",
+    exit_2(["record", "convert", "--from", "trtllm", str(entry), "--model", str(ckpt), "--expert-ids", "physical",
              "--eplb", str(eplb), "-o", str(eplb)], capsys, "--eplb", "refusing")
     assert eplb.read_text() == '{"num_slots": 16}'
 
 
 def test_record_inspect_json_never_replaces_an_input(tmp_path, ckpt, record_file, capsys):
     before = _snapshot(ckpt)
-    _exit_2(["record", "inspect", str(record_file), "--model", str(ckpt), "--json", str(ckpt / "config.json")],
+    exit_2(["record", "inspect", str(record_file), "--model", str(ckpt), "--json", str(ckpt / "config.json")],
             capsys, "--model", "refusing")
     os.link(record_file, tmp_path / "hard.safetensors")
-    _exit_2(["record", "inspect", str(record_file), "--json", str(tmp_path / "hard.safetensors")], capsys, "record file")
+    exit_2(["record", "inspect", str(record_file), "--json", str(tmp_path / "hard.safetensors")], capsys, "record file")
     assert _snapshot(ckpt) == before
     assert main(["record", "inspect", str(record_file), "--json", str(tmp_path / "ok.json")]) in (0, 3)  # control
     assert json.loads((tmp_path / "ok.json").read_text())["summary"]["samples"] == 2
@@ -139,7 +128,7 @@ def test_mismatch_report_never_replaces_the_record(tmp_path, record_file, capsys
     (report / "report.json").symlink_to(record_file) if link == "symlink" else os.link(record_file,
                                                                                          report / "report.json")
     before = record_file.read_bytes()
-    _exit_2(["mismatch", "-q", "--train", "hf", "--load-record", str(record_file), "--report", str(report)], capsys,
+    exit_2(["mismatch", "-q", "--train", "hf", "--load-record", str(record_file), "--report", str(report)], capsys,
             "--report", "--load-record")
     assert record_file.read_bytes() == before
 
@@ -149,10 +138,10 @@ def test_mismatch_outputs_checked_before_any_work(tmp_path, record_file, capsys,
 
     monkeypatch.setattr(mismatch, "run_mismatch", lambda *a, **k: pytest.fail("work started"))
     base = ["mismatch", "-q", "--train", "hf", "--load-record", str(record_file)]
-    _exit_2([*base, "--report", "/dev/null/sub"], capsys, "--report", "not a directory")
+    exit_2([*base, "--report", "/dev/null/sub"], capsys, "--report", "not a directory")
     rep = tmp_path / "rep"
-    _exit_2([*base, "--report", str(rep), "--json", str(rep / "report.json")], capsys, "--json", "--report")
-    _exit_2([*base, "--json", str(record_file)], capsys, "--load-record")
+    exit_2([*base, "--report", str(rep), "--json", str(rep / "report.json")], capsys, "--json", "--report")
+    exit_2([*base, "--json", str(record_file)], capsys, "--load-record")
     assert not rep.exists()
 
 

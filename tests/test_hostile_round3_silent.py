@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from round3_util import run_cli
 from test_record import META, make_record
 
 from moealign.cli import main
@@ -31,16 +32,6 @@ from moealign.routing_replay.degenerate import DOMINANT_SHARE, find_degenerate
 from moealign.routing_replay.protocol import ReplayBatch, model_routes
 
 MODEL = str(embedded_model_path())
-
-
-def _exit(argv, capsys, code, *needles):
-    assert main(argv) == code
-    captured = capsys.readouterr()
-    text = captured.out + captured.err
-    assert "Traceback" not in text
-    for needle in needles:
-        assert needle in text, text
-    return text
 
 
 # --- degenerate patterns as proportions ------------------------------------------------------------------------
@@ -90,9 +81,9 @@ def test_degenerate_keys_are_exact_for_large_expert_ids():
 
 def test_inspect_names_a_record_without_routes(tmp_path, capsys):
     make_record(routes=False).save(tmp_path / "none.safetensors")
-    _exit(["record", "inspect", str(tmp_path / "none.safetensors")], capsys, 3, "no_routes", "no route table")
+    run_cli(["record", "inspect", str(tmp_path / "none.safetensors")], capsys, 3, "no_routes", "no route table")
     make_record(routes=True).save(tmp_path / "some.safetensors")                      # negative control
-    text = _exit(["record", "inspect", str(tmp_path / "some.safetensors")], capsys, 0)
+    text = run_cli(["record", "inspect", str(tmp_path / "some.safetensors")], capsys, 0)
     assert "no_routes" not in text
 
 
@@ -117,7 +108,7 @@ def _sglang_file(tmp_path, params):
     ({"temperature": 1e-7}, ["temperature", str(MIN_TEMPERATURE)]),
 ])
 def test_sampling_params_the_record_cannot_state_are_refused(tmp_path, capsys, params, needles):
-    _exit(_sglang_file(tmp_path, params), capsys, 2, *needles)
+    run_cli(_sglang_file(tmp_path, params), capsys, 2, *needles)
     assert not (tmp_path / "r.safetensors").exists()
 
 
@@ -134,8 +125,8 @@ def test_temperature_bound_is_the_records_own(tmp_path, capsys):
     with pytest.raises(RecordError, match="at least 1e-05"):
         SamplingParams(temperature=1e-7)
     assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE       # negative control
-    _exit(_sglang_file(tmp_path, None) + ["--temperature", "1e-7"], capsys, 2, "temperature")
-    _exit(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--temperature", "1e-7"], capsys, 2,
+    run_cli(_sglang_file(tmp_path, None) + ["--temperature", "1e-7"], capsys, 2, "temperature")
+    run_cli(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--temperature", "1e-7"], capsys, 2,
           "--temperature")
     # a record file stating 1e-7 (checksum recomputed) does not load
     from test_record import write_raw
@@ -173,7 +164,7 @@ def test_contract_refuses_what_it_would_ignore(tmp_path, capsys, monkeypatch, ex
 
     monkeypatch.setattr(contract_check, "run_contract_check", lambda *a, **k: pytest.fail("work started"))
     extra = [str(tmp_path / "rep") if x == "REPORT" else x for x in extra]
-    _exit(["mismatch", "--contract", "-q", "--rollout", "hf", "--train", "hf", *extra], capsys, 2, flag,
+    run_cli(["mismatch", "--contract", "-q", "--rollout", "hf", "--train", "hf", *extra], capsys, 2, flag,
           "--contract")
 
 

@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from round3_util import exit_2
 from test_record import META, make_record, write_raw
 
 from moealign.cli import main
@@ -22,15 +23,6 @@ from moealign.record_convert import convert_to_record, model_info
 from moealign.record_stitch import Turn, stitch_turns
 
 MODEL = str(embedded_model_path())          # 4 MoE layers, 16 experts, top-4, vocabulary 2048 (read only)
-
-
-def _exit_2(argv, capsys, *needles):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _routes(rows):
@@ -82,7 +74,7 @@ JSON_CASES = [
 def test_wrongly_typed_json_fields_are_one_line(tmp_path, capsys, fmt, entry, needle):
     path = tmp_path / "in.json"
     path.write_text(json.dumps([entry]))
-    _exit_2(["record", "convert", "--from", fmt, str(path), "--model", MODEL, "-o", str(tmp_path / "r.safetensors")],
+    exit_2(["record", "convert", "--from", fmt, str(path), "--model", MODEL, "-o", str(tmp_path / "r.safetensors")],
             capsys, needle)
     assert not (tmp_path / "r.safetensors").exists()
 
@@ -99,7 +91,7 @@ def test_the_untouched_entries_convert(tmp_path, fmt, entry):      # negative co
 def test_json_nested_100000_deep(tmp_path, capsys):
     path = tmp_path / "in.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
-    _exit_2(["record", "convert", "--from", "sglang", str(path), "--model", MODEL, "-o", str(tmp_path / "r.st")],
+    exit_2(["record", "convert", "--from", "sglang", str(path), "--model", MODEL, "-o", str(tmp_path / "r.st")],
             capsys, "nested too deeply")
 
 
@@ -124,7 +116,7 @@ def _slime():
 ])
 def test_wrongly_typed_tensor_fields_are_one_line(tmp_path, capsys, fmt, data, needle):
     torch.save(data, tmp_path / "in.pt")
-    _exit_2(["record", "convert", "--from", fmt, str(tmp_path / "in.pt"), "--model", MODEL, "-o",
+    exit_2(["record", "convert", "--from", fmt, str(tmp_path / "in.pt"), "--model", MODEL, "-o",
              str(tmp_path / "r.safetensors")], capsys, needle)
     # negative control: the same batch without the change converts
     torch.save(_verl() if fmt == "verl" else _slime(), tmp_path / "ok.pt")
@@ -155,7 +147,7 @@ def test_huge_meta_integers_are_format_errors(tmp_path, capsys, field, value):
     write_raw(path, small._tensors(), meta_json=json.dumps(meta))
     with pytest.raises(RecordFormatError, match=f"{field} must be"):
         RolloutRecord.load(path)
-    _exit_2(["record", "inspect", str(path)], capsys, field)
+    exit_2(["record", "inspect", str(path)], capsys, field)
 
 
 def test_contract_nested_100000_deep_is_a_format_error(tmp_path, capsys):
@@ -171,7 +163,7 @@ def test_contract_nested_100000_deep_is_a_format_error(tmp_path, capsys):
     save_file(tensors, str(tmp_path / "r.safetensors"), metadata=metadata)
     with pytest.raises(RecordFormatError, match="nested too deeply"):
         RolloutRecord.load(tmp_path / "r.safetensors")
-    _exit_2(["record", "inspect", str(tmp_path / "r.safetensors")], capsys, "nested too deeply")
+    exit_2(["record", "inspect", str(tmp_path / "r.safetensors")], capsys, "nested too deeply")
 
 
 # --- stitch_turns ----------------------------------------------------------------------------------------------
@@ -201,7 +193,7 @@ def test_inject_fault_values_refused_before_any_work(capsys, monkeypatch, spec, 
     import moealign.mismatch as mismatch
 
     monkeypatch.setattr(mismatch, "run_mismatch", lambda *a, **k: pytest.fail("work started"))
-    _exit_2(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--inject-fault", spec], capsys, needle)
+    exit_2(["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--inject-fault", spec], capsys, needle)
     from moealign.mismatch.faults import parse_fault
 
     assert parse_fault("weights:layer=2,seed=9223372036854775807").seed == 2 ** 63 - 1   # negative control
