@@ -29,7 +29,15 @@ def interleaved(fns: dict, repeats: int, device: str = "cpu") -> dict[str, float
             times[name].append(time.perf_counter() - t0)
     out = {name: min(ts) for name, ts in times.items()}
     out.update({f"{name}_median": statistics.median(ts) for name, ts in times.items()})
+    out["_rounds"] = times            # every round's seconds per variant (paired comparisons: paired_median)
     return out
+
+
+def paired_median(result: dict, name: str, baseline: str) -> float:
+    """Median over the rounds of ``name`` minus ``baseline`` timed in the same round (the two ran back to back, so
+    load that lasts longer than a round cancels): a sturdier estimate of a small cost than a difference of minima."""
+    rounds = result["_rounds"]
+    return statistics.median(a - b for a, b in zip(rounds[name], rounds[baseline]))
 
 
 def write_json(path: str, result) -> None:

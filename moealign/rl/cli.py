@@ -58,7 +58,7 @@ def add_rl_check(sub) -> None:
     p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
     p.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
     p.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4, at least 2)")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts per step (default 16)")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per step (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion (default 32)")
     p.add_argument("--lr", type=_positive_float, default=2e-3, help="Adam learning rate (default 2e-3; 0: a no-op "
                    "update, the weights never change)")

@@ -40,7 +40,7 @@ class RLCheckConfig:
     model: str | None = None            # a local transformers MoE checkpoint; None: the embedded model
     steps: int = 8
     group_size: int = 4
-    num_prompts: int = 16
+    num_prompts: int = 32
     max_new_tokens: int = 32
     lr: float = 2e-3
     levers: str = "all"

@@ -137,8 +137,8 @@ class _Run:
         start_check = verify_refit(self.llm, self.trainer)
         probe = None
         if cfg.verify:
-            seqs = [torch.tensor(self.tokenizer(p)["input_ids"][:48]) for p in prompts[:cfg.probe_sequences]]
-            seqs = [s for s in seqs if s.numel() > 17]
+            seqs = [torch.tensor(self.tokenizer(p)["input_ids"][:32]) for p in prompts[:cfg.probe_sequences]]
+            seqs = [s for s in seqs if s.numel() > 25]
             if seqs:
                 probe = Probe(seqs)
                 probe.calibrate(self.llm, self.trainer)

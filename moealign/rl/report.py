@@ -130,7 +130,7 @@ def render_html(report: dict) -> str:
               log=True),
         _plot(report, "router flip rate per step", "flip rate", lambda s: s["metrics"]["router_flip_rate"]),
         _plot(report, "reward (balanced brackets)", "mean reward", lambda s: s["reward_mean"]),
-        _plot(report, "refit check: probe max |Δ log p|", "probe gap",
+        _plot(report, "refit check: probe mean |Δ log p|", "probe gap",
               lambda s: (s.get("verify") or {}).get("probe_gap"), log=True),
         _plot(report, "refit and its verification (seconds)", "seconds",
               lambda s: (s.get("refit") or {}).get("seconds")),

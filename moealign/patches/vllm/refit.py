@@ -277,16 +277,26 @@ def _rpc_finish(worker, key: str) -> list[str]:
     return sorted(names - state["loaded"])
 
 
+def _finite(chunk: list) -> list:
+    """``chunk``, after one host read saying every floating tensor in it is finite (a NaN / Inf tensor is named, and
+    refused before it reaches a worker)."""
+    floats = [(n, t) for n, t in chunk if t.is_floating_point()]
+    if floats and not bool(torch.stack([torch.isfinite(t).all() for _, t in floats]).all()):
+        bad = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
+        raise RefitError(f"refit stream: {bad!r} holds NaN or Inf")
+    return chunk
+
+
 def _chunks(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list]:
     chunk, size = [], 0
     for name, tensor in named:
         chunk.append((name, tensor.detach().contiguous()))
         size += tensor.numel() * tensor.element_size()
         if size >= limit:
-            yield chunk
+            yield _finite(chunk)
             chunk, size = [], 0
     if chunk:
-        yield chunk
+        yield _finite(chunk)
 
 
 def refit_weights(llm: Any, named: Iterable[tuple[str, torch.Tensor]], manifest: Mapping[str, tuple[int, ...]], *,
@@ -314,8 +324,6 @@ def refit_weights(llm: Any, named: Iterable[tuple[str, torch.Tensor]], manifest:
             if name not in manifest or tuple(tensor.shape) != tuple(manifest[name]) or name in seen:
                 raise RefitError(f"refit stream: {name!r} {tuple(tensor.shape)} is not what the manifest announced "
                                  f"({manifest.get(name, 'absent')}{', twice' if name in seen else ''})")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise RefitError(f"refit stream: {name!r} holds NaN or Inf")
             seen.add(name)
             tensors += 1
             nbytes += tensor.numel() * tensor.element_size()
