@@ -310,6 +310,21 @@ def case_enable_megatron_cpu(mp, stack):
     return Case(world.enable_megatron_cpu, probe, "module", ("Megatron-core CPU mode",))
 
 
+def case_enable_megatron_without_te(mp, stack):
+    pytest.importorskip("megatron.core")
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    from moealign.patches.megatron import world
+
+    for name in world.TE_ONLY_MOE_UTILS_NAMES:      # the module as 0.16.1 leaves it without transformer-engine
+        mp.delattr(moe_utils, name, raising=False)
+
+    def probe():
+        return tuple(vars(moe_utils).get(name, _Owner) for name in world.TE_ONLY_MOE_UTILS_NAMES)
+
+    return Case(world.enable_megatron_without_te, probe, "module", ("without transformer-engine",))
+
+
 def case_init_single_process(mp, stack):
     _megatron_cpu_only()
     import torch.distributed as dist
@@ -451,6 +466,7 @@ CASES = {
     "moealign.precision.batch_invariant.batch_invariant_mode": case_batch_invariant_mode,
     "moealign.patches.megatron.world.enable_megatron_cpu": case_enable_megatron_cpu,
     "moealign.patches.megatron.world.init_single_process": case_init_single_process,
+    "moealign.patches.megatron.world.enable_megatron_without_te": case_enable_megatron_without_te,
     "moealign.patches.megatron.tree_reduce.patch_megatron_row_parallel": case_patch_megatron_row_parallel,
     "moealign.patches.megatron.tree_reduce.patch_megatron_vocab_parallel_cross_entropy":
         case_patch_megatron_vocab_parallel_cross_entropy,

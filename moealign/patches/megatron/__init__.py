@@ -12,6 +12,9 @@ REPLAY_BACKWARD). This module drives it instead of re-implementing it, and guard
   int64 ``[local_tokens, k]`` targets, sets the actions, and counts what every router consumed.
 * :func:`enable_megatron_cpu` is an explicit, reversible CPU mode (tests, the embedded default); it
   refuses to activate when CUDA is present.
+* :func:`enable_megatron_without_te` binds the names 0.16.1's ``moe_utils`` defines only with
+  transformer-engine (its router GEMM raises ``NameError`` without them); the CPU mode nests it and
+  :func:`init_single_process` applies it on CUDA (nothing to patch where transformer-engine imported).
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from .replay import RouterReplayDriver, moe_routers, replay_routing
 from .version import SUPPORTED_MEGATRON, megatron_version
 from .vocab_parallel import kept_logprob
 from .world import (
+    TE_ONLY_MOE_UTILS_NAMES,
     MegatronCPUMode,
+    MegatronWithoutTE,
     MegatronWorld,
     enable_megatron_cpu,
+    enable_megatron_without_te,
     init_single_process,
 )
 
@@ -41,6 +47,9 @@ __all__ = [
     "megatron_version",
     "enable_megatron_cpu",
     "MegatronCPUMode",
+    "enable_megatron_without_te",
+    "MegatronWithoutTE",
+    "TE_ONLY_MOE_UTILS_NAMES",
     "MegatronWorld",
     "init_single_process",
     "audit_layers",

@@ -15,6 +15,42 @@ from .version import megatron_version
 # --------------------------------------------------------------------------------------------------
 
 
+#: The names 0.16.1's ``moe_utils`` binds only when transformer-engine (and Megatron's TE extension) import:
+#: ``RouterGatingLinearFunction`` (every ``TopKRouter`` forward and backward, on any device) reads
+#: ``te_general_gemm`` with no guard, so without transformer-engine the first router call raises
+#: ``NameError``; the ``fused_*`` ones are read behind ``not HAVE_TE or ...`` (set too, as 0.19 does itself).
+#: No other module on the local spec's path reads a transformer-engine name unguarded (the rest sit behind
+#: ``HAVE_TE``, fp8 / fp4, CUDA graphs or the fusion flags moealign turns off).
+TE_ONLY_MOE_UTILS_NAMES = ("te_general_gemm", "fused_topk_with_score_function",
+                           "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                           "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                           "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+
+
+class MegatronWithoutTE(PatchHandle):
+    """Undo handle of :func:`enable_megatron_without_te` (scope ``"module"``)."""
+
+
+def enable_megatron_without_te() -> MegatronWithoutTE:
+    """Let Megatron-core's MoE router run where transformer-engine did not import, reversibly.
+
+    Sets each of :data:`TE_ONLY_MOE_UTILS_NAMES` that ``megatron.core.transformer.moe.moe_utils`` lacks to None
+    (its own ``is not None`` checks then take the plain ``torch.mm`` route). Where the module has them
+    (transformer-engine imported, or a Megatron-core that binds them itself) nothing is patched and
+    ``patched`` is empty: users with transformer-engine keep its GEMM. Any device; the CPU mode nests it, and
+    :func:`init_single_process` applies it on CUDA.
+    """
+    megatron_version()
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    missing = [name for name in TE_ONLY_MOE_UTILS_NAMES if name not in vars(moe_utils)]
+    what = f"{len(missing)} transformer-engine names set to None" if missing else "nothing missing"
+    handle = MegatronWithoutTE(f"Megatron-core without transformer-engine (moe_utils: {what})", "module")
+    for name in missing:
+        handle.set_attr(moe_utils, name, None)
+    return handle
+
+
 class MegatronCPUMode(PatchHandle):
     """Undo handle of :func:`enable_megatron_cpu` (a :class:`~moealign.handle.PatchHandle`, scope ``"module"``)."""
 
@@ -24,15 +60,14 @@ def enable_megatron_cpu() -> MegatronCPUMode:
 
     Patches, all undone by ``undo()``: ``torch.cuda.current_device`` returns ``"cpu"`` (Megatron moves
     router weights and rotary buffers to it); the tensor-parallel CUDA RNG tracker uses the CPU RNG;
-    ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; 0.16.1's ``moe_utils`` gets the
-    names it only defines when transformer-engine imports (set to None, as 0.19 does itself).
+    ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; :func:`enable_megatron_without_te`
+    (transformer-engine is never installed on CPU machines).
     Raises RuntimeError when CUDA is available: the CPU mode is never active on a GPU machine.
     """
     if torch.cuda.is_available():
         raise EngineError("enable_megatron_cpu() refuses to run where CUDA is available; use the GPU")
     megatron_version()
     import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     mode = MegatronCPUMode("Megatron-core CPU mode (torch.cuda RNG/device, tensor_parallel.random, moe_utils)",
                            "module")
@@ -43,10 +78,7 @@ def enable_megatron_cpu() -> MegatronCPUMode:
                   lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
     mode.set_attr(mrandom, "_set_cuda_rng_state",
                   lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
-    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
-                 "fused_moe_aux_loss"):
-        if not hasattr(moe_utils, name):
-            mode.set_attr(moe_utils, name, None)
+    mode.add_handle(enable_megatron_without_te())
     return mode
 
 
@@ -110,7 +142,8 @@ class MegatronWorld(PatchHandle):
 def init_single_process(seed: int = 1234) -> MegatronWorld:
     """A one-process Megatron world (TP = PP = CP = EP = 1) for the mismatch harness and benchmarks.
 
-    On CPU it enables :func:`enable_megatron_cpu` and a gloo process group; on CUDA, NCCL. An already
+    On CPU it enables :func:`enable_megatron_cpu` and a gloo process group; on CUDA, NCCL and
+    :func:`enable_megatron_without_te` (a no-op where transformer-engine imported). An already
     initialised process group or ``parallel_state`` is used as it is (and left alone by ``undo()``).
     """
     import tempfile
@@ -126,6 +159,8 @@ def init_single_process(seed: int = 1234) -> MegatronWorld:
     try:
         if not torch.cuda.is_available():
             world._adopt_cpu_mode(enable_megatron_cpu())
+        else:
+            world.add_handle(enable_megatron_without_te())
         if not dist.is_initialized():
             fd, init_file = tempfile.mkstemp(prefix="moealign-dist-")
             os.close(fd)
