@@ -71,8 +71,12 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         from .mismatch.report import format_diagnosis
 
         table += "\n\n" + format_diagnosis(report)
+    if args.sweep:
+        warned = [f"{c['label']}: {w}" for c in sweep["configs"] for w in c["report"].get("warnings", [])]
+    else:
+        warned = report.get("warnings", [])
     return _finish("mismatch", table,
-                   sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below))
+                   sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below), warned)
 
 
 def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
@@ -120,12 +124,15 @@ def _write_json(path: str, report: dict) -> None:
     atomic_write(path, write, flag="--json")
 
 
-def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str]) -> int:
-    """Print the table, write the JSON report if asked (atomically), name each failure on stderr; exit 3 on
-    failure."""
+def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str],
+            warned: list[str] = ()) -> int:
+    """Print the table, write the JSON report if asked (atomically), name each warning (``moealign COMMAND:
+    WARNING ...``, even with ``-q``) and each failure on stderr; exit 3 on failure."""
     print(table)
     if json_path:
         _write_json(json_path, report)
+    for line in warned:
+        print(f"moealign {command}: WARNING {line}", file=sys.stderr)
     for line in failures:
         print(f"moealign {command}: FAIL {line}", file=sys.stderr)
     return 3 if failures else 0

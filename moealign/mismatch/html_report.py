@@ -14,6 +14,7 @@ quotes. Every section may be absent or empty: a plot without data is a ``<figure
 The input (extra keys are ignored)::
 
     model, rollout {engine, precision, dtype}, train {...}, num_tokens, moe_layers, elapsed_s,
+    warnings [str] (shown first, when any),
     runs [{name, metrics {...}}],
     levers {players [...], runs [{label, levers [...], metrics {mean_abs_logp_diff, kl_k3, max_abs_logp_diff,
             router_flip_rate, per_layer_flip_rate [...]}}]},
@@ -630,6 +631,15 @@ def _header(report: dict) -> str:
             f'<dl class="facts">{dl}</dl></header>')
 
 
+def _warnings(report: dict) -> str:
+    """The run's warnings (``report["warnings"]``: routes or weights that are not the model's), above everything."""
+    lines = report.get("warnings") or []
+    if not isinstance(lines, list) or not lines:
+        return ""
+    items = "".join(f"<li>{_esc(line)}</li>" for line in lines)
+    return f'<section id="warnings"><h2>Warnings</h2><ul class="warnings">{items}</ul></section>'
+
+
 def _diagnosis(report: dict) -> str:
     d = _dict(report.get("diagnosis"))
     if not d:
@@ -684,7 +694,7 @@ tr.status-gap td{background:#fbd5d5}tr.status-info td{background:#fff3c4}
 tr.residual th,tr.gap th{font-style:italic}
 td.token-cell{font-family:ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;max-width:32em}
 span.context{color:#999}mark.token{background:#ffe066;color:#000;font-weight:600}
-li.severity-gap{color:#a00}li.severity-info{color:#7a5d00}
+li.severity-gap{color:#a00}ul.warnings li{color:#a00;font-weight:600}li.severity-info{color:#7a5d00}
 figure.plot{margin:1.2em 0;padding:.5em;border:1px solid #eee;border-radius:4px}
 figure.plot svg{max-width:100%;height:auto;display:block}
 figure.plot figcaption{color:#444;font-size:.9em;margin-top:.3em}
@@ -715,6 +725,7 @@ def render_html(report: dict) -> str:
     title = f"moealign mismatch: {report.get('model', 'report')}"
     body = [
         _safe(_header, report, "header"),
+        _safe(_warnings, report, "warnings"),
         _safe(_diagnosis, report, "diagnosis"),
         '<section id="tables"><h2>Tables</h2>',
         "<h3>Runs</h3>", _safe(_runs_table, report, "table-runs"),

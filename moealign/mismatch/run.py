@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from ..routing_replay.flips import foreign_routes
 from .engines import describe_engine
 from .report import (
     ALIGNED_RUN,
@@ -78,7 +79,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     """Run the mismatch test; returns the JSON-ready report (see the CLI help for its schema). With
     ``cfg.diagnose`` (or ``cfg.report_dir``) the report also holds the lever runs, the attribution, the
     diagnosis, both sides' execution contracts and the plot data (:func:`diagnosis_sections`); with
-    ``cfg.report_dir`` it is written there as ``report.html`` + ``report.json``."""
+    ``cfg.report_dir`` it is written there as ``report.html`` + ``report.json``. ``report["warnings"]``: what
+    makes the numbers meaningless although the run completed (:func:`route_warnings`), one sentence each."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     device = cfg.resolved_device()
@@ -132,6 +134,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
                           train=train_desc, sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
                           device=device, started=t0)
     report.update(extra)
+    report["warnings"] = route_warnings(sides)
     if fault is not None:
         report["injected_fault"] = fault.describe()
     report["elapsed_s"] = round(time.perf_counter() - t0, 3)
@@ -141,6 +144,15 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
     return report
+
+
+def route_warnings(sides: dict) -> list[str]:
+    """The report's warnings about the record's routes: the trainer's own top-k (the baseline run) disagreeing with
+    them on more (token, layer) pairs than any engine pair does
+    (:func:`~moealign.routing_replay.flips.foreign_routes`)."""
+    flips = sides[False].flips
+    foreign = foreign_routes(flips.router_flip_rate, pairs=flips.num_tokens * flips.num_layers)
+    return [f"baseline run: {foreign}"] if foreign else []
 
 
 def _shown_runs(runner: LeverRunner) -> dict:

@@ -9,6 +9,11 @@ tokens only (``valid`` [tokens] bool, default all):
 * ``token_flip_rate``: fraction of tokens that differ at one layer or more;
 * ``mean_jaccard``: mean over (token, layer) of ``|A & B| / |A | B|`` (1 when nothing flips).
 
+Routes that are not the model's own decisions for their tokens (shifted or permuted rows, layers rotated, samples
+swapped without their routes, a record of another model) flip far more than any engine pair:
+:func:`foreign_routes` names a router flip rate above :data:`FOREIGN_FLIP_RATE` (``moealign mismatch`` warns,
+``record inspect --model`` reports it).
+
 Vectorised: one sort per table and a ``[tokens, layers, k, k]`` comparison (k is small), then one host
 transfer of all numbers.
 """
@@ -21,7 +26,14 @@ import torch
 
 from .routes import RouteError, check_integer_tensor, describe
 
-__all__ = ["RouteFlipMetrics", "route_flip_metrics", "flipped_slots"]
+__all__ = ["RouteFlipMetrics", "route_flip_metrics", "flipped_slots", "FOREIGN_FLIP_RATE", "foreign_routes"]
+
+#: The router flip rate ((token, layer) pairs whose expert set differs) above which a route table is taken for
+#: another model's decisions or for routes laid against the wrong tokens. Real engine pairs (bf16 vs fp32, another
+#: kernel, another engine) flip 1-5% of pairs; the embedded model's routes shifted by one row flip 99%. Half the pairs
+#: is ten times the largest real rate and still far below misaligned routes, even with few experts (Mixtral's
+#: 8 choose 2 sets agree by chance on a few percent of rows).
+FOREIGN_FLIP_RATE = 0.5
 
 
 @dataclass
@@ -107,3 +119,16 @@ def route_flip_metrics(
         num_tokens=int(numbers[0]),
         num_layers=layers,
     )
+
+
+def foreign_routes(router_flip_rate: float, *, pairs: int | None = None) -> str | None:
+    """The problem, in words, when ``router_flip_rate`` (of the model's own top-k against a route table) is above
+    :data:`FOREIGN_FLIP_RATE`; ``None`` otherwise (NaN, no pairs compared, included). ``pairs``: how many (token,
+    layer) pairs were compared (named in the message)."""
+    if not router_flip_rate > FOREIGN_FLIP_RATE:
+        return None
+    counted = f" of {pairs}" if pairs is not None else ""
+    return (f"the model's own routers choose another expert set than the record on {router_flip_rate:.1%}{counted} "
+            f"(token, layer) pairs (threshold {FOREIGN_FLIP_RATE:.0%}; real engine pairs differ on 1-5%): the "
+            f"record's routes are not this model's decisions for these tokens: routes shifted, permuted or swapped "
+            f"between rows, layers or samples, or a record of another model")

@@ -1,0 +1,89 @@
+"""Issue 23, "Silent wrong results" (the routes and weights that are not the model's): before the fix each of these
+scored or inspected cleanly.
+
+* ``mismatch`` warns (stderr ``moealign mismatch: WARNING ...`` and the report's ``warnings``) when the trainer's own
+  top-k disagrees with the record on more (token, layer) pairs than any engine pair does
+  (:data:`~moealign.routing_replay.flips.FOREIGN_FLIP_RATE`): routes shifted by one row flip 99% of pairs.
+
+One record is made per module (transformers on both sides, 2 prompts x 8 tokens); each test derives its hostile
+variant from it and runs the unmodified record as its negative control.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from round3_util import run_cli
+
+from moealign.record import RolloutRecord
+from moealign.routing_replay.flips import FOREIGN_FLIP_RATE, foreign_routes
+
+SMALL = ["--num-prompts", "2", "--max-new-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A record of the embedded model (bf16 rollout, with its contract), saved once."""
+    from moealign.cli import main
+
+    path = tmp_path_factory.mktemp("routes") / "record.safetensors"
+    assert main(["mismatch", "-q", "--rollout", "hf", "--train", "hf", *SMALL, "--save-record", str(path)]) == 0
+    return path
+
+
+def shifted(saved, tmp_path, shift: int = 1):
+    """``saved`` with every sample's route rows rolled by ``shift`` (each row gets a neighbour's routes)."""
+    record = RolloutRecord.load(saved)
+    for s in record.samples:
+        s.routes = torch.roll(s.routes, shift, dims=0)
+        if s.route_missing is not None:
+            s.route_missing = torch.roll(s.route_missing, shift, dims=0)
+    path = tmp_path / f"shifted{shift}.safetensors"
+    record.save(path)
+    return path
+
+
+def score(record, tmp_path, capsys, *extra):
+    """``mismatch --load-record record --train hf``: (report JSON, stderr)."""
+    out = tmp_path / "report.json"
+    from moealign.cli import main
+
+    assert main(["mismatch", "-q", "--load-record", str(record), "--train", "hf", "--json", str(out), *extra]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return json.loads(out.read_text()), err
+
+
+def baseline_flip(report) -> float:
+    return next(r["metrics"]["router_flip_rate"] for r in report["runs"] if r["name"] == "baseline")
+
+
+# --- the threshold -----------------------------------------------------------------------------------------------
+
+def test_foreign_routes_threshold():
+    assert foreign_routes(FOREIGN_FLIP_RATE) is None
+    assert foreign_routes(0.05) is None
+    assert foreign_routes(math.nan) is None
+    message = foreign_routes(FOREIGN_FLIP_RATE + 0.01, pairs=400)
+    assert "of 400 (token, layer) pairs" in message and f"threshold {FOREIGN_FLIP_RATE:.0%}" in message
+    assert "shifted" in message and "another model" in message
+
+
+# --- mismatch warns on routes that are not the model's ---------------------------------------------------------
+
+def test_mismatch_warns_on_routes_shifted_by_one_row(saved, tmp_path, capsys):
+    report, err = score(shifted(saved, tmp_path), tmp_path, capsys)
+    assert baseline_flip(report) > FOREIGN_FLIP_RATE
+    lines = [line for line in err.splitlines() if line.startswith("moealign mismatch: WARNING")]
+    assert len(lines) == 1 and "baseline run" in lines[0] and "shifted" in lines[0], err
+    assert len(report["warnings"]) == 1 and "not this model's decisions" in report["warnings"][0]
+
+
+def test_mismatch_does_not_warn_on_the_models_own_routes(saved, tmp_path, capsys):   # negative control
+    report, err = score(saved, tmp_path, capsys)
+    assert baseline_flip(report) < 0.1          # bf16 rollout vs fp32 trainer: a few percent
+    assert report["warnings"] == []
+    assert "WARNING" not in err
