@@ -26,6 +26,20 @@ def embedded_model_path() -> Path:
     return EMBEDDED_MODEL_DIR
 
 
+def checkpoint_path(model: str | None) -> str:
+    """The checkpoint a command loads: ``model`` when given, else the embedded model's directory."""
+    return str(model) if model else str(embedded_model_path())
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when CUDA is available, else ``"cpu"``; any other value as given."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def default_prompts(path: str | Path | None = None) -> list[str]:
     """The default prompt set (``prompts.json``: a JSON list of strings), or the one at ``path``."""
     from ._files import read_json_file      # the input-file guard: no FIFO or /dev/zero, bounded size

@@ -259,17 +259,15 @@ class MismatchConfig:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
     def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        from ..embedded import resolve_device
+
+        return resolve_device(self.device)
 
     def model_path(self) -> str:
         """The checkpoint both engines load: ``model``, else the embedded model's directory."""
-        if self.model:
-            return str(self.model)
-        from ..embedded import embedded_model_path
+        from ..embedded import checkpoint_path
 
-        return str(embedded_model_path())
+        return checkpoint_path(self.model)
 
     def model_label(self) -> str:
         """The report's ``model``: ``"embedded:tiny_moe"`` or the checkpoint path."""

@@ -125,15 +125,11 @@ class RLCheckConfig:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p)
 
     def resolved_device(self) -> str:
-        import torch
+        from ..embedded import resolve_device
 
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        return resolve_device(self.device)
 
     def model_path(self) -> str:
-        if self.model:
-            return str(self.model)
-        from ..embedded import embedded_model_path
+        from ..embedded import checkpoint_path
 
-        return str(embedded_model_path())
+        return checkpoint_path(self.model)
