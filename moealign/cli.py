@@ -273,7 +273,7 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
         from .model_config import moe_layers, read_model_config
 
         model_layers = moe_layers(read_model_config(args.model), f"--model {args.model}")
-    result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers)
+    result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers, model_path=args.model)
     failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
     return _finish("record inspect", format_inspection(result), result, args.json, failures)
 
@@ -332,10 +332,13 @@ def _add_record(sub) -> None:
         "and kept sets, and checks it for the patterns of a broken capture: all-zero route rows, a layer that "
         "routes every token alike, every layer identical, one expert set everywhere, and (with --model) routes "
         "for layers the model runs dense. Exit code 3 when any is found, 2 when the file does not load (corrupt, "
-        "rows that do not match the tokens, ids out of range).")
+        "rows that do not match the tokens, ids out of range). With --model the checkpoint's routers also run on the "
+        "record's tokens (transformers, fp32, no generation): a record whose expert sets are the model's own on fewer "
+        "than half the (row, layer) pairs (foreign_routes: shifted or permuted rows, another model's record) or "
+        "that does not fit the checkpoint (other_model) is a finding.")
     q.add_argument("file", metavar="FILE", help="a record (.safetensors) written by moealign")
     q.add_argument("--model", metavar="DIR", default=None, help="the checkpoint it was recorded from (its config "
-                   "decides which layers are MoE)")
+                   "decides which layers are MoE; its routers, when it holds weights, are run on the record's tokens)")
     q.add_argument("--json", metavar="PATH", help="write the summary and findings as JSON")
     q.set_defaults(func=_cmd_record_inspect)
     _add_record_convert(rsub)

@@ -9,6 +9,15 @@ fraction of rows the record marks missing (``Sample.route_missing``, left out of
 record stitched across weight versions. A record whose every row is missing is reported as ``zero_rows``; a record without a route table as ``no_routes``
 (exit 3 as well: nothing was captured).
 
+With the checkpoint (``--model``) the record is also checked against the model itself (:func:`router_check`): the
+checkpoint's routers run on the record's tokens (transformers, float32, one forward per micro-batch, nothing
+generated) and the fraction of (row, MoE layer) pairs whose recorded expert set equals the model's own is reported
+(``router_agreement``). Below ``1 -`` :data:`~moealign.routing_replay.flips.FOREIGN_FLIP_RATE` (half the pairs; real
+engine pairs agree on 95-99%) the routes are not the model's decisions for those tokens (rows shifted or permuted,
+layers rotated, samples swapped without their routes): finding ``foreign_routes``. A record of another architecture
+than the checkpoint (layers, experts, top-k, vocabulary, config fingerprint, router weights) is finding
+``other_model``. A checkpoint directory without weight files (a bare config.json) skips the check and says so.
+
 A record whose row count does not match its tokens, or whose ids are out of range, does not load at all
 (:meth:`moealign.record.RolloutRecord.load` refuses it, naming the problem).
 """
@@ -19,16 +28,64 @@ from typing import Any
 
 import torch
 
+from .errors import RecordMismatchError
 from .record import RolloutRecord
 from .routing_replay.degenerate import DEGENERATE_CHECKS as CHECKS
 from .routing_replay.degenerate import MIN_ROWS, find_degenerate
+from .routing_replay.flips import foreign_routes, route_flip_metrics
 
-__all__ = ["MIN_ROWS", "CHECKS", "inspect_record", "format_inspection"]
+__all__ = ["MIN_ROWS", "CHECKS", "inspect_record", "format_inspection", "router_check", "ROUTER_BATCH"]
+
+#: Samples per forward of :func:`router_check`.
+ROUTER_BATCH = 16
 
 
-def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] | None = None) -> dict[str, Any]:
+def router_check(record: RolloutRecord, model_path: str, *, device: str = "cpu",
+                 batch_size: int = ROUTER_BATCH) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The checkpoint's routers run on ``record``'s tokens (transformers, float32, no generation): ``(summary,
+    findings)``. ``summary``: ``{"router_agreement": fraction of recorded (row, layer) pairs whose expert set equals
+    the model's own, "router_pairs": how many, "router_check": what ran or why not}``; findings ``other_model``
+    (the record does not fit the checkpoint) and ``foreign_routes`` (agreement below
+    ``1 - FOREIGN_FLIP_RATE``)."""
+    from pathlib import Path
+
+    from .mismatch.engines import HFTrainEngine
+    from .mismatch.rollout import check_checkpoint, open_engine
+
+    summary: dict[str, Any] = {"router_agreement": None, "router_pairs": None}
+    root = Path(model_path)
+    if not any(root.glob("*.safetensors")) and not any(root.glob("*.bin")):
+        summary["router_check"] = f"not run: {model_path} holds no weights (config only)"
+        return summary, []
+    check_checkpoint(model_path)
+    engine = open_engine(HFTrainEngine, "record inspect --model (transformers, fp32)", model_path, "fp32", device)
+    try:
+        try:
+            record.meta.check_matches(engine.meta(), what="--model")
+        except RecordMismatchError as exc:
+            summary["router_check"] = "not run: the record does not fit the checkpoint"
+            return summary, [{"check": "other_model", "detail": f"the record is not of {model_path}: {exc}"}]
+        own = [engine.forward(record, range(i, min(i + batch_size, len(record))), replay=False).routes.cpu()
+               for i in range(0, len(record), batch_size)]
+    finally:
+        engine.close()
+    recorded = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+    present = torch.cat([s.routed_rows for s in record.samples])
+    flips = route_flip_metrics(torch.cat(own), recorded, present)
+    pairs = flips.num_tokens * flips.num_layers
+    summary.update(router_agreement=1.0 - flips.router_flip_rate, router_pairs=pairs,
+                   router_check=f"the checkpoint's routers (transformers, float32) on {flips.num_tokens} recorded rows")
+    foreign = foreign_routes(flips.router_flip_rate, pairs=pairs)
+    findings = [{"check": "foreign_routes", "detail": f"{foreign} (agreement {1 - flips.router_flip_rate:.1%})"}
+                ] if foreign else []
+    return summary, findings
+
+
+def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] | None = None,
+                   model_path: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Summary and findings of ``record``. ``model_moe_layers``: the decoder layers the model runs as MoE (from its
-    config, e.g. :func:`moealign.families.get_family`), to check the record's layer list against.
+    config, e.g. :func:`moealign.families.get_family`), to check the record's layer list against; ``model_path``:
+    the checkpoint whose routers :func:`router_check` runs on the record's tokens (on ``device``).
 
     Returns ``{"summary": {...}, "findings": [{"check", "detail"}]}``; no findings means no broken-capture
     pattern was seen."""
@@ -58,6 +115,10 @@ def inspect_record(record: RolloutRecord, *, model_moe_layers: tuple[int, ...] |
     findings = find_degenerate(routes, meta.moe_layers, model_moe_layers=model_moe_layers)
     if routes.shape[0] == 0:
         findings.append({"check": "zero_rows", "detail": "every route row is marked missing: nothing would replay"})
+    elif model_path is not None:
+        checked, found = router_check(record, model_path, device=device)
+        summary.update(checked)
+        findings += found
     return {"summary": summary, "findings": findings}
 
 
@@ -75,8 +136,14 @@ def format_inspection(result: dict[str, Any]) -> str:
              f"({s['route_dtype'] or 'no routes'}), missing rows {_fraction(s['missing_row_fraction'])}, "
              f"stale rows {s['stale_rows'] if s['stale_rows'] is not None else '-'}, "
              f"kept sets {'yes' if s['kept_sets'] else 'no'}, router signature {'yes' if s['router_signature'] else 'no'}"]
+    if "router_check" in s:
+        agreement = s["router_agreement"]
+        lines.append(f"router check: {s['router_check']}" + ("" if agreement is None else
+                     f": the record's expert set is the model's own on {_fraction(agreement)} of "
+                     f"{s['router_pairs']} (row, layer) pairs"))
     if result["findings"]:
         lines += [f"FOUND {f['check']}: {f['detail']}" for f in result["findings"]]
     else:
-        lines.append("no broken-capture pattern found (" + ", ".join(CHECKS) + ")")
+        checked = CHECKS + (("other_model", "foreign_routes") if s.get("router_agreement") is not None else ())
+        lines.append("no broken-capture pattern found (" + ", ".join(checked) + ")")
     return "\n".join(lines)

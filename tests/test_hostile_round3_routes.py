@@ -87,3 +87,53 @@ def test_mismatch_does_not_warn_on_the_models_own_routes(saved, tmp_path, capsys
     assert baseline_flip(report) < 0.1          # bf16 rollout vs fp32 trainer: a few percent
     assert report["warnings"] == []
     assert "WARNING" not in err
+
+
+# --- record inspect --model runs the routers on the record's tokens ----------------------------------------------
+
+def inspect(record, capsys, code, *needles, model=None):
+    from moealign.embedded import embedded_model_path
+
+    text = run_cli(["record", "inspect", str(record), "--model", str(model or embedded_model_path())], capsys, code,
+                   *needles)
+    return text
+
+
+def test_inspect_finds_routes_shifted_by_one_row(saved, tmp_path, capsys):
+    text = inspect(shifted(saved, tmp_path), capsys, 3, "FOUND foreign_routes", "not this model's decisions",
+                   "moealign record inspect: FAIL foreign_routes")
+    assert "router check: the checkpoint's routers (transformers, float32) on 78 recorded rows" in text
+
+
+def test_inspect_passes_the_models_own_routes(saved, tmp_path, capsys):                # negative control
+    out = tmp_path / "inspect.json"
+    from moealign.cli import main
+    from moealign.embedded import embedded_model_path
+
+    assert main(["record", "inspect", str(saved), "--model", str(embedded_model_path()), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["findings"] == []
+    assert 0.9 < result["summary"]["router_agreement"] <= 1.0      # bf16 rollout vs fp32 routers: a few pairs differ
+    assert result["summary"]["router_pairs"] == 78 * 4
+    assert "other_model, foreign_routes" in capsys.readouterr().out
+
+
+def test_inspect_names_a_record_of_another_architecture(tmp_path, capsys):
+    from test_record_inspect import _record
+
+    path = tmp_path / "r.safetensors"
+    _record().save(path)                     # top-2 over a 100-token vocabulary; the embedded model is top-4, 2048
+    inspect(path, capsys, 3, "FOUND other_model", "top_k: record has 2")
+
+
+def test_inspect_with_a_config_only_checkpoint_skips_the_router_check(tmp_path, capsys):   # and says so
+    from test_record_inspect import _record
+
+    from moealign.embedded import embedded_model_path
+
+    model = tmp_path / "config-only"
+    model.mkdir()
+    (model / "config.json").write_bytes((embedded_model_path() / "config.json").read_bytes())
+    path = tmp_path / "r.safetensors"
+    _record().save(path)
+    inspect(path, capsys, 0, "router check: not run", "holds no weights", model=model)

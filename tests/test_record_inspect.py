@@ -51,7 +51,10 @@ def test_clean_record_has_no_finding(tmp_path, capsys):
     path = tmp_path / "r.safetensors"
     _record().save(path)
     out = tmp_path / "inspect.json"
-    assert main(["record", "inspect", str(path), "--model", str(embedded_model_path()), "--json", str(out)]) == 0
+    model = tmp_path / "model"         # config only: random routes are no model's own (test_hostile_round3_routes.py)
+    model.mkdir()
+    (model / "config.json").write_bytes((embedded_model_path() / "config.json").read_bytes())
+    assert main(["record", "inspect", str(path), "--model", str(model), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "no broken-capture pattern found" in text and "33 route rows" in text
     result = json.loads(out.read_text())
