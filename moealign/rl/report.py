@@ -132,7 +132,7 @@ def render_html(report: dict) -> str:
         _plot(report, "reward (balanced brackets)", "mean reward", lambda s: s["reward_mean"]),
         _plot(report, "refit check: probe mean |Δ log p|", "probe gap",
               lambda s: (s.get("verify") or {}).get("probe_gap"), log=True),
-        _plot(report, "refit and its verification (seconds)", "seconds",
+        _plot(report, "refit time per step", "seconds",
               lambda s: (s.get("refit") or {}).get("seconds")),
     ]
     verdicts = []
