@@ -971,7 +971,8 @@ def test_routes_on_padding_are_refused_when_built(protocol_record):
         ReplayBatch.padded(right.routes, input_ids=left.input_ids, attention_mask=left.attention_mask,
                            moe_layers=right.moe_layers, route_mask=right.route_mask)
     ids, am = padded_batch()
-    routes = torch.arange(K).expand(ids.numel(), 2, K)
+    g = torch.Generator().manual_seed(3)     # distinct sets (one set everywhere is refused as a broken capture)
+    routes = torch.rand(ids.numel(), 2, E, generator=g).argsort(-1)[..., :K]
     with pytest.raises(RouteError, match=r"3 routed rows sit on masked \(padding\) positions, first row 15 "
                                          r"\(batch 1, position 6\)"):
         rb(routes, ids, am, torch.ones(ids.numel(), dtype=torch.bool))

@@ -13,6 +13,8 @@ Each figure is a ratio against its baseline measured in the same run, interleave
                 vs ``verify=False`` (target: at most 1.01x). On a shared machine that ratio is within the noise, so
                 the verifier's own work is also timed alone: every router's ``observe`` on the tensors of one step
                 plus the report (the host read), as a share of the replayed step (``verify_share``).
+* set_routes:   the host-side part of replay alone: ``set_routes(batch)`` (the batch's routes into each router's
+                targets on the device), timed by itself, as a share of the plain step (``set_routes_share``).
 * storage:      bytes per (token, MoE layer) of the saved route table (target: top_k bytes for <= 256
                 experts; vLLM's capture and SGLang use 4 bytes per id, verl 2).
 
@@ -136,6 +138,7 @@ def main(argv=None) -> int:
             verifier.report()
 
         alone = _interleaved({"verify": verify_work}, args.repeats * 20, args.device)
+        conv = _interleaved({"set_routes": lambda: replay.set_routes(batch)}, args.repeats * 20, args.device)
 
     with tempfile.TemporaryDirectory() as tmp:
         file = os.path.join(tmp, "record.safetensors")
@@ -158,6 +161,7 @@ def main(argv=None) -> int:
         "verify_ratio": train["replay"] / train["replay_noverify"],
         "verify_ratio_median": train["replay_median"] / train["replay_noverify_median"],
         "verify_work_ms": alone["verify"] * 1e3, "verify_share": alone["verify"] / train["replay_noverify"],
+        "set_routes_ms": conv["set_routes"] * 1e3, "set_routes_share": conv["set_routes"] / train["plain"],
         "route_bytes_per_token_layer": bytes_per_token_layer, "top_k": k, "num_experts": record.meta.num_experts,
         "route_dtype": str(record.meta.route_dtype).replace("torch.", ""),
     }
@@ -177,6 +181,8 @@ def main(argv=None) -> int:
           f"{result['train_replay_ms']:8.2f} ms   ratio {result['verify_ratio']:.4f}x  (target <= 1.01x; "
           f"medians {result['verify_ratio_median']:.4f}x); its work alone {result['verify_work_ms']:.3f} ms = "
           f"{100 * result['verify_share']:.2f}% of the replayed step")
+    print(f"set_routes alone: {result['set_routes_ms']:.3f} ms = {100 * result['set_routes_share']:.2f}% of the plain "
+          f"step")
     print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
           f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
     if args.json:

@@ -1,5 +1,6 @@
 """The route-table patterns that mean a route capture broke, in one place: ``moealign record inspect`` reports them,
-and every replay adapter refuses a batch that shows them (:func:`moealign.routing_replay.protocol.model_routes`).
+and a :class:`~moealign.routing_replay.protocol.ReplayBatch` that shows them is refused when it is built (once, where
+the data enters; the adapters' ``set_routes`` trust a built batch).
 
 A capture that "silently did nothing" leaves a recognisable table: a buffer never written (all expert 0), one layer's
 routes copied into every layer, one default expert set written for every token, or a layer list naming layers the

@@ -38,6 +38,7 @@ import torch
 from .._validate import check_binary_mask, check_offsets
 from ..errors import ConfigError, ReplayError, RouteError
 from .degenerate import find_degenerate
+from .routes import validate_routes
 
 __all__ = [
     "AUX_LOSS_MODES",
@@ -46,6 +47,7 @@ __all__ = [
     "ReplayCounters",
     "RoutingReplayAdapter",
     "check_aux_loss_mode",
+    "check_route_ids",
     "check_row_tokens",
     "model_routes",
 ]
@@ -81,7 +83,15 @@ class ReplayBatch:
     packed: position in the packed row); ``route_mask`` bool ``[rows]`` marks rows with a recorded route
     (others - padding, each sample's last token - are not replayed); ``moe_layers`` names the decoder
     layer of each route column; ``input_ids`` the tokens (``[batch, seq]`` padded, ``[tokens]`` packed).
-    Build with :meth:`padded` / :meth:`packed` (or ``RolloutRecord.replay_batch``), which validate.
+    Build with :meth:`padded` / :meth:`packed` (or ``RolloutRecord.replay_batch``).
+
+    Every ``ReplayBatch`` is validated once, when it is built (``__post_init__``): shapes and dtypes, the
+    broken-capture patterns of :func:`~moealign.routing_replay.degenerate.find_degenerate` on the routed rows
+    (:class:`~moealign.errors.ReplayError` unless ``allow_degenerate``), and the facts the adapters check per
+    model without touching the tensors again (host ints, read by :func:`check_route_ids` and the adapters'
+    ``set_routes``): the expert-id range and duplicate rows among the routed rows, the token-id range, the
+    number of routed rows. The adapters trust these facts, so the tensors must not be changed in place after
+    construction (build a new batch instead).
     """
 
     layout: str
@@ -93,6 +103,15 @@ class ReplayBatch:
     padding_side: str | None = None
     cu_seqlens: torch.Tensor | None = None
     allow_degenerate: bool = False
+    # facts measured once at construction (host values; see the class docstring)
+    num_replayed_rows: int = field(init=False, repr=False, compare=False, default=0)
+    all_routed: bool = field(init=False, repr=False, compare=False, default=False)
+    id_range: tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, -1))
+    duplicate_ids: bool = field(init=False, repr=False, compare=False, default=False)
+    token_range: tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, -1))
+
+    def __post_init__(self) -> None:
+        self._validate()
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded batch's ``(routes [batch, seq, n_layers, k], route_mask [batch, seq])``: what
@@ -134,13 +153,6 @@ class ReplayBatch:
         batch = cls(layout="padded", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
                     input_ids=input_ids, attention_mask=am.to(torch.int64), padding_side=_padding_side(am),
                     allow_degenerate=bool(allow_degenerate))
-        batch._validate()
-        masked = batch.route_mask.cpu() & ~am.reshape(-1)
-        if bool(masked.any()):
-            rows = masked.nonzero().flatten()
-            raise RouteError(f"{rows.numel()} routed rows sit on masked (padding) positions, first row {int(rows[0])} "
-                             f"(batch {int(rows[0]) // T}, position {int(rows[0]) % T}): the routes were laid out "
-                             f"for another padding side or batch")
         return batch
 
     @classmethod
@@ -159,7 +171,6 @@ class ReplayBatch:
         mask = torch.ones(input_ids.numel(), dtype=torch.bool) if route_mask is None else route_mask
         batch = cls(layout="packed", routes=routes, route_mask=mask, moe_layers=tuple(moe_layers),
                     input_ids=input_ids, cu_seqlens=cu, allow_degenerate=bool(allow_degenerate))
-        batch._validate()
         return batch
 
     def _validate(self) -> None:
@@ -184,7 +195,47 @@ class ReplayBatch:
             object.__setattr__(self, "route_mask", m.to(torch.bool))
         if self.input_ids.dtype.is_floating_point:
             raise RouteError(f"input_ids must be integer token ids, got {self.input_ids.dtype}")
-        object.__setattr__(self, "routes", r.to(torch.int64))
+        for name, t in (("routes", r), ("route_mask", m), ("input_ids", self.input_ids)):
+            if t.device.type == "meta":
+                raise RouteError(f"{name} is on the meta device (shapes only, no values): replay needs the recorded "
+                                 f"expert ids and tokens")
+        r = r.to(torch.int64)
+        object.__setattr__(self, "routes", r)
+        if self.layout == "padded" and self.attention_mask is not None:
+            T = self.input_ids.shape[1]
+            masked = self.route_mask.cpu() & (self.attention_mask.cpu().reshape(-1) == 0)
+            if bool(masked.any()):
+                rows = masked.nonzero().flatten()
+                raise RouteError(f"{rows.numel()} routed rows sit on masked (padding) positions, first row "
+                                 f"{int(rows[0])} (batch {int(rows[0]) // T}, position {int(rows[0]) % T}): the routes "
+                                 f"were laid out for another padding side or batch")
+        self._measure()
+
+    def _measure(self) -> None:
+        """The once-per-batch work: the broken-capture patterns and the facts the adapters read (one host read)."""
+        mask = self.route_mask.to(self.routes.device)
+        routed = self.routes[mask]                                        # [routed rows, layers, k]
+        ids = self.input_ids.reshape(-1)
+        k = routed.shape[-1]
+        duplicate = torch.zeros((), dtype=torch.bool, device=routed.device)
+        for i in range(k - 1):
+            duplicate |= (routed[..., i + 1:] == routed[..., i:i + 1]).any()
+        empty = routed.new_zeros(())
+        n, lo, hi, dup = torch.stack([mask.sum(), routed.min() if routed.numel() else empty,
+                                      routed.max() if routed.numel() else empty - 1, duplicate.long()]).tolist()
+        tlo, thi = torch.stack([ids.min(), ids.max()]).tolist() if ids.numel() else (0, -1)
+        object.__setattr__(self, "num_replayed_rows", int(n))
+        object.__setattr__(self, "all_routed", int(n) == self.rows)
+        object.__setattr__(self, "id_range", (int(lo), int(hi)))
+        object.__setattr__(self, "duplicate_ids", bool(dup))
+        object.__setattr__(self, "token_range", (int(tlo), int(thi)))
+        if not self.allow_degenerate and not dup and lo >= 0:
+            findings = find_degenerate(routed, self.moe_layers)
+            if findings:
+                detail = "; ".join(f"{f['check']}: {f['detail']}" for f in findings)
+                raise ReplayError(f"refusing to replay a broken route capture ({detail}); check the record with "
+                                  f"`moealign record inspect` (a batch built with allow_degenerate=True skips the "
+                                  f"pattern checks)")
 
     # ------------------------------------------------------------------ views
     @property
@@ -204,10 +255,6 @@ class ReplayBatch:
     def seq_len(self) -> int | None:
         """Padded sequence length (``None`` for a packed batch)."""
         return int(self.input_ids.shape[1]) if self.layout == "padded" else None
-
-    @property
-    def num_replayed_rows(self) -> int:
-        return int(self.route_mask.sum())
 
     def layer_columns(self, model_layers: Sequence[int]) -> list[int]:
         """Column of each of the model's MoE layers in :attr:`routes`; RouteError naming missing layers."""
@@ -231,32 +278,41 @@ def model_routes(batch: ReplayBatch, moe_layers: Sequence[int], top_k: int, *,
     top_k]`` columns for those layers, in the model's layer order.
 
     Refused (:class:`ReplayError`): routes for any of ``dense_layers`` (decoder layers this model holds and runs
-    dense: a stale or shifted layer list), and the broken-capture patterns of
-    :func:`moealign.routing_replay.degenerate.find_degenerate` on the routed rows (unless the batch was built with
-    ``allow_degenerate=True``)."""
+    dense: a stale or shifted layer list). The record-level checks (the broken-capture patterns of
+    :func:`moealign.routing_replay.degenerate.find_degenerate`, shapes, dtypes) ran when the batch was built; this
+    reads no tensor value (no host sync)."""
     if not isinstance(batch, ReplayBatch):
         raise RouteError(f"set_routes takes a ReplayBatch (record.replay_batch(...) or ReplayBatch.padded / "
                          f".packed), got {type(batch).__name__}")
     cols = batch.layer_columns(moe_layers)
     if batch.routes.shape[2] != top_k:
         raise RouteError(f"replay routes have k={batch.routes.shape[2]}, the model routes top-{top_k}")
-    for name, t in (("routes", batch.routes), ("route_mask", batch.route_mask), ("input_ids", batch.input_ids)):
-        if t.device.type == "meta":
-            raise RouteError(f"{name} is on the meta device (shapes only, no values): replay needs the recorded expert "
-                             f"ids and tokens")
-    findings = find_degenerate(batch.routes[batch.route_mask.to(batch.routes.device)], batch.moe_layers)
     dense = sorted(set(batch.moe_layers) & set(dense_layers))
     if dense:   # a superset of the model's MoE layers is fine (a pipeline stage holds some layers), a dense one is not
-        findings.insert(0, {"check": "dense_layers", "detail": f"routes for layers {dense}, which the model runs dense"
-                            f" (its MoE layers: {sorted(moe_layers)})"})
-    if batch.allow_degenerate:
-        findings = [f for f in findings if f["check"] == "dense_layers"]
-    if findings:
-        detail = "; ".join(f"{f['check']}: {f['detail']}" for f in findings)
-        raise ReplayError(f"refusing to replay a broken route capture ({detail}); check the record with `moealign "
-                          f"record inspect`" + ("" if batch.allow_degenerate else
-                                                 " (a batch built with allow_degenerate=True skips the pattern checks)"))
+        raise ReplayError(f"refusing to replay a broken route capture (dense_layers: routes for layers {dense}, which "
+                          f"the model runs dense (its MoE layers: {sorted(moe_layers)})); check the record with "
+                          f"`moealign record inspect`")
+    if list(cols) == list(range(batch.routes.shape[1])):
+        return batch.routes
     return batch.routes[:, cols]
+
+
+def check_route_ids(batch: ReplayBatch, num_experts: int, *, name: str = "replay routes") -> None:
+    """Raise :class:`RouteError` unless every routed row of ``batch`` holds distinct expert ids in
+    ``[0, num_experts)``: decided from the facts measured when the batch was built (no tensor read); on failure the
+    table is scanned to name the first bad batch row (rows without a route may hold anything)."""
+    k = batch.routes.shape[-1]
+    if k > num_experts:
+        raise RouteError(f"{name} has k = {k} experts per token but there are only num_experts = {num_experts} experts")
+    lo, hi = batch.id_range
+    if not batch.num_replayed_rows or (lo >= 0 and hi < num_experts and not batch.duplicate_ids):
+        return
+    routes = batch.routes
+    filler = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
+    validate_routes(torch.where(batch.route_mask.to(routes.device)[:, None, None], routes, filler), num_experts,
+                    name=name)
+    raise RouteError(f"{name}: expert ids {lo}..{hi}{' with duplicates' if batch.duplicate_ids else ''} do not fit "
+                     f"[0, {num_experts})")
 
 
 def check_row_tokens(expected: torch.Tensor, actual: torch.Tensor, mask: torch.Tensor | None = None, *,

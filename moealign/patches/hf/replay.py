@@ -53,10 +53,10 @@ from ...routing_replay.protocol import (
     ReplayBatch,
     ReplayCounters,
     check_aux_loss_mode,
+    check_route_ids,
     check_row_tokens,
     model_routes,
 )
-from ...routing_replay.routes import validate_routes
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
 from .model import MoEModelInfo, describe_model
 
@@ -118,18 +118,18 @@ class RoutingReplay(PatchHandle):
         routes = model_routes(batch, self.moe_layers, k, dense_layers=self.info.dense_layers)
         if not self.active:
             raise ReplayError("this replay was undone; start a new one with replay_routing(model)")
-        check_token_ids(batch.input_ids, "batch.input_ids", self.info.vocab_size, RouteError)
+        # the batch was validated when it was built: its facts decide here, without reading its tensors again
+        lo, hi = batch.token_range
+        if lo < 0 or hi >= self.info.vocab_size:
+            check_token_ids(batch.input_ids, "batch.input_ids", self.info.vocab_size, RouteError)
+        check_route_ids(batch, E)
         cols = batch.layer_columns(self.moe_layers)
-        mask = batch.route_mask
-        # unrouted rows may hold anything: check a copy with valid ids there, so errors name the batch row
-        filler = torch.arange(k, dtype=routes.dtype, device=routes.device)
-        validate_routes(torch.where(mask.to(routes.device)[:, None, None], routes, filler), E, name="replay routes")
         device = self.info.routers[0][1].weight.device
         ids = routes.to(device=device, dtype=torch.int64)
         self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
-        self._mask = None if bool(mask.all()) else mask.to(device)
-        self._rows_replayed = int(mask.sum())
+        self._mask = None if batch.all_routed else batch.route_mask.to(device)
         self._expected = None if self.verifier is None else [expected_ids(t, E) for t in self._targets]
+        self._rows_replayed = batch.num_replayed_rows
         if recorded_weights is not None:
             if recorded_weights.shape != batch.routes.shape:
                 raise RouteError(f"recorded_weights shape {tuple(recorded_weights.shape)} != routes shape "

@@ -48,10 +48,11 @@ from ...routing_replay.protocol import (
     ReplayBatch,
     ReplayCounters,
     check_aux_loss_mode,
+    check_route_ids,
     check_row_tokens,
     model_routes,
 )
-from ...routing_replay.routes import RouteError, check_num_experts, validate_routes
+from ...routing_replay.routes import RouteError, check_num_experts
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_map
 from .._version import UnsupportedEngineError
 from .audit import audit_layers, audit_replay_config, check_record_layers, is_transformer_config
@@ -403,27 +404,32 @@ class RouterReplayDriver(PatchHandle):
         E = model_E if num_experts is None else check_num_experts(num_experts)
         if E > model_E:
             raise RouteError(f"num_experts={num_experts} is outside 1..{model_E} (the model's expert count)")
-        for name, t in (("routes", batch.routes), ("route_mask", batch.route_mask), ("input_ids", batch.input_ids),
-                        ("cu_seqlens_padded", cu_seqlens_padded)):
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                raise RouteError(f"{name} is on the meta device (shapes only, no values): replay needs the "
-                                 f"recorded expert ids and tokens")
+        # the batch was validated when it was built: its facts decide here, without reading its tensors again
+        check_route_ids(batch, E)
+        if isinstance(cu_seqlens_padded, torch.Tensor) and cu_seqlens_padded.device.type == "meta":
+            raise RouteError("cu_seqlens_padded is on the meta device (shapes only, no values): replay needs the "
+                             "recorded expert ids and tokens")
         layout = _check_parallel(parallel) if parallel is not None else _parallel_layout(
             getattr(self.model, "config", None))
         ids = routes.cpu()
         mask = batch.route_mask.cpu()
         tokens = batch.row_tokens.cpu()
+        replayed_rows = batch.num_replayed_rows
         if cu_seqlens_padded is not None:
             if batch.layout != "packed":
                 raise RouteError("cu_seqlens_padded applies to a packed batch; this one is padded")
             source = packed_source_rows(batch.cu_seqlens, cu_seqlens_padded)
             valid = source >= 0
             ids, mask, tokens = ids[source.clamp(min=0)], mask[source.clamp(min=0)] & valid, tokens[source.clamp(min=0)]
+            replayed_rows = None
         else:
+            valid = None
+        if not (batch.all_routed and valid is None):
+            # rows without a recorded route: distinct filler experts (the routed rows' ids were checked above)
+            filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
+            ids = torch.where(mask[:, None, None], ids, filler[:, None, :])
+        if valid is None:
             valid = torch.ones(ids.shape[0], dtype=torch.bool)
-        filler = (torch.arange(ids.shape[0])[:, None] + torch.arange(k)) % E
-        ids = torch.where(mask[:, None, None], ids, filler[:, None, :])
-        validate_routes(ids, E, name="replay routes")
         if batch.layout == "padded":
             local = local_route_rows(batch_shape=(batch.batch_size, batch.seq_len), **layout)
         else:
@@ -437,8 +443,10 @@ class RouterReplayDriver(PatchHandle):
             replayed = mask[local]
             device = self.routers[0][1].weight.device
             self._expected_maps = [expected_map(ids[:, col].to(device), model_E) for col in range(len(self.routers))]
-            self._verify_replayed = int(replayed.sum())
-            self._verify_mask = None if self._verify_replayed == replayed.numel() else replayed.to(device)
+            if replayed_rows is None or local.numel() != mask.numel():     # padded THD slots or a CP / SP slice
+                replayed_rows = int(replayed.sum())
+            self._verify_replayed = replayed_rows
+            self._verify_mask = None if replayed_rows == replayed.numel() else replayed.to(device)
         self._rows = ids.shape[0]
         self._forwarded = [False] * len(self.routers)
         # what the pre-hook compares: the token of every local router row (padding slots of THD excluded)
