@@ -436,6 +436,17 @@ def case_apply_vllm_precision(mp, stack):
                 ("vLLM precision policy 'fp16-fp32-router-head'",))
 
 
+def case_apply_cpu_experts_prepack(mp, stack):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method
+
+    from moealign.patches.vllm.refit import apply_cpu_experts_prepack
+
+    cls = unquantized_fused_moe_method.UnquantizedFusedMoEMethod
+    return Case(apply_cpu_experts_prepack, lambda: (vars(cls)["_setup_kernel"],), "class",
+                ("UnquantizedFusedMoEMethod._setup_kernel",))
+
+
 def case_route_capture(mp, stack):
     from moealign.patches.hf.model import describe_model
     from moealign.patches.hf.rollout import RouteCapture
@@ -467,6 +478,7 @@ CASES = {
     "moealign.patches.megatron.world.enable_megatron_cpu": case_enable_megatron_cpu,
     "moealign.patches.megatron.world.init_single_process": case_init_single_process,
     "moealign.patches.megatron.world.enable_megatron_without_te": case_enable_megatron_without_te,
+    "moealign.patches.vllm.refit.apply_cpu_experts_prepack": case_apply_cpu_experts_prepack,
     "moealign.patches.megatron.tree_reduce.patch_megatron_row_parallel": case_patch_megatron_row_parallel,
     "moealign.patches.megatron.tree_reduce.patch_megatron_vocab_parallel_cross_entropy":
         case_patch_megatron_vocab_parallel_cross_entropy,

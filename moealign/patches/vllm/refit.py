@@ -51,7 +51,8 @@ from ...handle import PatchHandle
 from .._version import check_engine_version, require_attr
 from .engine import vllm_version
 
-__all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrepack", "checkpoint_layout",
+__all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrepack", "apply_cpu_experts_prepack",
+           "checkpoint_layout",
            "checkpoint_named", "check_manifest", "refit_weights", "held_tensors", "verify_weights"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
