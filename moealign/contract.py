@@ -58,6 +58,8 @@ __all__ = [
     "tensor_fingerprint",
     "bulk_dtype",
     "weight_digests",
+    "weight_difference",
+    "name_layers",
     "check_contract",
     "compare_contracts",
     "gap_fields",
@@ -193,8 +195,12 @@ def tensor_fingerprint(tensor: torch.Tensor, *, rows: bool = False):
     return out if rows else out[0]
 
 
-def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> dict:
+def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], num_layers: int, *,
+                   roundings: Iterable[str] | None = None) -> dict:
     """The contract's ``"weights"`` entry of tensors with transformers names (see the module docstring).
+
+    ``roundings``: hash at these rounding dtypes only (default every one the tensors allow), e.g. the one another
+    side's digests were taken at: each rounding is one pass over every byte of the weights.
 
     Per rounding dtype: one SHA-256 per group (``embed``, each decoder layer ``"0"`` .. ``num_layers - 1``,
     ``norm``, ``lm_head``, ``other`` when a name falls in none) over its tensors sorted by name (name, shape,
@@ -214,8 +220,12 @@ def weight_digests(named_tensors: Iterable[tuple[str, torch.Tensor]], num_layers
         tensors[name] = tensor
     if not tensors:
         raise InputError("weight_digests: no tensors to hash")
+    asked = set(ROUNDING_DTYPES) if roundings is None else set(roundings)
+    unknown = sorted(str(r) for r in asked - set(ROUNDING_DTYPES))
+    if unknown:
+        raise InputError(f"weight_digests: unknown rounding dtypes {unknown}; known: {list(ROUNDING_DTYPES)}")
     counts: dict[str, int] = {}
-    roundings = set(ROUNDING_DTYPES)
+    roundings = asked
     for tensor in tensors.values():
         counts[_name(tensor.dtype)] = counts.get(_name(tensor.dtype), 0) + tensor.numel()
         roundings &= set(_roundings(tensor.dtype))
@@ -391,27 +401,45 @@ def _weights_rows(r: dict, t: dict) -> list[dict]:
     else:
         rows.append(_row("weights.dtype", rw.get("dtype"), tw.get("dtype"), "same"))
     rd, td = rw.get("digests") or {}, tw.get("digests") or {}
-    common = [x for x in ROUNDING_DTYPES if x in rd and x in td]
-    if not common:
+    diff = weight_difference(rw, tw)
+    if diff is None:
         notes = "; ".join(f"{side}: {w['note']}" for side, w in (("rollout", rw), ("train", tw)) if w.get("note"))
         rows.append(_row("weights.digests", sorted(rd), sorted(td), "info",
                          "not comparable: no rounding dtype both sides give digests at"
                          + (f" ({notes})" if notes else "")))
         return rows
-    rounding = common[0]
+    rounding, differ = diff
     a, b = rd[rounding], td[rounding]
-    if a["all"] == b["all"]:
+    if not differ:
         rows.append(_row("weights.digests", f"{rounding}:{a['all'][:12]}", f"{rounding}:{b['all'][:12]}", "same",
                          f"same weights at {rounding} rounding"))
         return rows
-    keys = list(dict.fromkeys([*a["layers"], *b["layers"]]))
-    differ = [k for k in keys if a["layers"].get(k) != b["layers"].get(k)]
-    named = [f"layer {k}" if k.isdigit() else k for k in differ]
-    where = named[0] + (f" (and {', '.join(named[1:8])}{', ...' if len(named) > 8 else ''})" if len(named) > 1 else "")
     rows.append(_row("weights.digests", f"{rounding}:{a['all'][:12]}", f"{rounding}:{b['all'][:12]}", "gap",
-                     f"weights differ in {where} at {rounding} rounding: a stale or wrongly converted checkpoint on "
-                     f"one side"))
+                     f"weights differ in {name_layers(differ)} at {rounding} rounding: a stale or wrongly converted "
+                     f"checkpoint on one side"))
     return rows
+
+
+def weight_difference(a: dict | None, b: dict | None) -> tuple[str, list[str]] | None:
+    """Two contracts' ``"weights"`` entries compared at the widest rounding dtype both give digests at:
+    ``(rounding, [digest groups that differ])`` (an empty list: the same weights), or ``None`` when not comparable
+    (either entry absent, or no common rounding)."""
+    rd, td = (a or {}).get("digests") or {}, (b or {}).get("digests") or {}
+    common = [x for x in ROUNDING_DTYPES if x in rd and x in td]
+    if not common:
+        return None
+    rounding = common[0]
+    x, y = rd[rounding], td[rounding]
+    if x["all"] == y["all"]:
+        return rounding, []
+    keys = list(dict.fromkeys([*x["layers"], *y["layers"]]))
+    return rounding, [k for k in keys if x["layers"].get(k) != y["layers"].get(k)]
+
+
+def name_layers(groups: list[str]) -> str:
+    """Digest groups in words: ``["2", "lm_head"]`` -> ``"layer 2 (and lm_head)"`` (the first 8 named)."""
+    named = [f"layer {k}" if k.isdigit() else k for k in groups]
+    return named[0] + (f" (and {', '.join(named[1:8])}{', ...' if len(named) > 8 else ''})" if len(named) > 1 else "")
 
 
 def compare_contracts(rollout: dict, train: dict) -> list[dict]:

@@ -137,3 +137,60 @@ def test_inspect_with_a_config_only_checkpoint_skips_the_router_check(tmp_path, 
     path = tmp_path / "r.safetensors"
     _record().save(path)
     inspect(path, capsys, 0, "router check: not run", "holds no weights", model=model)
+
+
+# --- a record of checkpoint A scored against checkpoint B ------------------------------------------------------
+
+def test_mismatch_warns_when_the_records_weights_are_another_checkpoints(saved, tmp_path, capsys):
+    from round3_util import copy_checkpoint
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    ckpt = copy_checkpoint(tmp_path)
+    weights = ckpt / "model.safetensors"
+    metadata = safe_open(str(weights), "pt").metadata()
+    tensors = load_file(weights)
+    tensors["model.layers.3.mlp.experts.0.down_proj.weight"] *= 1.5     # after layer 3's router: routes unchanged
+    save_file(tensors, weights, metadata=metadata)
+    report, err = score(saved, tmp_path, capsys, "--model", str(ckpt))
+    assert len(report["warnings"]) == 1, report["warnings"]
+    assert "differ in layer 3 (digests at bfloat16 rounding)" in report["warnings"][0]
+    assert "moealign mismatch: WARNING weights: the record's contract" in err
+    # negative control: an unchanged copy of the checkpoint (score() of the saved record: no warning at all)
+    report, err = score(saved, tmp_path, capsys, "--model", str(copy_checkpoint(tmp_path / "same")))
+    assert report["warnings"] == [] and "WARNING" not in err
+
+
+class _Trainer:
+    name = "transformers"
+
+    def __init__(self, weights):
+        self.weights, self.asked = weights, []
+
+    def weight_digests(self, roundings):
+        self.asked.append(list(roundings))
+        return self.weights
+
+
+def test_weights_warning_compares_at_the_records_rounding_only():
+    from moealign.contract import weight_digests
+    from moealign.mismatch.run import weights_warnings
+
+    tensors = {"model.layers.0.w": torch.ones(4), "model.layers.1.w": torch.ones(4)}
+    record = {"engine": "transformers", "weights": weight_digests(
+        [(k, v.bfloat16()) for k, v in tensors.items()], 2)}                         # a bf16 holder: bf16 digests
+    same = weight_digests(tensors.items(), 2, roundings=["bfloat16"])
+    assert list(same["digests"]) == ["bfloat16"]
+    assert same["digests"]["bfloat16"] == weight_digests(tensors.items(), 2)["digests"]["bfloat16"]
+    trainer = _Trainer(same)
+    assert weights_warnings(record, trainer) == [] and trainer.asked == [["bfloat16"]]       # negative control
+    tensors["model.layers.1.w"] = torch.full((4,), 2.0)
+    changed = weight_digests(tensors.items(), 2, roundings=["bfloat16"])
+    [line] = weights_warnings(record, _Trainer(changed))
+    assert "differ in layer 1 (digests" in line and "layer 0" not in line
+    # --diagnose's train contract is used as it is; no record digests, or no common rounding: nothing to compare
+    assert weights_warnings(record, _Trainer(same), {"engine": "x", "weights": changed}) == [line]
+    assert weights_warnings({"engine": "x"}, _Trainer(changed)) == []
+    assert weights_warnings(record, _Trainer({"digests": {}})) == []
+    with pytest.raises(Exception, match="unknown rounding"):
+        weight_digests(tensors.items(), 2, roundings=["float8"])

@@ -230,6 +230,12 @@ class HFRolloutEngine:
         return contract_of(self.model, attention=self.attention, batch_invariant=self.batch_invariant,
                            sampling=_sampling_dict(sampling))
 
+    def weight_digests(self, roundings=None) -> dict:
+        """The contract's ``"weights"`` entry alone, at ``roundings`` only (one pass over the weights each)."""
+        from ..patches.hf.contract import weights_of
+
+        return weights_of(self.model, roundings=roundings)
+
     def close(self) -> None:
         self.model = self.precision_handle = self.tokenizer = None
 
@@ -359,6 +365,12 @@ class HFTrainEngine:
         return contract_of(self.model, attention=self.attention, batch_invariant=self.batch_invariant,
                            sampling=_sampling_dict(sampling))
 
+    def weight_digests(self, roundings=None) -> dict:
+        """The contract's ``"weights"`` entry alone, at ``roundings`` only (one pass over the weights each)."""
+        from ..patches.hf.contract import weights_of
+
+        return weights_of(self.model, roundings=roundings)
+
     def close(self) -> None:
         self.model = self.precision_handle = None
 
@@ -471,6 +483,19 @@ class MegatronTrainEngine:
 
         return contract_of(self.model, self._hf_config, batch_invariant=self.batch_invariant,
                            sampling=_sampling_dict(sampling))
+
+    def weight_digests(self, roundings=None) -> dict | None:
+        """The contract's ``"weights"`` entry alone (the weights converted back to transformers names), at
+        ``roundings`` only; ``None`` when the model does not convert back."""
+        from ..contract import weight_digests
+        from ..errors import UnsupportedConversionError
+        from ..patches.megatron.checkpoint import hf_state_dict_from_megatron
+
+        try:
+            state = hf_state_dict_from_megatron(self.model, self._hf_config)
+        except UnsupportedConversionError:
+            return None
+        return weight_digests(state.items(), int(self.model.config.num_layers), roundings=roundings)
 
     def close(self) -> None:
         if getattr(self, "driver", None) is not None:

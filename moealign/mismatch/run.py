@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from ..contract import name_layers, weight_difference
 from ..routing_replay.flips import foreign_routes
 from .engines import describe_engine
 from .report import (
@@ -80,7 +81,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     ``cfg.diagnose`` (or ``cfg.report_dir``) the report also holds the lever runs, the attribution, the
     diagnosis, both sides' execution contracts and the plot data (:func:`diagnosis_sections`); with
     ``cfg.report_dir`` it is written there as ``report.html`` + ``report.json``. ``report["warnings"]``: what
-    makes the numbers meaningless although the run completed (:func:`route_warnings`), one sentence each."""
+    makes the numbers meaningless although the run completed (:func:`route_warnings`, :func:`weights_warnings`), one
+    sentence each."""
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
     device = cfg.resolved_device()
@@ -126,6 +128,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         if cfg.diagnose:
             extra = diagnosis_sections(cfg, record, trainer, rollout_contract=rollout_contract,
                                        pad_token_id=pad_token_id, log=log)
+        warned = weights_warnings(rollout_contract, trainer, (extra.get("contract") or {}).get("train"))
     finally:
         trainer.close()
 
@@ -134,7 +137,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
                           train=train_desc, sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
                           device=device, started=t0)
     report.update(extra)
-    report["warnings"] = route_warnings(sides)
+    report["warnings"] = route_warnings(sides) + warned
     if fault is not None:
         report["injected_fault"] = fault.describe()
     report["elapsed_s"] = round(time.perf_counter() - t0, 3)
@@ -153,6 +156,29 @@ def route_warnings(sides: dict) -> list[str]:
     flips = sides[False].flips
     foreign = foreign_routes(flips.router_flip_rate, pairs=flips.num_tokens * flips.num_layers)
     return [f"baseline run: {foreign}"] if foreign else []
+
+
+def weights_warnings(record_contract: dict | None, trainer, train_contract: dict | None = None) -> list[str]:
+    """The report's warning when the record's contract weight digests (``record_contract``, the rollout side's) and
+    the trainer's weights differ, naming the layers: a record of another checkpoint. The trainer's digests are
+    ``train_contract``'s (``--diagnose`` took it) or taken now at the record's rounding dtypes only (one pass over
+    the weights); no warning when either side has none or no rounding is common to both."""
+    rollout_weights = (record_contract or {}).get("weights") or {}
+    roundings = sorted(rollout_weights.get("digests") or {})
+    if not roundings:
+        return []
+    if train_contract is not None:
+        train_weights = train_contract.get("weights")
+    else:
+        digests = getattr(trainer, "weight_digests", None)
+        train_weights = digests(roundings) if digests is not None else None
+    diff = weight_difference(rollout_weights, train_weights)
+    if not diff or not diff[1]:
+        return []
+    rounding, layers = diff
+    return [f"weights: the record's contract and the {trainer.name} trainer's checkpoint differ in "
+            f"{name_layers(layers)} (digests at {rounding} rounding): the record was made from another checkpoint (or "
+            f"this one changed since); its log-probs and routes are not this model's"]
 
 
 def _shown_runs(runner: LeverRunner) -> dict:

@@ -15,7 +15,7 @@ from ...contract import check_contract, weight_digests
 from ...errors import ConfigError
 from ...precision.policy import ATTENTION, EXPERTS, LM_HEAD, ROLES, ROUTER
 
-__all__ = ["contract_of", "region_dtypes", "logits_dtype"]
+__all__ = ["contract_of", "region_dtypes", "logits_dtype", "weights_of"]
 
 
 from ...contract import bulk_dtype as _bulk_dtype
@@ -42,6 +42,15 @@ def logits_dtype(model: torch.nn.Module) -> str:
     return str(out.logits.dtype).replace("torch.", "")
 
 
+def weights_of(model: torch.nn.Module, *, roundings=None) -> dict:
+    """The contract's ``"weights"`` entry of a loaded transformers model (``roundings``: only these rounding dtypes,
+    see :func:`moealign.contract.weight_digests`)."""
+    from .model import describe_model
+
+    return weight_digests(model.named_parameters(remove_duplicate=False), describe_model(model).num_layers,
+                          roundings=roundings)
+
+
 def contract_of(model: torch.nn.Module, *, attention: str | None = None, batch_invariant: bool = False,
                 sampling: dict | None = None, tree_reductions: bool = False) -> dict:
     """The contract of a loaded transformers MoE model (see :mod:`moealign.contract` for the fields).
@@ -58,7 +67,7 @@ def contract_of(model: torch.nn.Module, *, attention: str | None = None, batch_i
     if attention == "bi" and attn is not None:
         attn = f"bi ({attn})"
     experts = getattr(config, "_experts_implementation", None)
-    weights = weight_digests(model.named_parameters(remove_duplicate=False), info.num_layers)
+    weights = weights_of(model)
     if sampling is not None and not isinstance(sampling, dict):
         raise ConfigError(f"sampling must be a dict or None, got {type(sampling).__name__}")
     return check_contract({
