@@ -3,7 +3,11 @@ scored or inspected cleanly.
 
 * ``mismatch`` warns (stderr ``moealign mismatch: WARNING ...`` and the report's ``warnings``) when the trainer's own
   top-k disagrees with the record on more (token, layer) pairs than any engine pair does
-  (:data:`~moealign.routing_replay.flips.FOREIGN_FLIP_RATE`): routes shifted by one row flip 99% of pairs.
+  (:data:`~moealign.routing_replay.flips.FOREIGN_FLIP_RATE`): routes shifted by one row flip 99% of pairs;
+* ``record inspect --model`` runs the checkpoint's routers on the record's tokens: ``foreign_routes`` (exit 3) below
+  half the (row, layer) pairs agreeing, ``other_model`` for a record that does not fit the checkpoint;
+* ``mismatch`` compares the record's contract weight digests with the trainer's weights whenever the record has
+  them, and warns naming the layers that differ (a record of checkpoint A scored against checkpoint B).
 
 One record is made per module (transformers on both sides, 2 prompts x 8 tokens); each test derives its hostile
 variant from it and runs the unmodified record as its negative control.
@@ -194,3 +198,12 @@ def test_weights_warning_compares_at_the_records_rounding_only():
     assert weights_warnings(record, _Trainer({"digests": {}})) == []
     with pytest.raises(Exception, match="unknown rounding"):
         weight_digests(tensors.items(), 2, roundings=["float8"])
+
+
+def test_the_html_report_shows_the_warnings_first():
+    from moealign.mismatch.html_report import render_html
+
+    page = render_html({"model": "m", "warnings": ["routes <b>shifted</b>\u202e"], "runs": []})
+    assert '<section id="warnings">' in page and "routes &lt;b&gt;shifted&lt;/b&gt;" in page
+    assert page.index('id="warnings"') < page.index('id="diagnosis"')
+    assert 'id="warnings"' not in render_html({"model": "m", "warnings": [], "runs": []})      # negative control
