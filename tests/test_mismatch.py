@@ -122,7 +122,7 @@ def test_fail_above_parse_errors(item, message):
     (["--num-prompts", "100000"], "exceeds"),
     (["--fail-above", "bogus=1"], "unknown metric"),
     (["--load-record", "/nonexistent/record.safetensors"], "no record file"),
-    (["--prompts", "/nonexistent/prompts.json"], "cannot read prompts"),
+    (["--prompts", "/nonexistent/prompts.json"], "--prompts /nonexistent/prompts.json: no such file"),
 ])
 def test_cli_bad_input(argv, message, capsys):
     assert main(["mismatch", "-q", *argv]) == 2
