@@ -129,7 +129,7 @@ def test_routing_replay_switched_off_is_named_first():
 
 
 def test_real_report_renders_in_headless_chromium(default_reports, tmp_path):
-    from test_html_report import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_or_fail
+    from test_html_report import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _browser_or_fail, check_layout
 
     from moealign.mismatch.html_report import PLOT_IDS, write_report_dir
 
@@ -152,6 +152,9 @@ def test_real_report_renders_in_headless_chromium(default_reports, tmp_path):
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "mismatch-report.png"), full_page=True)
             shutil.copyfile(paths["html"], ARTIFACTS / "mismatch-report.html")
+            # the first screen holds the headline and the attribution chart; nothing wider than the viewport; one
+            # colour per run in every plot
+            check_layout(page, artifact="mismatch-report-first-screen.png")
         finally:
             browser.close()
     assert not errors, errors

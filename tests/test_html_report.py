@@ -4,7 +4,10 @@ Unit tests (no browser): escaping, missing / malformed sections, NaN handling, t
 write_report_dir (atomic, strict JSON, refuses a file). The browser test opens the page in Debian's headless
 chromium (/usr/bin/chromium) through Playwright: no console or page error, every drawn plot has an SVG of nonzero
 size, the injected ``<script>`` is text and did not run, no request left the page; it saves a full-page
-screenshot and the page under ``test-artifacts/``. Without /usr/bin/chromium the browser test fails (run
+screenshot and the page under ``test-artifacts/``; :func:`check_layout` (also run on a real report by
+test_diagnosis.py) checks the first screen (headline and attribution chart side by side at 1280x800, screenshot kept),
+the folded lever table, no element wider than the viewport (1280 and 600 pixels, folds open and closed), one colour per
+run and no colour shared by two runs, each checker next to a negative control. Without /usr/bin/chromium the browser test fails (run
 ``bash tools/setup.sh test``, which installs it); ``MOEALIGN_NO_BROWSER=1`` skips it instead.
 """
 
@@ -25,6 +28,7 @@ from moealign._files import TMP_MARKER
 from moealign.errors import ConfigError, MoealignError
 from moealign.mismatch import html_report
 from moealign.mismatch.html_report import PLOT_IDS, render_html, report_json, write_report_dir
+from moealign.mismatch.plots import IS_GRID
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -347,6 +351,65 @@ def test_plots_not_a_dict_and_non_dict_report():
         render_html([1, 2])
 
 
+def test_the_page_leads_with_the_answer(page_html):
+    """The headline and the attribution chart come first (one section), then the plots, the prose, the tables; the
+    lever table is folded (<details>, no script) and every table scrolls inside its own box."""
+    order = [page_html.index(x) for x in ('<p class="headline">', 'id="plot-attribution"', '<section id="plots">',
+                                          'id="plot-flip-rate"', '<section id="diagnosis-details">',
+                                          '<section id="tables">', '<details id="levers-details">')]
+    assert order == sorted(order), order
+    answer = re.search(r'<section id="answer">(.*?)</section>', page_html, flags=re.S).group(1)
+    assert '<p class="headline">' in answer and 'id="plot-attribution"' in answer
+    details = re.search(r'<details id="levers-details">(.*?)</details>', page_html, flags=re.S).group(0)
+    assert '<table id="table-levers">' in details and " open" not in details.split(">")[0]
+    assert "<summary><bdi>Lever runs: 4 lever sets scored</bdi></summary>" in details
+    assert page_html.count("<table ") == page_html.count('<div class="scroll"><table ')
+
+
+def test_one_colour_per_run_name():
+    colors = html_report._Colors(["baseline"])
+    names = [f"run {i}" for i in range(200)]
+    got = [colors.colour(n) for n in names]
+    assert len(set(got)) == len(got) and colors.colour("baseline") not in got
+    assert not set(got) & set(html_report._RESERVED)
+    assert all(re.fullmatch(r"#[0-9a-f]{6}", c) for c in got)
+    assert colors.colour("run 7") == got[7]                      # stable: asked again, the same colour
+    page = render_html(synthetic_report())
+    legend = re.search(r'<ul class="legend" id="run-colours".*?</ul>', page, flags=re.S).group(0)
+    colours = re.findall(r'data-colour="([^"]+)"', legend)
+    assert len(colours) == len(set(colours)) == 9
+    assert 'data-run="0" data-colour="#1f77b4"><svg' in legend and "<bdi>baseline</bdi>" in legend
+    # each run's marks in every plot carry its index and are drawn in its legend colour
+    for run, colour in re.findall(r'data-run="(\d+)" data-colour="([^"]+)"', legend):
+        marks = re.findall(rf'<g id="p-[a-z-]+-run{run}-\d+">\s*<path[^>]*style="([^"]*)"', page)
+        assert marks, run
+        assert all(f"fill: {colour}" in m or f"stroke: {colour}" in m for m in marks), (run, colour, marks[:2])
+    # a plot whose drawing fails adds nothing to the legend
+    report = synthetic_report()
+    report["plots"]["position"]["series"] = {"only here": "garbage"}
+    assert "only here" not in re.search(r'<ul class="legend".*?</ul>', render_html(report), flags=re.S).group(0)
+
+
+def test_is_tail_is_small_multiples():
+    """One panel per run (3 runs in the synthetic report), no legend of 2 x runs entries, the x range fitted to the
+    ratios a run reaches, the band and the threshold."""
+    fig, caption = html_report._plot_is_tail(synthetic_report(), html_report._Colors())
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(axes) == 3 and all(ax.get_legend() is None for ax in axes)
+    assert [ax.get_title(loc="left") for ax in axes] == ["baseline", "routing_replay", "all levers"]
+    assert "one panel per run" in caption and "IcePop band [0.5, 5]" in caption
+    report = synthetic_report()
+    grid = report["plots"]["is_tail"]["grid"] = IS_GRID                # the real grid: 100 points a decade
+    for tails in report["plots"]["is_tail"]["series"].values():          # every ratio within [0.9, 1.1]
+        tails["above"] = [0.3 if 1 < g < 1.1 else 0.0 for g in grid]
+        tails["below"] = [0.3 if 0.9 < g < 1 else 0.0 for g in grid]
+    report["plots"]["is_tail"]["icepop_band"] = None
+    report["plots"]["is_tail"]["tis_threshold"] = None
+    fig, _ = html_report._plot_is_tail(report, html_report._Colors())
+    lo, hi = fig.axes[0].get_xlim()
+    assert 0.5 < lo < 0.9 and 1.1 < hi < 2, (lo, hi)
+
+
 def test_report_json_is_strict(tmp_path):
     np = pytest.importorskip("numpy")
     report = synthetic_report()
@@ -415,6 +478,123 @@ def test_write_report_dir_is_atomic(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------------------------
 
 
+#: Elements that stick out of the viewport, except inside a scroll (or clipping) box that fits it; and the page's own
+#: scroll width. Elements not shown (a folded ``<details>``) are skipped: the checks run with them folded and open.
+OVERFLOW_JS = """() => {
+    const vw = document.documentElement.clientWidth;
+    const fits = r => r.left >= -0.5 && r.right <= vw + 0.5;
+    const clippedInside = el => {
+        for (let a = el.parentElement; a && a !== document.body; a = a.parentElement) {
+            const ox = getComputedStyle(a).overflowX;
+            if (ox === 'auto' || ox === 'scroll' || ox === 'hidden' || ox === 'clip') return fits(a.getBoundingClientRect());
+        }
+        return false;
+    };
+    const wide = [];
+    for (const el of document.body.querySelectorAll('*')) {
+        const r = el.getBoundingClientRect();
+        if ((r.width === 0 && r.height === 0) || !el.checkVisibility()) continue;
+        if (!fits(r) && !clippedInside(el)) wide.push(`${el.tagName.toLowerCase()}#${el.id}.${el.getAttribute('class') || ''} `
+                                                       + `${Math.round(r.left)}..${Math.round(r.right)} > ${vw}`);
+    }
+    return {viewport: vw, scrollWidth: document.documentElement.scrollWidth, wide: wide.slice(0, 20)};
+}"""
+
+#: Every run's colours as drawn: the marks the report tags ``...-run{INDEX}-{N}`` in every plot's SVG (a line's stroke,
+#: a bar's fill), and the legend's swatch per run index.
+COLOURS_JS = """() => {
+    const colour = el => { const cs = getComputedStyle(el); return cs.stroke !== 'none' ? cs.stroke : cs.fill; };
+    const drawn = {}, plots = {};
+    for (const g of document.querySelectorAll('figure.plot svg g[id]')) {
+        const m = g.id.match(/-run(\\d+)-\\d+$/);
+        const shape = m && g.querySelector('path');
+        if (!shape) continue;
+        (drawn[m[1]] = drawn[m[1]] || []).push(colour(shape));
+        (plots[m[1]] = plots[m[1]] || new Set()).add(g.closest('figure').id);
+    }
+    const legend = {};
+    for (const li of document.querySelectorAll('#run-colours li[data-run]'))
+        legend[li.dataset.run] = {name: li.textContent, colour: getComputedStyle(li.querySelector('rect')).fill};
+    return {drawn, legend, plots: Object.fromEntries(Object.entries(plots).map(([k, v]) => [k, [...v].sort()]))};
+}"""
+
+#: The colour checker: given {run: [colours drawn]}, the runs drawn in more than one colour and the colours that
+#: more than one run shares.
+SHARED_COLOURS_JS = """(drawn) => {
+    const byColour = {}, several = [];
+    for (const [run, colours] of Object.entries(drawn)) {
+        const distinct = [...new Set(colours)];
+        if (distinct.length > 1) several.push(run);
+        for (const c of distinct) (byColour[c] = byColour[c] || []).push(run);
+    }
+    const shared = Object.entries(byColour).filter(([c, runs]) => runs.length > 1).map(([c, runs]) => [c, runs.sort()]);
+    return {several: several.sort(), shared};
+}"""
+
+#: Where the headline and the plots sit on the first screen.
+FIRST_SCREEN_JS = """() => {
+    const box = el => { if (!el) return null; const r = el.getBoundingClientRect();
+                        return {top: r.top, bottom: r.bottom, left: r.left, right: r.right, width: r.width}; };
+    const svgs = [...document.querySelectorAll('figure.plot:not(.missing) > svg')];
+    const onScreen = svgs.filter(s => { const r = s.getBoundingClientRect();
+                                        return r.top >= 0 && r.bottom <= innerHeight && r.width > 250; });
+    const levers = document.querySelector('#table-levers');
+    return {height: innerHeight, pageHeight: document.documentElement.scrollHeight,
+            headline: box(document.querySelector('p.headline')),
+            attribution: box(document.querySelector('#plot-attribution > svg')),
+            plotsOnScreen: onScreen.map(s => s.closest('figure').id),
+            leversFolded: !!levers && !!levers.closest('details') && !levers.closest('details').open
+                          && !levers.checkVisibility()};
+}"""
+
+
+def check_layout(page, *, artifact: str) -> dict:
+    """The layout checks of a report open in ``page`` (any report): a 1280x800 first screen holding the headline
+    and the attribution chart side by side (screenshot under ``test-artifacts/ARTIFACT``), the lever table folded,
+    no element wider than the viewport at 1280 and 600 pixels, one colour per run in every plot and the legend, no
+    two runs sharing one. Each checker also runs on a negative control. Returns the measurements."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.evaluate("window.scrollTo(0, 0)")
+    first = page.evaluate(FIRST_SCREEN_JS)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / artifact))
+    head, chart = first["headline"], first["attribution"]
+    assert head and 0 <= head["top"] and head["bottom"] <= first["height"], first
+    assert chart and 0 <= chart["top"] and chart["bottom"] <= first["height"] and chart["width"] > 400, first
+    assert head["right"] <= chart["left"] and head["top"] < chart["bottom"] and chart["top"] < head["bottom"], first
+    assert "plot-attribution" in first["plotsOnScreen"], first
+    assert first["leversFolded"], first
+
+    for width, unfold in ((1280, False), (600, False), (1280, True), (600, True)):
+        page.set_viewport_size({"width": width, "height": 800})
+        page.evaluate("(open) => document.querySelectorAll('details').forEach(d => { d.open = open; })", unfold)
+        layout = page.evaluate(OVERFLOW_JS)
+        assert layout["scrollWidth"] <= layout["viewport"] and not layout["wide"], (width, unfold, layout)
+    page.evaluate("() => document.querySelectorAll('details').forEach(d => { d.open = false; })")
+    # negative control: an element wider than the viewport, outside any scroll box, is reported
+    page.evaluate("""() => { const d = document.createElement('div'); d.id = 'too-wide'; d.style.width = '3000px';
+                              d.style.height = '4px'; document.body.appendChild(d); }""")
+    control = page.evaluate(OVERFLOW_JS)
+    page.evaluate("document.getElementById('too-wide').remove()")
+    assert control["scrollWidth"] > control["viewport"] and any(w.startswith("div#too-wide") for w in control["wide"])
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    colours = page.evaluate(COLOURS_JS)
+    drawn, legend = colours["drawn"], colours["legend"]
+    assert drawn and len(drawn) >= 2, colours
+    assert page.evaluate(SHARED_COLOURS_JS, drawn) == {"several": [], "shared": []}, colours
+    assert set(drawn) == set(legend), colours                        # the legend lists exactly the runs drawn
+    for run, values in drawn.items():
+        assert set(values) == {legend[run]["colour"]}, (legend[run], values)
+    assert len({v["colour"] for v in legend.values()}) == len(legend), legend
+    # negative controls of the checker: two runs in one colour, one run in two colours
+    bad = page.evaluate(SHARED_COLOURS_JS, {"a": ["rgb(1, 2, 3)"], "b": ["rgb(1, 2, 3)"],
+                                            "c": ["rgb(4, 5, 6)", "rgb(7, 8, 9)"]})
+    assert bad == {"several": ["c"], "shared": [["rgb(1, 2, 3)", ["a", "b"]]]}, bad
+    first["colours"] = colours
+    return first
+
+
 def _browser_or_fail():
     if os.environ.get("MOEALIGN_NO_BROWSER") == "1":
         pytest.skip("MOEALIGN_NO_BROWSER=1: the headless-browser test of the HTML report is skipped")
@@ -467,6 +647,14 @@ def test_report_in_headless_chromium(tmp_path):
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
             shutil.copyfile(paths["html"], ARTIFACTS / "report.html")
+            layout = check_layout(page, artifact="report-first-screen.png")
+            # a report whose runs outnumber the palette still gives every run its own colour
+            many = synthetic_report()
+            many["plots"]["position"]["series"].update({f"run {i}": [0.01 * i] * 48 for i in range(30)})
+            other_page = browser.new_page()
+            other_page.goto(Path(write_report_dir(many, tmp_path / "many")["html"]).resolve().as_uri(),
+                            wait_until="load")
+            many_layout = check_layout(other_page, artifact="report-many-runs-first-screen.png")
         finally:
             browser.close()
     elapsed = time.perf_counter() - t0
@@ -487,3 +675,8 @@ def test_report_in_headless_chromium(tmp_path):
     colours = {cls: bg for cls, bg in rows}
     assert colours["status-gap"] != colours["status-info"] != colours["status-same"]
     assert (ARTIFACTS / "report.png").stat().st_size > 10_000
+    print(f"page height {layout['pageHeight']} px at 1280x800; runs coloured: "
+          + ", ".join(v["name"] for v in layout["colours"]["legend"].values()))
+    # baseline, routing_replay, routing_replay+precision, all levers (plots) and the 5 causes (attribution bars)
+    assert len(layout["colours"]["legend"]) == 9
+    assert len(many_layout["colours"]["legend"]) == 9 + 30

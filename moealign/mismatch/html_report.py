@@ -6,6 +6,11 @@ display is needed) and embedded as inline SVG with their text as paths. :func:`w
 ``report.html`` and ``report.json`` (strict JSON: NaN and infinities written as ``null``) atomically into a
 directory.
 
+The page leads with the answer: the headline, first lever, preset and causes by share next to the attribution
+chart. Then the plots (one colour per run or cause name in every plot, :class:`_Colors`, listed once in a sticky
+legend; each run's marks carry an SVG id ``...-run{INDEX}-{N}`` so a browser test can check the colours), the
+diagnosis in words, the tables (each in a horizontally scrolling box; the lever table folded in ``<details>``).
+
 Every text that comes from the report is escaped (:func:`html.escape`): token texts can hold ``<``, ``&`` and
 quotes. Every section may be absent or empty: a plot without data is a ``<figure class="plot missing">`` saying
 "not measured: REASON", a table without rows says the same; NaN values are skipped in plots and shown as
@@ -31,6 +36,7 @@ The input (extra keys are ignored)::
 
 from __future__ import annotations
 
+import colorsys
 import html
 import io
 import json
@@ -45,7 +51,7 @@ from ..errors import ConfigError, MoealignError
 __all__ = ["PLOT_IDS", "render_html", "report_json", "write_report_dir"]
 
 #: The plots of the page, in order: ``<figure class="plot" id="plot-NAME">``.
-PLOT_IDS = ("flip-rate", "logp-hist", "position", "is-tail", "kept-set", "attribution", "full-vocab-kl")
+PLOT_IDS = ("attribution", "flip-rate", "logp-hist", "position", "full-vocab-kl", "is-tail", "kept-set")
 
 #: Rows of the worst-token table.
 WORST_TOKENS = 20
@@ -54,8 +60,12 @@ CONTEXT_CHARS = 120
 #: Scalar metrics shown first in the run tables (others follow in the report's order).
 METRIC_ORDER = ("mean_abs_logp_diff", "max_abs_logp_diff", "kl_k3", "router_flip_rate", "token_flip_rate",
                 "support_mismatch_rate")
-_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-            "#bcbd22", "#17becf")
+#: Run colours, in order of first appearance (tab10 then tab20's light half, greys left out: grey is the residual's
+#: and black the reference lines'). Past these, :class:`_Colors` generates further distinct colours.
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+            "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+#: Colours no run gets: the attribution's residual bar and the plots' reference marks.
+_RESERVED = ("#7f7f7f", "#000000", "#999999", "#c7c7c7")
 
 
 class _Missing(MoealignError):
@@ -179,18 +189,76 @@ def report_json(report: dict) -> str:
 
 
 class _Colors:
-    """One colour per run name, the same in every plot."""
+    """The one mapping from a run (or lever set, or cause) name to its colour, the same in every plot.
 
-    def __init__(self):
+    Every name gets a distinct colour (the palette first, then generated hues, never a reserved grey). Each drawn
+    mark of a run carries an SVG id ``...-run{INDEX}-{N}`` (:meth:`gid`) so the page can be checked: one colour
+    per run, no two runs sharing one. :meth:`legend` lists the runs the drawn plots used, once.
+    """
+
+    def __init__(self, names=()):
         self._map: dict[str, str] = {}
+        self._used: list[str] = []          # names drawn by a finished figure, in order
+        self._pending: list[str] = []       # names drawn by the figure being built
+        self._marks = 0
+        for name in names:
+            self.colour(name)
 
-    def __call__(self, name: str) -> str:
+    def colour(self, name: Any) -> str:
+        """The colour of ``name`` (assigned on first sight), without marking it drawn."""
+        name = str(name)
         if name not in self._map:
-            self._map[name] = _PALETTE[len(self._map) % len(_PALETTE)]
+            taken = set(self._map.values()) | set(_RESERVED)
+            i = len(self._map)
+            colour = _PALETTE[i] if i < len(_PALETTE) else None
+            k = 0
+            while colour is None or colour in taken:       # golden-angle hues at three lightnesses
+                hue = (0.61803398875 * (i + k)) % 1.0
+                light = (0.45, 0.32, 0.6)[(i + k) % 3]
+                colour = "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(hue, light, 0.65))
+                k += 1
+            self._map[name] = colour
         return self._map[name]
 
+    def __call__(self, name: Any) -> str:
+        """The colour of ``name``, marked as drawn by the figure being built."""
+        name = str(name)
+        if name not in self._pending:
+            self._pending.append(name)
+        return self.colour(name)
 
-def _new_figure(width: float = 7.5, height: float = 3.8):
+    def gid(self, name: Any) -> str:
+        """A unique SVG id for one drawn mark of run ``name`` (its colour map index in it)."""
+        self(name)
+        self._marks += 1
+        return f"run{list(self._map).index(str(name))}-{self._marks}"
+
+    def begin(self) -> None:
+        self._pending = []
+
+    def commit(self) -> None:
+        """The figure was drawn: its runs go into the legend."""
+        self._used += [n for n in self._pending if n not in self._used]
+        self._pending = []
+
+    @property
+    def used(self) -> list[str]:
+        return list(self._used)
+
+    def legend(self) -> str:
+        """The colour legend of every run the drawn plots show (HTML, shown once above the plots)."""
+        if not self._used:
+            return ""
+        order = list(self._map)
+        used = sorted(self._used, key=order.index)
+        items = "".join(
+            f'<li data-run="{order.index(n)}" data-colour="{self._map[n]}"><svg class="swatch" width="22" height="12" '
+            f'viewBox="0 0 22 12" aria-hidden="true"><rect width="22" height="12" rx="2" fill="{self._map[n]}"/>'
+            f"</svg>{_esc(n)}</li>" for n in used)
+        return f'<ul class="legend" id="run-colours" aria-label="one colour per run in every plot">{items}</ul>'
+
+
+def _new_figure(width: float = 6.0, height: float = 3.3):
     # Figure objects with an explicit Agg canvas: no pyplot, no display, no change to the process's backend
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -226,7 +294,9 @@ def _svg(fig, name: str) -> str:
     return _SVG_IDS.sub(lambda m: m.group(0) + prefix, text).strip()
 
 
-def _finish_axes(ax, *, legend: bool = True) -> None:
+def _finish_axes(ax, *, legend: bool = False) -> None:
+    """Grid lines; no run legend (the page shows the run colours once, above the plots); ``legend=True`` for
+    marks that are not runs (bands, thresholds)."""
     ax.grid(True, alpha=0.3, which="major")
     if legend and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small", framealpha=0.8)
@@ -261,7 +331,9 @@ def _plot_flip_rate(report: dict, colors: _Colors) -> tuple[Any, str]:
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(layers)) if j < len(values)
               and not math.isnan(values[j])]
         ys = [values[j] for j in range(len(layers)) if j < len(values) and not math.isnan(values[j])]
-        ax.bar(xs, ys, width=width, label=_label(name), color=colors(name))
+        bars = ax.bar(xs, ys, width=width, label=_label(name), color=colors(name))
+        for bar in bars:
+            bar.set_gid(colors.gid(name))
     ax.set_xticks(range(len(layers)), [str(x) for x in layers])
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("router flip rate")
@@ -292,7 +364,7 @@ def _plot_logp_hist(report: dict, colors: _Colors) -> tuple[Any, str]:
         values = [c if c > 0 else float("nan") for c in counts]        # NaN / 0: no step on a log axis
         if all(math.isnan(v) for v in values):
             continue
-        ax.stairs(values, edges, label=_label(f"{name} ({nz_text} exact zeros)"), color=colors(name), linewidth=1.5)
+        ax.stairs(values, edges, label=_label(name), color=colors(name), linewidth=1.5, gid=colors.gid(name))
         drawn += 1
     if not drawn:
         raise _Missing("every histogram is empty")
@@ -314,7 +386,7 @@ def _lines(ax, xs: list, series: dict, colors: _Colors) -> int:
         if not pts:
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=_label(name), color=colors(name), linewidth=1.3,
-                marker="o" if len(pts) <= 30 else None, markersize=3)
+                marker="o" if len(pts) <= 30 else None, markersize=3, gid=colors.gid(name))
         drawn += 1
     return drawn
 
@@ -336,12 +408,28 @@ def _plot_position(report: dict, colors: _Colors) -> tuple[Any, str]:
     return fig, "Mean |Δ log p| at each response position, one line per run (positions without a token skipped)."
 
 
+#: Panels per row of the IS-ratio tail's small multiples.
+IS_TAIL_COLUMNS = 3
+
+
+def _ratio_ticks(lo: float, hi: float) -> list[float]:
+    """At most 6 plain ratio ticks (0.9, 1, 1.1, 2, ...) inside [lo, hi], 1 kept when inside."""
+    nice = sorted({m * 10.0 ** e for e in range(-2, 3) for m in (1, 2, 5)} | {0.8, 0.9, 0.95, 1.05, 1.1, 1.25})
+    ticks = [t for t in nice if lo <= t <= hi]
+    while len(ticks) > 6:
+        ticks = [t for i, t in enumerate(ticks) if i % 2 == 0 or t == 1.0]
+    return ticks
+
+
 def _plot_is_tail(report: dict, colors: _Colors) -> tuple[Any, str]:
+    """Small multiples: one panel per run (its two tails in its colour), the first run drawn faintly in every other
+    panel for reference, shared axes fitted to the ratios the runs reach; the IcePop band and the TIS threshold
+    drawn where they fall in that range, and the caption says when no token reaches them."""
     section = _dict(_dict(report.get("plots")).get("is_tail"))
     grid = _floats(section.get("grid"))
     series = _series(section)
-    fig, ax = _new_figure()
-    drawn = 0
+    curves: dict[str, list[tuple[str, list, list]]] = {}
+    sides: dict[str, dict[str, list]] = {}
     positive = False
     for name, tails in series.items():
         name = str(name)
@@ -355,28 +443,85 @@ def _plot_is_tail(report: dict, colors: _Colors) -> tuple[Any, str]:
             if not pts:
                 continue
             positive |= any(y > 0 for _, y in pts)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors(name),
-                    label=_label(f"{name}: P(ratio {'>' if side == 'above' else '<'} x)"), linewidth=1.3)
-            drawn += 1
-    if not drawn:
+            curves.setdefault(name, []).append((style, [p[0] for p in pts], [p[1] for p in pts]))
+            sides.setdefault(name, {})[side] = pts
+    if not curves:
         raise _Missing("no tail fractions")
-    notes = []
     band = section.get("icepop_band")
-    if isinstance(band, (list, tuple)) and len(band) == 2 and all(_num(b) is not None and _num(b) > 0 for b in band):
-        lo, hi = float(band[0]), float(band[1])
-        ax.axvspan(lo, hi, color="#999999", alpha=0.15, label=f"IcePop band [{lo:g}, {hi:g}]")
-        notes.append(f"the IcePop band [{lo:g}, {hi:g}] is shaded")
+    band = ((float(band[0]), float(band[1])) if isinstance(band, (list, tuple)) and len(band) == 2
+            and all(_num(b) is not None and _num(b) > 0 for b in band) else None)
     tis = _num(section.get("tis_threshold"))
-    if tis is not None and tis > 0:
-        ax.axvline(tis, color="black", linestyle=":", linewidth=1.2, label=f"TIS threshold {tis:g}")
-        notes.append(f"the TIS threshold {tis:g} is the dotted line")
-    ax.set_xscale("log")
-    if positive:
-        ax.set_yscale("log")
-    ax.set_xlabel("IS ratio x = π_train / π_rollout")
-    ax.set_ylabel("fraction of tokens")
-    _finish_axes(ax)
-    caption = "IS-ratio tails: fraction of tokens with ratio above x (x > 1, solid) and below x (x < 1, dashed)"
+    tis = tis if tis is not None and tis > 0 else None
+
+    def none_beyond(side: str, limit: float) -> bool:
+        """Every run's tail on ``side`` is 0 at a grid ratio inside ``limit``: no token's ratio passes it."""
+        inside = (lambda g: g <= limit) if side == "above" else (lambda g: g >= limit)
+        return all(any(inside(g) and y == 0 for g, y in sides.get(n, {}).get(side, [])) for n in curves)
+
+    # x range: the ratios where some run has a tail (a bf16 vs fp32 run stays within a few percent of 1), padded;
+    # without any tail, the band and the threshold
+    xs_data = [x for run in curves.values() for _, xs, ys in run for x, y in zip(xs, ys) if y > 0]
+    span = xs_data or list(band or ()) + ([tis] if tis is not None else [])
+    if span:
+        lo, hi = min(span + [1.0]), max(span + [1.0])
+        pad = max((hi / lo) ** 0.08, 1.02)
+        xlim = (lo / pad, hi * pad)
+    else:
+        xlim = None
+    names = list(curves)
+    cols = min(IS_TAIL_COLUMNS, len(names))
+    rows = -(-len(names) // cols)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+    fig = Figure(figsize=(3.2 * cols + 0.4, 2.0 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
+    reference = names[0]
+    for i, ax in enumerate(axes.flat):
+        if i >= len(names):
+            ax.set_visible(False)
+            continue
+        name = names[i]
+        if band is not None:
+            ax.axvspan(*band, color="#999999", alpha=0.15)
+        if tis is not None:
+            ax.axvline(tis, color="black", linestyle=":", linewidth=1.0)
+        ax.axvline(1.0, color="black", linewidth=0.5, alpha=0.4)
+        if name != reference:
+            for style, xs, ys in curves[reference]:
+                ax.plot(xs, ys, style, color=colors(reference), linewidth=1.0, alpha=0.35,
+                        gid=colors.gid(reference))
+        for style, xs, ys in curves[name]:
+            ax.plot(xs, ys, style, color=colors(name), linewidth=1.6, gid=colors.gid(name))
+        if positive and not any(y > 0 for _, _, ys in curves[name] for y in ys):
+            ax.text(0.5, 0.5, "no tail: every ratio ≈ 1", transform=ax.transAxes, ha="center", va="center",
+                    fontsize="small", color=colors(name))
+        ax.set_title(_label(name), fontsize="medium", color=colors(name), loc="left")
+        ax.set_xscale("log")
+        if xlim is not None and xlim[0] < xlim[1]:
+            ax.set_xlim(*xlim)
+            ticks = _ratio_ticks(*xlim)
+            if len(ticks) >= 2:
+                ax.xaxis.set_major_locator(FixedLocator(ticks))
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
+        if positive:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3, which="major")
+    fig.supxlabel("IS ratio x = π_train / π_rollout", fontsize="medium")
+    fig.supylabel("fraction of tokens", fontsize="medium")
+    notes = []
+    if band is not None:
+        inside = none_beyond("above", band[1]) and none_beyond("below", band[0])
+        notes.append(f"the IcePop band [{band[0]:g}, {band[1]:g}] is shaded"
+                     + (" (every token's ratio lies inside it)" if inside else ""))
+    if tis is not None:
+        notes.append(f"the TIS threshold {tis:g} is the dotted line"
+                     + (" (no token's ratio exceeds it)" if none_beyond("above", tis) else ""))
+    caption = (f"IS-ratio tails, one panel per run: the fraction of tokens with ratio above x (x > 1, solid) and below "
+               f"x (x < 1, dashed); {reference} drawn faintly in every other panel for reference; the x axis spans "
+               f"the ratios the runs reach")
     return fig, caption + ("; " + ", ".join(notes) if notes else "") + "."
 
 
@@ -396,7 +541,7 @@ def _plot_kept_set(report: dict, colors: _Colors) -> tuple[Any, str]:
         if not pts:
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=colors(name), label=_label(name), linewidth=1.2,
-                markersize=4)
+                markersize=4, gid=colors.gid(name))
         drawn += 1
     if not drawn:
         raise _Missing("no kept-set bin has tokens")
@@ -417,22 +562,36 @@ def _plot_attribution(report: dict, colors: _Colors) -> tuple[Any, str]:
         primary = next(iter(metrics))
     entry = _dict(metrics[primary])
     bars = [(str(k), _num(v)) for k, v in _dict(entry.get("shares")).items()]
-    bars.append(("residual", _num(entry.get("residual"))))
-    bars = [(k, v) for k, v in bars if v is not None]
+    bars = sorted(((k, v) for k, v in bars if v is not None), key=lambda kv: -kv[1])
+    residual = _num(entry.get("residual"))
+    if residual is not None:
+        bars.append(("residual", residual))
     if not bars:
         raise _Missing(f"no shares for {primary}")
-    fig, ax = _new_figure(7.5, max(2.2, 0.45 * len(bars) + 1.2))
+    gap = _num(entry.get("gap"))
+    fig, ax = _new_figure(5.6, max(2.0, 0.42 * len(bars) + 1.0))
     names = [k for k, _ in bars][::-1]
     values = [v for _, v in bars][::-1]
-    ax.barh(range(len(names)), values, color=["#7f7f7f" if n == "residual" else ("#1f77b4" if v >= 0 else "#ff7f0e")
-                                  for n, v in zip(names, values)])
+    for i, (n, v) in enumerate(zip(names, values)):
+        if n == "residual":
+            ax.barh([i], [v], color=_RESERVED[0])
+        else:
+            (bar,) = ax.barh([i], [v], color=colors(n), alpha=1.0 if v >= 0 else 0.45, hatch=None if v >= 0 else "//",
+                             edgecolor=colors(n))
+            bar.set_gid(colors.gid(n))
+        text = f"{100 * v / gap:.0f}%" if gap else _fmt(v)
+        ax.annotate(text, (v, i), xytext=(3 if v >= 0 else -3, 0), textcoords="offset points",
+                    ha="left" if v >= 0 else "right", va="center", fontsize="small")
     ax.set_yticks(range(len(names)), [_label(n) for n in names])
     ax.axvline(0, color="black", linewidth=0.8)
-    ax.set_xlabel(_label(f"share of the gap in {primary}"))
-    _finish_axes(ax, legend=False)
-    gap = _fmt(entry.get("gap"))
-    return fig, (f"Attribution of {primary} (gap {gap}): the share of each cause (negative: turning its lever on "
-                 "made the metric worse) and the residual no lever explains.")
+    ax.margins(x=0.18)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(5))
+    ax.set_xlabel(_label(f"share of the gap in {primary}" + (f" ({gap:.4g})" if gap is not None else "")))
+    ax.grid(True, axis="x", alpha=0.3)
+    return fig, (f"Attribution of {primary} (gap {_fmt(entry.get('gap'))}): the share of each cause, largest first, "
+                 "as a percentage of the gap (hatched, negative: turning its lever on made the metric worse), and "
+                 "the residual no lever explains (grey). Each cause has its colour in every plot.")
 
 
 def _plot_full_vocab_kl(report: dict, colors: _Colors) -> tuple[Any, str]:
@@ -441,19 +600,22 @@ def _plot_full_vocab_kl(report: dict, colors: _Colors) -> tuple[Any, str]:
 
 
 _PLOTS: dict[str, tuple[str, Callable]] = {
+    "attribution": ("What causes the gap", _plot_attribution),
     "flip-rate": ("Router flip rate per MoE layer", _plot_flip_rate),
     "logp-hist": ("|Δ log p| histogram", _plot_logp_hist),
     "position": ("|Δ log p| by position", _plot_position),
     "is-tail": ("IS-ratio tail", _plot_is_tail),
     "kept-set": ("Kept-set size vs support mismatch", _plot_kept_set),
-    "attribution": ("Attribution", _plot_attribution),
     "full-vocab-kl": ("Full-vocabulary KL by position", _plot_full_vocab_kl),
 }
+#: Plots drawn across the whole width of the plot grid.
+_WIDE = ("is-tail",)
 
 
 def _figure(name: str, report: dict, colors: _Colors) -> str:
     title, builder = _PLOTS[name]
     fig = None
+    colors.begin()
     try:
         fig, caption = builder(report, colors)
         svg = _svg(fig, name)
@@ -464,12 +626,15 @@ def _figure(name: str, report: dict, colors: _Colors) -> str:
     finally:
         if fig is not None:
             fig.clear()
-    return (f'<figure class="plot" id="plot-{name}"><h3>{_esc(title)}</h3>{svg}'
+    colors.commit()
+    wide = " wide" if name in _WIDE else ""
+    return (f'<figure class="plot{wide}" id="plot-{name}"><h3>{_esc(title)}</h3>{svg}'
             f"<figcaption>{_esc(caption)}</figcaption></figure>")
 
 
 def _missing_figure(name: str, title: str, reason: str) -> str:
-    return (f'<figure class="plot missing" id="plot-{name}"><h3>{_esc(title)}</h3>'
+    wide = " wide" if name in _WIDE else ""
+    return (f'<figure class="plot missing{wide}" id="plot-{name}"><h3>{_esc(title)}</h3>'
             f'<p class="not-measured">not measured: {_esc(reason)}</p></figure>')
 
 
@@ -481,8 +646,8 @@ def _missing_figure(name: str, title: str, reason: str) -> str:
 def _table(table_id: str, head: list[str], rows: list[str], *, caption: str | None = None) -> str:
     cap = f"<caption>{_esc(caption)}</caption>" if caption else ""
     th = "".join(f"<th>{_esc(h)}</th>" for h in head)
-    return (f'<table id="{table_id}">{cap}<thead><tr>{th}</tr></thead>'
-            f"<tbody>{''.join(rows)}</tbody></table>")
+    return (f'<div class="scroll"><table id="{table_id}">{cap}<thead><tr>{th}</tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
 def _not_measured(table_id: str, reason: str) -> str:
@@ -626,7 +791,7 @@ def _header(report: dict) -> str:
              ("tokens", _text(report.get("num_tokens"))),
              ("MoE layers", _join(report.get("moe_layers"))),
              ("elapsed", f"{_fmt(report.get('elapsed_s'))} s")]
-    dl = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
+    dl = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in facts)
     return (f"<header><h1>Rollout vs train mismatch: {_esc(report.get('model', 'unknown model'))}</h1>"
             f'<dl class="facts">{dl}</dl></header>')
 
@@ -640,12 +805,13 @@ def _warnings(report: dict) -> str:
     return f'<section id="warnings"><h2>Warnings</h2><ul class="warnings">{items}</ul></section>'
 
 
-def _diagnosis(report: dict) -> str:
+def _summary(report: dict) -> str:
+    """The answer, first on the page next to the attribution chart: the headline, the first lever, the preset and
+    the causes by share."""
     d = _dict(report.get("diagnosis"))
     if not d:
-        return '<section id="diagnosis"><h2>Diagnosis</h2>' + _not_measured("diagnosis-text", "no diagnosis") + \
-            "</section>"
-    out = ['<section id="diagnosis"><h2>Diagnosis</h2>']
+        return '<div id="diagnosis"><h2>Diagnosis</h2>' + _not_measured("diagnosis-text", "no diagnosis") + "</div>"
+    out = ['<div id="diagnosis"><h2>Diagnosis</h2>']
     if d.get("headline"):
         out.append(f'<p class="headline">{_esc(d["headline"])}</p>')
     facts = []
@@ -656,11 +822,6 @@ def _diagnosis(report: dict) -> str:
                                                           else "none needed"))
     if facts:
         out.append(f"<p>{'; '.join(facts)}.</p>")
-    text = d.get("text")
-    if isinstance(text, str):
-        text = [text]
-    for line in text or []:
-        out.append(f"<p>{_esc(line)}</p>")
     ranked = [r for r in (d.get("ranked") or []) if isinstance(r, dict)]
     if ranked:
         rows = [f"<tr><td>{_esc(r.get('cause', ''))}</td><td>{_esc(r.get('lever', '') or '')}</td>"
@@ -668,37 +829,98 @@ def _diagnosis(report: dict) -> str:
                 for r in ranked]
         out.append(_table("table-ranked", ["cause", "lever", "share", "fraction of the gap"], rows,
                           caption="causes, largest first"))
+    out.append("</div>")
+    return "".join(out)
+
+
+def _details(report: dict) -> str:
+    """The diagnosis in words and the contract's findings, after the plots."""
+    d = _dict(report.get("diagnosis"))
+    text = d.get("text")
+    if isinstance(text, str):
+        text = [text]
+    lines = [f"<p>{_esc(line)}</p>" for line in (text if isinstance(text, (list, tuple)) else [])]
     findings = [f for f in (d.get("findings") or []) if isinstance(f, dict)]
     if findings:
         items = "".join(f'<li class="severity-{_plain(f.get("severity", ""))}"><code>{_esc(f.get("field", ""))}'
                         f'</code> ({_esc(f.get("severity", ""))}): {_esc(f.get("message", ""))}</li>'
                         for f in findings)
-        out.append(f'<ul class="findings">{items}</ul>')
-    out.append("</section>")
-    return "".join(out)
+        lines.append(f'<ul class="findings">{items}</ul>')
+    if not lines:
+        return ""
+    return '<section id="diagnosis-details"><h2>The diagnosis in detail</h2>' + "".join(lines) + "</section>"
+
+
+def _levers_details(report: dict) -> str:
+    """The lever table, folded by default (``<details>``: no script)."""
+    runs = [r for r in (_dict(report.get("levers")).get("runs") or []) if isinstance(r, dict)]
+    summary = f"Lever runs: {len(runs)} lever set{'s' if len(runs) != 1 else ''} scored" if runs else "Lever runs"
+    return (f'<details id="levers-details"><summary>{_esc(summary)}</summary>'
+            f"{_levers_table(report)}</details>")
+
+
+def _legend_note(report: dict, colors: _Colors) -> str:
+    """What a cause's name means as a run (when the plots draw one)."""
+    causes = {str(c) for e in _dict(_dict(report.get("attribution")).get("metrics")).values()
+              for c in _dict(_dict(e).get("shares"))}
+    if not causes & set(colors.used):
+        return ""
+    return ('<p class="legend-note">One colour per run in every plot. A cause names the run with its lever alone on '
+            "(the same colour as its bar above); baseline: no lever; all levers: every lever on.</p>")
+
+
+def _run_names(report: dict) -> list[str]:
+    """The names the plots draw, in a fixed order (baseline first, then the attribution's causes, then the plot
+    series), so that one name has one colour in every plot."""
+    names: list[str] = ["baseline"]
+    attribution = _dict(report.get("attribution"))
+    for entry in _dict(attribution.get("metrics")).values():
+        names += [str(c) for c in _dict(_dict(entry).get("shares"))]
+    for section in _dict(report.get("plots")).values():
+        series = _dict(section).get("series") if isinstance(section, dict) else None
+        names += [str(k) for k in _dict(series)]
+    return list(dict.fromkeys(names))
 
 
 _CSS = """
-bdi,td,th,dd,li,caption,figcaption{unicode-bidi:isolate}
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;margin:1.5em auto;
- max-width:1100px;padding:0 1em;color:#222;line-height:1.4}
-h1{font-size:1.5em;margin-bottom:.3em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+bdi,td,th,dd,li,caption,figcaption,summary{unicode-bidi:isolate}
+*,*::before,*::after{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;margin:.8em auto;
+ max-width:1240px;padding:0 1em;color:#222;line-height:1.35}
+h1{font-size:1.3em;margin:0 0 .2em}h2{border-bottom:1px solid #ddd;padding-bottom:.15em;margin:1.2em 0 .5em;
+ font-size:1.2em}
 h3{font-size:1em;margin:.2em 0}
-dl.facts{display:grid;grid-template-columns:max-content auto;gap:.1em 1em;margin:0}dl.facts dt{font-weight:600}
-dl.facts dd{margin:0}
-p.headline{font-size:1.15em;font-weight:600;background:#f3f6fa;border-left:4px solid #1f77b4;padding:.5em .8em}
-table{border-collapse:collapse;margin:.8em 0;font-size:.9em}caption{text-align:left;color:#555;padding:.2em 0}
-th,td{border:1px solid #ddd;padding:.25em .5em;text-align:left;vertical-align:top}thead th{background:#f5f5f5}
-td.num{text-align:right;font-variant-numeric:tabular-nums;font-family:ui-monospace,monospace}
+dl.facts{display:flex;flex-wrap:wrap;gap:.1em 1.4em;margin:0;color:#444;font-size:.92em}
+dl.facts div{display:flex;gap:.4em}dl.facts dt{font-weight:600}dl.facts dd{margin:0}
+#answer{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1.15fr);gap:1.2em;align-items:start;margin-top:.6em}
+#answer h2{margin-top:0}#answer figure.plot{margin:0}
+p.headline{font-size:1.2em;font-weight:600;background:#f3f6fa;border-left:4px solid #333;padding:.5em .8em;
+ margin:.4em 0}
+div.scroll{overflow-x:auto;max-width:100%}
+table{border-collapse:collapse;margin:.6em 0;font-size:.88em}caption{text-align:left;color:#555;padding:.2em 0}
+th,td{border:1px solid #ddd;padding:.2em .45em;text-align:left;vertical-align:top}thead th{background:#f5f5f5}
+td.num{text-align:right;font-variant-numeric:tabular-nums;font-family:ui-monospace,monospace;white-space:nowrap}
 tr.status-gap td{background:#fbd5d5}tr.status-info td{background:#fff3c4}
 tr.residual th,tr.gap th{font-style:italic}
-td.token-cell{font-family:ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;max-width:32em}
+td.token-cell{font-family:ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;min-width:16em;
+ max-width:32em}
 span.context{color:#999}mark.token{background:#ffe066;color:#000;font-weight:600}
 li.severity-gap{color:#a00}ul.warnings li{color:#a00;font-weight:600}li.severity-info{color:#7a5d00}
-figure.plot{margin:1.2em 0;padding:.5em;border:1px solid #eee;border-radius:4px}
-figure.plot svg{max-width:100%;height:auto;display:block}
-figure.plot figcaption{color:#444;font-size:.9em;margin-top:.3em}
+ul.legend{position:sticky;top:0;z-index:1;background:#fff;list-style:none;display:flex;flex-wrap:wrap;
+ gap:.2em 1.3em;margin:0;padding:.4em 0;border-bottom:1px solid #eee;font-size:.92em}
+ul.legend li{display:flex;align-items:center;gap:.35em}svg.swatch{flex:none}
+div.plot-grid{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));grid-auto-flow:dense;gap:1em;
+ margin-top:.6em}
+figure.plot{margin:0;padding:.5em;border:1px solid #eee;border-radius:4px;min-width:0}
+figure.plot.wide{grid-column:1/-1}
+figure.plot svg{width:100%;max-width:100%;height:auto;display:block}
+figure.plot.wide svg{max-width:1000px;margin:0 auto}
+figure.plot figcaption{color:#444;font-size:.88em;margin-top:.3em}
+p.legend-note{margin:.2em 0;color:#555;font-size:.9em}
 figure.plot.missing{background:#fafafa}.not-measured{color:#888;font-style:italic}
+details{margin:1em 0;border:1px solid #ddd;border-radius:4px;padding:.4em .6em}
+details summary{cursor:pointer;font-weight:600}
+@media (max-width:900px){#answer,div.plot-grid{grid-template-columns:minmax(0,1fr)}}
 """
 
 
@@ -715,28 +937,24 @@ def render_html(report: dict) -> str:
     """The report as one self-contained HTML page (inline CSS and SVG, no script, no external resource)."""
     if not isinstance(report, dict):
         raise ConfigError(f"render_html: the report must be a dict, got {type(report).__name__}")
-    colors = _Colors()
-    runs = report.get("runs")
-    lever_runs = _dict(report.get("levers")).get("runs")
-    for name in ([str(r.get("name")) for r in (runs if isinstance(runs, list) else []) if isinstance(r, dict)]
-                 + [str(r.get("label")) for r in (lever_runs if isinstance(lever_runs, list) else [])
-                    if isinstance(r, dict)]):
-        colors(name)
+    colors = _Colors(_run_names(report))
+    figures = {name: _figure(name, report, colors) for name in PLOT_IDS}
     title = f"moealign mismatch: {report.get('model', 'report')}"
     body = [
         _safe(_header, report, "header"),
         _safe(_warnings, report, "warnings"),
-        _safe(_diagnosis, report, "diagnosis"),
+        '<section id="answer">', _safe(_summary, report, "diagnosis"), figures["attribution"], "</section>",
+        '<section id="plots"><h2>Plots</h2>', _legend_note(report, colors), colors.legend(), '<div class="plot-grid">',
+        *(figures[name] for name in PLOT_IDS if name != "attribution"),
+        "</div></section>",
+        _safe(_details, report, "diagnosis-details"),
         '<section id="tables"><h2>Tables</h2>',
         "<h3>Runs</h3>", _safe(_runs_table, report, "table-runs"),
-        "<h3>Lever runs</h3>", _safe(_levers_table, report, "table-levers"),
         "<h3>Attribution</h3>", _safe(_attribution_table, report, "table-attribution"),
         "<h3>Worst tokens</h3>", _safe(_worst_tokens_table, report, "table-worst-tokens"),
         "<h3>Execution contract</h3>", _safe(_contract_table, report, "table-contract"),
         _safe(_kl_summary_table, report, "table-full-vocab-kl"),
-        "</section>",
-        '<section id="plots"><h2>Plots</h2>',
-        *(_figure(name, report, colors) for name in PLOT_IDS),
+        _safe(_levers_details, report, "table-levers"),
         "</section>",
     ]
     csp = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
