@@ -545,13 +545,14 @@ class PaddedBatch:
         pos = self.attention_mask.cumsum(-1) - 1
         return pos.clamp(min=0)
 
-    def replay_batch(self) -> ReplayBatch:
-        """The routes of this batch together with its tokens and mask, for an adapter's ``set_routes``."""
+    def replay_batch(self, *, allow_degenerate: bool = False) -> ReplayBatch:
+        """The routes of this batch together with its tokens and mask, for an adapter's ``set_routes``
+        (``allow_degenerate``: skip the broken-capture pattern checks, :class:`ReplayBatch`)."""
         if self.routes is None:
             raise RecordError("this batch has no routes (record with routing capture enabled)")
         return ReplayBatch.padded(expand_routes(self.routes), input_ids=self.input_ids,
                                   attention_mask=self.attention_mask, moe_layers=self.moe_layers,
-                                  route_mask=self.route_mask)
+                                  route_mask=self.route_mask, allow_degenerate=allow_degenerate)
 
 
 @dataclass
@@ -571,12 +572,13 @@ class PackedBatch:
     prompt_lens: torch.Tensor      # int64 [B]
     moe_layers: tuple[int, ...] = ()   # decoder layer of each route column
 
-    def replay_batch(self) -> ReplayBatch:
+    def replay_batch(self, *, allow_degenerate: bool = False) -> ReplayBatch:
         """The routes of this packed row together with its tokens and ``cu_seqlens``, for ``set_routes``."""
         if self.routes is None:
             raise RecordError("this batch has no routes (record with routing capture enabled)")
         return ReplayBatch.packed(expand_routes(self.routes), input_ids=self.input_ids, cu_seqlens=self.cu_seqlens,
-                                  moe_layers=self.moe_layers, route_mask=self.route_mask)
+                                  moe_layers=self.moe_layers, route_mask=self.route_mask,
+                                  allow_degenerate=allow_degenerate)
 
 
 def _missing_from_mask(routes: torch.Tensor | None, route_mask: torch.Tensor) -> torch.Tensor | None:
@@ -780,19 +782,22 @@ class RolloutRecord:
         return cls(meta, samples)
 
     # ---------------------------------------------------------------- routes for the trainer
-    def replay_batch(self, layout: str = "padded", side: str = "right", pad_token_id: int = 0) -> ReplayBatch:
+    def replay_batch(self, layout: str = "padded", side: str = "right", pad_token_id: int = 0, *,
+                     allow_degenerate: bool = False) -> ReplayBatch:
         """The routes for a trainer's ``set_routes``, together with the batch they are laid out for.
 
         ``layout="padded"`` (``side`` ``"right"`` or ``"left"``): the ``[B, T]`` batch of :meth:`to_padded`;
         ``"packed"``: the one-row THD batch of :meth:`to_packed`. Feed the model exactly this batch's
-        ``input_ids`` (the adapters check the tokens each router row holds).
+        ``input_ids`` (the adapters check the tokens each router row holds). ``allow_degenerate``: skip the
+        broken-capture pattern checks (:class:`~moealign.routing_replay.protocol.ReplayBatch`), e.g. for a model
+        with as many experts as it routes to, where every row holds the same set by construction.
         """
         if not self.has_routes:
             raise RecordError("this record has no routes (record with routing capture enabled)")
         if layout not in ("packed", "padded"):
             raise RecordError(f"layout must be 'packed' or 'padded', got {layout!r}")
         batch = self.to_packed() if layout == "packed" else self.to_padded(side, pad_token_id)
-        return batch.replay_batch()
+        return batch.replay_batch(allow_degenerate=allow_degenerate)
 
     # ---------------------------------------------------------------- files
     def _tensors(self) -> dict[str, torch.Tensor]:

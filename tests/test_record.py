@@ -1212,7 +1212,9 @@ def test_property_round_trips(record, pad):
     if record.has_routes:
         assert record.samples[0].routes.dtype == record.meta.route_dtype
         for layout, side in (("packed", "right"), ("padded", "right"), ("padded", "left")):
-            rb = record.replay_batch(layout, side)
+            # random tables of 1-2 experts are degenerate by chance (one set in most rows); this property is the
+            # round trip, not the broken-capture checks (tests/test_broken_capture_refused.py)
+            rb = record.replay_batch(layout, side, allow_degenerate=True)
             assert_bitwise(rb.routes[rb.route_mask], torch.cat([s.routes for s in record.samples]).long())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "r.safetensors")
