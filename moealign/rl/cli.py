@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import ConfigError
@@ -26,6 +27,10 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
                         verify=not args.no_verify, json=args.json, report_dir=args.report, fail_above=bounds,
                         compare=args.compare, device=args.device)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.quiet:
+        # vLLM logs on stdout, around the table; -q keeps its errors only (its refit-time "RotaryEmbedding: Failed
+        # to load weights" warning is expected: rotary embeddings hold no checkpoint tensor)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     report = run_rl_check(cfg, log=log)
     failures = check_steps(report, bounds)
     if cfg.report_dir:
