@@ -123,5 +123,6 @@ def test_bench_rl_check_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["samples"] == 4 and result["verify"] > 0 and 0 <= result["moealign_share"] < 1
+    assert result["samples"] == 4 and result["verify_digests"] > 0 and result["probe"] > 0
+    assert 0 <= result["moealign_share"] < 1 and 0 < result["verification_s"]
     assert result["recording_ratio"] > 0 and result["replay_ratio"] > 0 and result["refit_ratio_vs_vllm_reload"] > 0

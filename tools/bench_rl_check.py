@@ -11,7 +11,9 @@ completions x 32 tokens, vLLM bf16, Megatron fp32), the same prompts, seeds and 
   measurement, not alignment work, and is left out of both;
 * refit: moealign's in-place refit (manifest check, the CPU build's prepack fix) vs vLLM's own ``reload_weights`` of
   the same tensors (the stock path: it corrupts the MoE layers on the CPU build, timed only as a baseline);
-* refit verification: ``verify_refit`` (every worker's tensors read back and fingerprinted, the probe forward).
+* refit verification: ``verify_refit`` (every worker's tensors read back and fingerprinted) at every step, and the
+  standalone probe forward (``Probe.gaps``) once per run (the aligned loop's other refits are probed by the next
+  rollout itself: a masked mean over tensors the step has anyway), amortized over ``--steps``.
 
 Printed: minimum / median seconds of each, the plain step (medians of plain rollout + plain train + refit), moealign's
 own work per step (recording and replay as the median of their per-round paired differences, which cancels load that
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="steps of the loop the standalone probe is amortized over")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
 
@@ -89,16 +92,21 @@ def main(argv=None) -> int:
         "train_replay": lambda: train(True, False),
         "refit_vllm_reload": stock_reload,
         "refit_moealign": lambda: refit(llm, trainer),
-        "verify": lambda: verify_refit(llm, trainer, probe=probe),
+        "verify_digests": lambda: verify_refit(llm, trainer),
+        "probe": lambda: probe.gaps(llm, trainer),
     }
     t = interleaved(fns, args.repeats)
     refit(llm, trainer)                        # leave the engine exact (the stock reload corrupted it)
     assert verify_refit(llm, trainer, probe=probe).ok
+    # the aligned loop: every refit's tensors fingerprinted before the next rollout; the probe is the next rollout
+    # itself (a masked mean over tensors the step has anyway) but for the last refit, which gets the standalone probe
+    verification = t["verify_digests_median"] + t["probe_median"] / args.steps
+    every_step = t["verify_digests_median"] + t["probe_median"]       # the standalone probe after every refit
     plain_step = t["rollout_plain_median"] + t["train_plain_median"] + t["refit_moealign_median"]
     # each cost as the median of its per-round paired difference (clamped at 0: a cost, not a speed-up)
     recording = max(0.0, paired_median(t, "rollout_recorded", "rollout_plain"))
     replay = max(0.0, paired_median(t, "train_replay", "train_plain"))
-    own = recording + replay + t["verify_median"]
+    own = recording + replay + verification
     aligned_step = plain_step + own
     result = {k: round(v, 6) for k, v in t.items() if not k.startswith("_")}
     result.update({"recording_cost_s": round(recording, 6), "replay_cost_s": round(replay, 6)})
@@ -109,7 +117,8 @@ def main(argv=None) -> int:
         "refit_ratio_vs_vllm_reload": round(t["refit_moealign"] / t["refit_vllm_reload"], 4),
         "plain_step_s": round(plain_step, 6), "aligned_step_s": round(aligned_step, 6),
         "moealign_own_s": round(own, 6), "moealign_share": round(own / aligned_step, 4),
-        "verify_share": round(t["verify_median"] / aligned_step, 4),
+        "verification_s": round(verification, 6), "verify_share": round(verification / aligned_step, 4),
+        "standalone_probe_share": round(every_step / (aligned_step - verification + every_step), 4),
     })
     print(f"{len(prompts)} samples, {record.num_response_tokens} response tokens, vLLM {args.rollout_precision}, "
           f"Megatron fp32, {args.repeats} interleaved rounds (min / median s)")
@@ -119,9 +128,10 @@ def main(argv=None) -> int:
           f"{result['replay_ratio']:.3f}x of the plain train step; refit {result['refit_ratio_vs_vllm_reload']:.3f}x "
           f"of vLLM's own reload")
     print(f"  plain step {plain_step:.3f} s (medians); moealign's own work {own * 1e3:.1f} ms (recording "
-          f"{recording * 1e3:.1f} + replay {replay * 1e3:.1f} by paired medians, verification {t['verify_median'] * 1e3:.1f}) "
+          f"{recording * 1e3:.1f} + replay {replay * 1e3:.1f} by paired medians, verification {verification * 1e3:.1f}) "
           f"= {100 * result['moealign_share']:.2f}% of the aligned step (refit verification alone "
-          f"{100 * result['verify_share']:.2f}%)")
+          f"{100 * result['verify_share']:.2f}%; with the standalone probe at every step it would be "
+          f"{100 * result['standalone_probe_share']:.2f}%)")
     if args.json:
         write_json(args.json, result)
     trainer.close()

@@ -13,8 +13,12 @@ One step (synchronous; with ``staleness = N`` the rollout engine holds the weigh
 4. **measure**: the mismatch metrics ``moealign mismatch`` reports (same names) between the trainer's log-probs
    (before the update) and the rollout's, the router flips of the trainer against the record;
 5. **refit**: the trainer's weights streamed into every vLLM worker in place (:func:`moealign.rl.refit.refit`);
-6. **verify**: every worker's tensors against the trainer's (digests through vLLM's packing) and a probe forward
-   within the step-0 bound (:func:`moealign.rl.refit.verify_refit`).
+6. **verify**: every worker's tensors against the trainer's (fingerprints read through vLLM's packing,
+   :func:`moealign.rl.refit.verify_refit`) before the next rollout; and a probe within the step-0 bound: in the
+   aligned loop (replay + sampling mask, no staleness) the next rollout itself is the probe (the mean |Δ log p|
+   between the engines over all its response tokens, identical weights, vLLM's routes replayed, the same kept
+   sets: no extra forward), the last refit and every other loop get the standalone probe (:class:`~moealign.rl.
+   refit.Probe`: vLLM scores two sequences with its own routing, the trainer replays it).
 
 ``compare=True`` runs the stock loop (levers ``none``) and the aligned loop (the configured levers, ``all`` when
 ``none`` was asked) from the same seed, one after the other on the same vLLM engine (refit back to the checkpoint
@@ -107,7 +111,11 @@ class _Run:
         corr_floats = {k: v for k, v in corr.to_floats().items() if "masked" in k or "oob" in k or "veto" in k}
         dropped = (kept == 0) if weights is None else ((kept == 0) | (weights == 0))   # RS mask or IcePop's zeros
         masked = float((dropped & (mask > 0)).sum()) / max(1.0, float(mask.sum()))
+        # mean |delta log p| between the engine's and the trainer's log-probs of the rollout (the refit probe of the
+        # aligned loop: same weights, vLLM's routes replayed, the same kept sets)
+        engine_gap = float(((old - rollout_lp).abs() * mask).sum() / mask.sum().clamp(min=1))
         out = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
+               "engine_gap": engine_gap,
                "loss": float(loss.detach()), "grad_norm": grad_norm,
                "correction": {"masked_fraction": masked, **corr_floats}}
         detached = TrainForward(logits=fwd.logits.detach(), tokens=fwd.tokens, routes=fwd.routes)
@@ -147,6 +155,11 @@ class _Run:
                   "probe": None if probe is None else {"sequences": len(probe.sequences), "scored_tokens":
                                                        probe.score_last, "step0_gap": probe.step0_gap,
                                                        "bound": probe.bound}}
+        # the aligned loop (replay + sampling mask, no staleness) certifies each refit with the next rollout itself:
+        # its mean |delta log p| between the engines on identical weights, replayed routes and the same kept sets,
+        # over every response token, within the probe's factor x its step-0 value; the last refit gets the standalone probe
+        rollout_probe = cfg.verify and self.replay and self.mask and not cfg.staleness and probe is not None
+        rollout_bound = None
         history: dict[int, dict] = {}                    # staleness: weight version -> the trainer's tensors
         repeated = [p for p in prompts for _ in range(cfg.group_size)]
         steps = []
@@ -159,6 +172,16 @@ class _Run:
             t = time.perf_counter()
             out, fwd = self._train(record)
             times["train"] = time.perf_counter() - t
+            engine_gap = out.pop("engine_gap")
+            if rollout_probe and step == 0:
+                rollout_bound = max(probe.factor * engine_gap, probe.floor)
+                header["rollout_probe"] = {"step0_gap": engine_gap, "bound": rollout_bound,
+                                           "tokens": record.num_response_tokens}
+            elif rollout_probe and steps and steps[-1]["verify"] is not None:
+                prev = steps[-1]["verify"]               # the refit after the previous step, certified by this rollout
+                prev.update({"probe": "next rollout", "probe_gap": engine_gap, "probe_bound": rollout_bound,
+                             "probe_max": None})
+                prev["ok"] = bool(prev["weights"]["ok"] and engine_gap <= rollout_bound)
             t = time.perf_counter()
             out["metrics"] = self._measure(record, fwd)
             times["measure"] = time.perf_counter() - t
@@ -180,14 +203,16 @@ class _Run:
             t = time.perf_counter()
             check = None
             if cfg.verify and result is not None:
-                check = verify_refit(self.llm, self.trainer, expected=expected, probe=probe)
+                standalone = probe if not rollout_probe or step == cfg.steps - 1 else None
+                check = verify_refit(self.llm, self.trainer, expected=expected, probe=standalone)
             times["verify"] = time.perf_counter() - t
             times["total"] = sum(times.values())
             out.update({"step": step, "samples": len(record), "response_tokens": record.num_response_tokens,
                         "refit": None if result is None else {"seconds": round(result.seconds, 6),
                                                               "tensors": result.tensors, "bytes": result.bytes,
                                                               "workers": result.workers},
-                        "verify": None if check is None else check.to_dict(),
+                        "verify": None if check is None else {
+                            **check.to_dict(), "probe": "standalone" if check.probe_gap is not None else None},
                         "time": {k: round(v, 6) for k, v in times.items()}})
             steps.append(out)
             m = out["metrics"]
