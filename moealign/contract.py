@@ -54,7 +54,6 @@ __all__ = [
     "SWITCH_KEYS",
     "SAMPLING_KEYS",
     "layer_key",
-    "tensor_digest",
     "tensor_fingerprint",
     "bulk_dtype",
     "weight_digests",
@@ -146,15 +145,6 @@ def _hash_tensor(h, name: str, tensor: torch.Tensor, rounding: str) -> None:
         h.update(part.view(torch.uint8).numpy().tobytes())
 
 
-def tensor_digest(name: str, tensor: torch.Tensor, rounding: str | None = None) -> str:
-    """SHA-256 of one tensor as :func:`weight_digests` hashes it (name, shape, rounding dtype, bytes); ``rounding``
-    defaults to the dtype the tensor is held in (its own bytes, no cast)."""
-    rounding = rounding or _name(tensor.dtype)
-    h = hashlib.sha256(b"moealign-tensor\0")
-    _hash_tensor(h, name, tensor, rounding)
-    return h.hexdigest()
-
-
 _FP_CHUNK = 1 << 20
 _FP_KEYS: dict = {}
 
@@ -174,7 +164,7 @@ def tensor_fingerprint(tensor: torch.Tensor, *, rows: bool = False):
     own device (one host read): the bytes as int64 words, dotted with two fixed odd pseudo-random keys (wrapping
     arithmetic), chunks weighted by a third key, plus dtype and shape. Any single changed word changes both lanes
     (odd multipliers); a transposition or a shifted block changes them unless the keys collide (about 2^-64 per
-    lane). Not a cryptographic digest (:func:`tensor_digest` is): it guards against bugs, not adversaries.
+    lane). Not a cryptographic digest (:func:`weight_digests`' SHA-256 is): it guards against bugs, not adversaries.
     ``rows=True``: one fingerprint per index of the first dimension (a list), in one pass."""
     t = tensor.detach()
     lead = t.shape[0] if rows else 1

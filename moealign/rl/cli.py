@@ -6,8 +6,6 @@ import argparse
 import os
 import sys
 
-from ..errors import ConfigError
-
 __all__ = ["add_rl_check", "cmd_rl_check"]
 
 
@@ -39,13 +37,6 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
     return _finish("rl-check", format_steps(report), report, args.json, failures)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{text!r} is not a number") from None
-
-
 def add_rl_check(sub) -> None:
     from ..correction.config import PRESETS
     from .config import DEFAULT_CORRECTION, LEVERS
@@ -65,7 +56,7 @@ def add_rl_check(sub) -> None:
     p.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4, at least 2)")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per step (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion (default 32)")
-    p.add_argument("--lr", type=_positive_float, default=2e-3, help="Adam learning rate (default 2e-3; 0: a no-op "
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3; 0: a no-op "
                    "update, the weights never change)")
     p.add_argument("--levers", choices=list(LEVERS), default="all",
                    help="alignment levers of the trainer: routing replay, the sampling mask, both (default) or none")

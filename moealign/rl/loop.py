@@ -194,7 +194,7 @@ class _Run:
                     del history[old]
                 if version >= 1:
                     expected = history[version]
-                    result = _refit_snapshot(self.llm, expected)
+                    result = refit(self.llm, expected)
                 else:
                     result = None                        # the engine keeps theta_0 until N steps have passed
             else:
@@ -223,14 +223,6 @@ class _Run:
         header["elapsed_s"] = round(time.perf_counter() - t0, 3)
         header["steps"] = steps
         return header
-
-
-def _refit_snapshot(llm, snapshot: dict):
-    from ..patches.vllm import refit as vr
-
-    layout = vr.checkpoint_layout(vr._engine_model_path(llm))
-    named = list(vr.checkpoint_named(snapshot.items(), layout))
-    return vr.refit_weights(llm, iter(named), {n: tuple(t.shape) for n, t in named})
 
 
 def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None) -> dict:

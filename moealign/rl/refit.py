@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -92,16 +92,21 @@ def check_same_architecture(llm, hf_config) -> None:
 
 def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
     """Push the trainer's weights into every worker of ``llm`` in place; returns
-    :class:`~moealign.patches.vllm.refit.RefitResult`. Refused before any tensor moves when the architecture or the
-    checkpoint layout differs (:class:`~moealign.errors.RefitError`)."""
+    :class:`~moealign.patches.vllm.refit.RefitResult`. ``trainer`` may also be a snapshot (a mapping of transformers
+    names to tensors, e.g. the weights of N steps earlier). Refused before any tensor moves when the architecture or
+    the checkpoint layout differs (:class:`~moealign.errors.RefitError`)."""
     from ..patches.vllm import refit as vr
 
-    _, own = _unwrap(trainer)
-    check_same_architecture(llm, hf_config if hf_config is not None else own)
     layout = vr.checkpoint_layout(vr._engine_model_path(llm))
-    manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer_tensors(trainer, hf_config, meta=True),
-                                                                  layout)}
-    named = vr.checkpoint_named(trainer_tensors(trainer, hf_config), layout)
+    if isinstance(trainer, Mapping):
+        manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer.items(), layout)}
+        named = vr.checkpoint_named(trainer.items(), layout)
+    else:
+        _, own = _unwrap(trainer)
+        check_same_architecture(llm, hf_config if hf_config is not None else own)
+        manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer_tensors(trainer, hf_config, meta=True),
+                                                                      layout)}
+        named = vr.checkpoint_named(trainer_tensors(trainer, hf_config), layout)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     return vr.refit_weights(llm, named, manifest, **kwargs)
 

@@ -370,10 +370,6 @@ def _read_linear(module, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return module.cpu_linear(eye, param, None).t().contiguous(), True
 
 
-def _shard(kind: str, *args) -> tuple:
-    return (kind, *args)
-
-
 def _rpc_held(worker) -> dict:
     """(In a worker) this rank's held tensors in transformers names: ``{name: (digest, shape, dtype, shard, packed)}``
     plus ``_isa`` (the prepack ISA where the experts are packed) (``shard`` tells the driver how to cut the trainer's full tensor)."""
@@ -404,15 +400,15 @@ def _rpc_held(worker) -> dict:
             q, k, v = torch.split(t, [module.num_heads * hd, module.num_kv_heads * hd, module.num_kv_heads * hd])
             base = mname[:-len("qkv_proj")]
             replicas = int(getattr(module, "num_kv_head_replicas", 1) or 1)
-            put(f"{base}q_proj.{leaf}", q, _shard("chunk", 0, tp_rank, tp_size), packed)
-            put(f"{base}k_proj.{leaf}", k, _shard("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
-            put(f"{base}v_proj.{leaf}", v, _shard("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
+            put(f"{base}q_proj.{leaf}", q, ("chunk", 0, tp_rank, tp_size), packed)
+            put(f"{base}k_proj.{leaf}", k, ("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
+            put(f"{base}v_proj.{leaf}", v, ("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
         elif mname.endswith("mlp.gate_up_proj"):
             t, packed = _read_linear(module, param)
             gate, up = t.chunk(2, dim=0)
             base = mname[:-len("gate_up_proj")]
-            put(f"{base}gate_proj.{leaf}", gate, _shard("chunk", 0, tp_rank, tp_size), packed)
-            put(f"{base}up_proj.{leaf}", up, _shard("chunk", 0, tp_rank, tp_size), packed)
+            put(f"{base}gate_proj.{leaf}", gate, ("chunk", 0, tp_rank, tp_size), packed)
+            put(f"{base}up_proj.{leaf}", up, ("chunk", 0, tp_rank, tp_size), packed)
         elif leaf in ("w13_weight", "w2_weight"):
             base = mname[:mname.index(".mlp.experts") + len(".mlp.experts")]
             hf = f"{base}.gate_up_proj" if leaf == "w13_weight" else f"{base}.down_proj"
@@ -426,26 +422,25 @@ def _rpc_held(worker) -> dict:
                 raise UnsupportedEngineError(f"{mname}: expert parallelism (each worker holds other experts); refit "
                                              f"verification reads tensor-parallel expert shards only")
             tp_rank, tp_size = int(getattr(moe, "tp_rank", 0) or 0), int(getattr(moe, "tp_size", 1) or 1)
-            shard = _shard("glu", 1, tp_rank, tp_size) if leaf == "w13_weight" else _shard("chunk", 2, tp_rank, tp_size)
+            shard = ("glu", 1, tp_rank, tp_size) if leaf == "w13_weight" else ("chunk", 2, tp_rank, tp_size)
             # one fingerprint per expert (one vectorised pass): a mangled expert is named
             for e, fp in enumerate(tensor_fingerprint(param, rows=True)):
                 out[f"{hf}[{e}]"] = (fp, tuple(param.shape[1:]), str(param.dtype).replace("torch.", ""),
                                      ("expert", e, shard), packed)
         elif mname.endswith(("o_proj", "mlp.down_proj")):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
-            put(pname, t, _shard("chunk", 1, tp_rank, tp_size), packed)
+            put(pname, t, ("chunk", 1, tp_rank, tp_size), packed)
         elif mname.endswith(("embed_tokens", "lm_head")):
             idx = module.shard_indices
             rows = int(idx.org_vocab_end_index - idx.org_vocab_start_index)
-            put(pname, param.detach()[:rows], _shard("rows", int(idx.org_vocab_start_index),
-                                                     int(idx.org_vocab_end_index)))
+            put(pname, param.detach()[:rows], ("rows", int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)))
         elif mname.endswith("mlp.gate"):
             t, packed = _read_linear(module, param)
-            put(pname, t, _shard("full"), packed)
+            put(pname, t, ("full",), packed)
         elif param.numel() == 0:
             raise UnsupportedEngineError(f"{pname}: vLLM holds it packed in a way moealign cannot read back")
         else:
-            put(pname, param.detach(), _shard("full"))
+            put(pname, param.detach(), ("full",))
     out["_isa"] = isa
     return out
 
