@@ -62,6 +62,7 @@ CHUNK_BYTES = 64 << 20
 _VERIFIED_FAMILIES = ("qwen3_moe",)
 _FUSED_EXPERTS = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _WORKER_STATE: dict[str, dict] = {}
+_LAYOUTS: dict[tuple, dict[str, tuple[int, ...]]] = {}
 
 
 @dataclass
@@ -123,12 +124,17 @@ def checkpoint_layout(path: str | Path) -> dict[str, tuple[int, ...]]:
     if not files:
         raise UnsupportedModelError(f"{path}: no local safetensors files, so the engine's checkpoint layout (what a "
                                     f"refit must match) cannot be read")
-    layout: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                layout[key] = tuple(f.get_slice(key).get_shape())
-    return layout
+    # read once per engine run, not per refit: keyed by every file's identity, size and modification time
+    key = tuple((str(f), st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
+    if key not in _LAYOUTS:
+        layout: dict[str, tuple[int, ...]] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    layout[name] = tuple(f.get_slice(name).get_shape())
+        _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return dict(_LAYOUTS[key])
 
 
 def checkpoint_named(named: Iterable[tuple[str, torch.Tensor]], layout: Mapping[str, tuple[int, ...]]
