@@ -939,13 +939,17 @@ def test_padding_side_slip_is_refused(protocol_record):
     assert int(slipped.sum()) > 0.1 * right.num_replayed_rows
     hooks = hook_state(model)
     with torch.no_grad(), hf.replay_routing(model, right) as replay:
+        model(left.input_ids, attention_mask=left.attention_mask, use_cache=False)   # checked on the device
         with pytest.raises(ReplayError, match=rf"not running the batch the routes were laid out for: "
                                               rf"{int(slipped.sum())} of {right.num_replayed_rows} routed rows"):
-            model(left.input_ids, attention_mask=left.attention_mask, use_cache=False)
+            replay.check(calls=1)                                           # ... and raised here
+        replay.reset_counters()
         # the right tokens with the left mask: routed rows the model would treat as padding
+        model(right.input_ids, attention_mask=left.attention_mask, use_cache=False)
         with pytest.raises(ReplayError, match="routed rows are masked in the attention_mask"):
-            model(right.input_ids, attention_mask=left.attention_mask, use_cache=False)
-        replay.check(calls=0)                                               # no router ran
+            replay.check(calls=1)
+        replay.reset_counters()
+        replay.check(calls=0)
         # (2) the batch the routes were laid out for
         with hf.capture_routes(model) as cap, replay.forward():
             model(right.input_ids, attention_mask=right.attention_mask, use_cache=False)
@@ -997,8 +1001,10 @@ def test_other_batch_of_same_shape_is_refused(models):
     one[1, 3] = (one[1, 3] + 1) % VOCAB
     with torch.no_grad(), hf.replay_routing(model, rb(own, ids, am)) as replay:
         for wrong, count in ((ids.flip(0), 16), (other, 16), (one, 1)):
+            model(wrong, attention_mask=am, use_cache=False)                # checked on the device
             with pytest.raises(ReplayError, match=rf"not running the batch .*: {count} of 16 routed rows"):
-                model(wrong, attention_mask=am, use_cache=False)
+                replay.check(calls=1)                                       # ... and raised here
+            replay.reset_counters()
         replay.check(calls=0)
         out = model(ids, attention_mask=am, use_cache=False)
         replay.check(calls=1)
@@ -1094,8 +1100,10 @@ def test_packed_record_replay_matches_padded(protocol_record):
         with hf.replay_routing(model, packed) as replay, hf.capture_routes(model) as cap:
             with pytest.raises(ReplayError, match="the routes were laid out for a packed batch"):
                 model(padded.input_ids, attention_mask=padded.attention_mask, use_cache=False)
+            model(packed.input_ids.flip(0)[None], position_ids=pk.position_ids.flip(0)[None], use_cache=False)
             with pytest.raises(ReplayError, match="not running the batch"):    # samples in another order
-                model(packed.input_ids.flip(0)[None], position_ids=pk.position_ids.flip(0)[None], use_cache=False)
+                replay.check(calls=1)
+            replay.reset_counters()
             out_pack = model(packed.input_ids[None], position_ids=pk.position_ids[None], use_cache=False)
             replay.check(calls=1)
             assert [c.rows for c in replay.counters.counts] == [packed.num_replayed_rows] * 2

@@ -412,9 +412,10 @@ def test_replay_path_bad_tokens_and_masks(model, reference):
                 model(bad_ids, attention_mask=batch.attention_mask, use_cache=False)
             frac = batch.attention_mask.float()
             frac[0, 0] = 0.5
+            model(batch.input_ids, attention_mask=frac, use_cache=False)   # checked on the device
             with pytest.raises(InputError, match=r"attention_mask must hold only 0 and 1 .* got 0.5 at \[0, 0\]"):
-                model(batch.input_ids, attention_mask=frac, use_cache=False)
-            replay.check(calls=0)
+                replay.check(calls=1)                                       # ... and raised here
+            replay.reset_counters()
             model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)    # control
             replay.check(calls=1)
     with pytest.raises(RouteError, match=r"attention_mask must hold only 0 and 1 .* got 2"):

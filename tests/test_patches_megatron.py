@@ -434,8 +434,11 @@ def test_transposed_layout_is_detected(megatron_cpu):
     routes = _batch_routes(4)
     with mg.replay_routing(megatron_cpu) as driver:
         driver.set_routes(_rb(routes, ids.t().contiguous()))        # same row count, other layout
-        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="not running the batch"):
-            megatron_cpu(ids, pos, attention_mask=mask)
+        with torch.no_grad(), driver.forward():
+            megatron_cpu(ids, pos, attention_mask=mask)             # checked on the device ...
+        with pytest.raises(mg.ReplayError, match="not running the batch"):
+            driver.check(calls=1)                                   # ... and raised here
+        driver.reset_counters()
         driver.set_routes(_rb(routes, ids))                         # the right layout passes
         with torch.no_grad(), driver.forward():
             megatron_cpu(ids, pos, attention_mask=mask)
@@ -457,8 +460,11 @@ def test_padding_side_slip_is_detected(megatron_cpu):
                                attention_mask=right.long(), moe_layers=(0, 1))
     with mg.replay_routing(megatron_cpu) as driver:
         driver.set_routes(batch)
-        with torch.no_grad(), driver.forward(), pytest.raises(mg.ReplayError, match="padding-side, layout or batch"):
-            megatron_cpu(left_ids, pos, attention_mask=mask)
+        with torch.no_grad(), driver.forward():
+            megatron_cpu(left_ids, pos, attention_mask=mask)        # checked on the device ...
+        with pytest.raises(mg.ReplayError, match="padding-side, layout or batch"):
+            driver.check(calls=1)                                   # ... and raised here
+        driver.reset_counters()
         with torch.no_grad(), driver.forward():
             megatron_cpu(right_ids, pos, attention_mask=mask)      # negative control: the batch it was laid out for
         driver.check(calls=1)

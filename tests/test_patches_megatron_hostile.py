@@ -98,9 +98,12 @@ def test_layout_slip_with_equal_row_count_is_refused(make, slip):
     try:
         with mg.replay_routing(model, aux_loss="own") as driver:
             driver.set_routes(replay_batch(routes, wrong))
-            with torch.no_grad(), driver.forward(), pytest.raises(ReplayError, match="not running the batch"):
-                _run(model, ids)
-            assert maps == []                                   # refused before any router ran
+            with torch.no_grad(), driver.forward():
+                _run(model, ids)                                # checked on the device ...
+            with pytest.raises(ReplayError, match="not running the batch"):
+                driver.check(calls=1)                           # ... and raised here
+            driver.reset_counters()
+            maps.clear()                                        # (the refused forward's routing maps)
             driver.set_routes(replay_batch(routes, ids))        # negative control: the batch it was laid out for
             with torch.no_grad(), driver.forward():
                 _run(model, ids)
@@ -121,8 +124,11 @@ def test_padding_side_slip_is_refused(make):
     batch = ReplayBatch.padded(batch_routes(6).reshape(B, T, 2, K), input_ids=right_ids, attention_mask=right.long(), moe_layers=(0, 1))
     with mg.replay_routing(model, aux_loss="own") as driver:
         driver.set_routes(batch)
-        with torch.no_grad(), driver.forward(), pytest.raises(ReplayError, match="padding-side, layout or batch"):
-            _run(model, _left_padded(ids, lengths))
+        with torch.no_grad(), driver.forward():
+            _run(model, _left_padded(ids, lengths))                 # checked on the device ...
+        with pytest.raises(ReplayError, match="padding-side, layout or batch"):
+            driver.check(calls=1)                                   # ... and raised here
+        driver.reset_counters()
         with torch.no_grad(), driver.forward():
             _run(model, right_ids)
         driver.check(calls=1)
@@ -144,8 +150,11 @@ def test_tokens_are_checked_only_on_replayed_forwards(make):
         driver.set_routes(replay_batch(batch_routes(4), ids))
         with torch.no_grad():
             _run(model, other)                                  # native routing on another batch: no replay
-        with torch.no_grad(), driver.forward(), pytest.raises(ReplayError, match="not running the batch"):
+        with torch.no_grad(), driver.forward():
             _run(model, other)
+        with pytest.raises(ReplayError, match="not running the batch"):
+            driver.check(calls=1)                               # the replayed forward's tokens, read here
+        driver.reset_counters()
         with torch.no_grad(), driver.forward():
             _run(model, ids)
         driver.check(calls=1)

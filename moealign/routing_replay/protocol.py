@@ -35,7 +35,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .._validate import check_binary_mask, check_offsets
+from .._validate import check_binary_mask, check_offsets, check_token_ids
 from ..errors import ConfigError, ReplayError, RouteError
 from .degenerate import find_degenerate
 from .routes import validate_routes
@@ -44,8 +44,10 @@ __all__ = [
     "AUX_LOSS_MODES",
     "LAYOUTS",
     "ReplayBatch",
+    "DisagreementLog",
     "ReplayCounters",
     "RoutingReplayAdapter",
+    "RowTokenCheck",
     "check_aux_loss_mode",
     "check_route_ids",
     "check_row_tokens",
@@ -333,6 +335,171 @@ def check_row_tokens(expected: torch.Tensor, actual: torch.Tensor, mask: torch.T
         raise ReplayError(f"{where} is not running the batch the routes were laid out for: {rows.numel()} of {total} "
                           f"routed rows hold other tokens (first: row {r}, routes for token {int(expected[r])}, the "
                           f"model has token {int(actual[r])}); a padding-side, layout or batch slip")
+
+
+class RowTokenCheck:
+    """The per-forward token checks of a replayed forward, kept on the device (no host sync in the forward).
+
+    :meth:`observe` is called at the start of every replayed forward with the tokens the model runs (in router row
+    order) and, where the engine takes one, its attention mask. Everything known from shapes is checked at once
+    (:class:`ReplayError` before any work); the values (token ids in the vocabulary, 0/1 attention mask, each routed
+    row holding the batch's token, no routed row masked) are compared by a handful of device operations into one
+    int64 counter per forward, read only by :meth:`check` (the adapters' ``check()``): one host read for every
+    forward since the last :meth:`reset`. When a counter is non-zero, the forward's tensors (kept by reference) are
+    checked again on the host to raise the same error, naming the first bad row, that the per-forward host check
+    raised (:func:`check_row_tokens`, ``check_token_ids``, ``check_binary_mask``), with the forward's number.
+    ``expected`` / ``mask`` are moved to the forward's device once per :meth:`set` (where the data enters).
+    """
+
+    MAX_KEPT = 256          # forwards kept for the error message between reads (their counts are always kept)
+
+    def __init__(self, where: str, vocab_size: int | None = None):
+        self.where = where
+        self.vocab_size = vocab_size
+        self._expected: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.reset()
+
+    def set(self, expected: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """The tokens the routes were laid out for (router row order) and the rows that carry a route (None: all)."""
+        self._expected, self._mask = expected.reshape(-1), None if mask is None else mask.reshape(-1)
+        self._on = {}
+
+    def clear(self) -> None:
+        self._expected = self._mask = None
+        self._on = {}
+
+    def reset(self) -> None:
+        """Forget the forwards observed (their counters unread)."""
+        self._pending: list[tuple] = []
+        self.forwards = 0
+
+    def _expected_on(self, device: torch.device):
+        got = self._on.get(device)
+        if got is None:
+            got = self._on[device] = (self._expected.to(device),
+                                      None if self._mask is None else self._mask.to(device, torch.bool))
+        return got
+
+    def observe(self, actual: torch.Tensor, *, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, masked_rows: bool = False) -> None:
+        """Queue the checks of one forward. ``actual``: the token ids of the router rows, flat, in router row order;
+        ``input_ids``: the tensor the model was given (for the vocabulary check and the message; default
+        ``actual``); ``attention_mask``: the model's 2-D 0/1 mask (checked to hold 0/1; with ``masked_rows``, no
+        routed row may be masked: the padded layout, where routed rows are batch positions)."""
+        if self._expected is None:
+            return
+        actual = actual.reshape(-1)
+        if actual.numel() != self._expected.numel():
+            raise ReplayError(f"{self.where} runs {actual.numel()} token rows, the routes were laid out for "
+                              f"{self._expected.numel()}")
+        input_ids = actual if input_ids is None else input_ids
+        expected, mask = self._expected_on(actual.device)
+        with torch.no_grad():
+            parts = []
+            if self.vocab_size is not None and input_ids.numel():
+                parts.append(((input_ids < 0) | (input_ids >= self.vocab_size)).sum())
+            else:
+                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+            differ = expected != actual
+            if mask is not None:
+                differ &= mask
+            parts.append(differ.sum())
+            am = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+            if am is not None and am.dtype != torch.bool and am.numel():
+                parts.append(((am != 0) & (am != 1)).sum().to(actual.device))
+            else:
+                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+            if am is not None and masked_rows:
+                routed = mask if mask is not None else torch.ones_like(expected, dtype=torch.bool)
+                parts.append((routed & (am.reshape(-1) == 0).to(actual.device)).sum())
+            else:
+                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+            counts = torch.stack(parts)
+        kept = ((self._expected, self._mask, actual, input_ids, am, masked_rows)
+                if len(self._pending) < self.MAX_KEPT else None)
+        self._pending.append((self.forwards, counts, kept))
+        self.forwards += 1
+
+    def discard_last(self) -> None:
+        """Drop the latest forward's checks (that forward raised its error already)."""
+        if self._pending:
+            self._pending.pop()
+            self.forwards -= 1
+
+    def check(self) -> None:
+        """Read the counters of every forward since :meth:`reset` (one host read per device) and raise the first
+        forward's error: :class:`~moealign.errors.InputError` for token ids outside the vocabulary or a non-0/1
+        attention mask, :class:`ReplayError` for routed rows holding other tokens or masked. Clears what it read."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        from ..errors import InputError
+
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, counts, _) in enumerate(pending):
+            by_device.setdefault(counts.device, []).append(i)
+        values: list = [None] * len(pending)
+        for indices in by_device.values():
+            for i, v in zip(indices, torch.stack([pending[i][1] for i in indices]).tolist()):
+                values[i] = v
+        for (forward, _, kept), (bad_ids, slipped, nonbinary, masked) in zip(pending, values):
+            if not (bad_ids or slipped or nonbinary or masked):
+                continue
+            n = f" (forward {forward + 1} since the last check)" if len(pending) > 1 else ""
+            if kept is None:
+                raise ReplayError(f"{self.where}{n}: {bad_ids} token ids outside the vocabulary, {slipped} routed rows "
+                                  f"holding other tokens than the routes were laid out for, {nonbinary} non-0/1 "
+                                  f"attention-mask values, {masked} routed rows masked")
+            expected, mask, actual, input_ids, am, _ = kept
+            if bad_ids:
+                check_token_ids(input_ids, "input_ids", self.vocab_size, InputError)
+            if nonbinary:
+                check_binary_mask(am, "attention_mask", InputError)
+            if slipped:
+                check_row_tokens(expected, actual, mask, where=f"{self.where}{n}")
+            if masked:
+                am_rows = am.reshape(-1).cpu() == 0
+                hit = (mask.cpu() if mask is not None else torch.ones_like(am_rows)) & am_rows
+                raise ReplayError(f"{int(hit.sum())} routed rows are masked in the attention_mask the model "
+                                  f"runs with (first row {int(hit.nonzero()[0, 0])}){n}: another padding side?")
+            raise ReplayError(f"{self.where}{n}: the token check counted {bad_ids + slipped + nonbinary + masked} "
+                              f"bad values that the host check does not see (were the tensors changed in place "
+                              f"after the forward?)")
+
+
+class DisagreementLog:
+    """``aux_loss="warn"``: per replayed router call, the fraction of replayed rows whose own top-k differs from the
+    replayed experts, kept as 0-d device tensors (no host sync in the forward) and read into floats by
+    :meth:`values` (the adapters' ``aux_disagreement``, their ``check()`` and their undo), which also calls ``warn``
+    (with the first non-zero rate) once per log."""
+
+    def __init__(self, warn):
+        self._warn = warn
+        self._pending: list[torch.Tensor] = []
+        self._values: list[float] = []
+        self._warned = False
+
+    def add(self, rate: torch.Tensor) -> None:
+        self._pending.append(rate.detach().reshape(()).to(torch.float32))
+
+    def values(self) -> list[float]:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            by_device: dict[torch.device, list[int]] = {}
+            for i, t in enumerate(pending):
+                by_device.setdefault(t.device, []).append(i)
+            got: list = [0.0] * len(pending)
+            for indices in by_device.values():
+                for i, v in zip(indices, torch.stack([pending[i] for i in indices]).tolist()):
+                    got[i] = v
+            self._values.extend(got)
+            first = next((r for r in got if r > 0), None)
+            if first is not None and not self._warned:
+                self._warned = True
+                self._warn(first)
+        return self._values
 
 
 @dataclass

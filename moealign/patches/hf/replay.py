@@ -15,7 +15,9 @@ recompute the gate weights from the live router logits (:func:`~moealign.routing
 so the router keeps its gradient. The model's ``forward`` is wrapped too: it checks that the tokens the
 model runs are the batch's (a padding-side or layout slip raises :class:`~moealign.errors.ReplayError`),
 that they are token ids of the model's vocabulary and that its attention mask is 0/1 and leaves every routed
-row attended. This is where the row order is checked: the routers only see hidden states already flattened
+row attended. Shapes are checked at once; values on the device (:class:`~moealign.routing_replay.protocol.
+RowTokenCheck`: no host sync in the forward), read and raised by :meth:`RoutingReplay.check`. This is where the
+row order is checked: the routers only see hidden states already flattened
 to ``[rows, hidden]`` (batch-major, ``row = b * seq + t`` in every supported family, the batch's order), so
 each router call checks its row count, and the model's forward checks every routed row's token. With
 ``aux_loss="replayed"`` (the default here) the wrapper also recomputes the load-balancing loss from the
@@ -40,7 +42,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..._validate import check_binary_mask, check_token_ids
+from ..._validate import check_token_ids
 from ...errors import InputError, ReplayError, RouteError, UnsupportedModelError
 from ...handle import PatchHandle
 from ...routing_replay.gates import (
@@ -51,10 +53,11 @@ from ...routing_replay.gates import (
 )
 from ...routing_replay.protocol import (
     ReplayBatch,
+    DisagreementLog,
     ReplayCounters,
+    RowTokenCheck,
     check_aux_loss_mode,
     check_route_ids,
-    check_row_tokens,
     model_routes,
 )
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
@@ -89,7 +92,8 @@ class RoutingReplay(PatchHandle):
             self._experts = self._experts_modules()
             self.verifier = ReplayVerifier(self.moe_layers, source=f"the top_k_index {type(self._experts[0]).__name__} received")
         self._expected: list[torch.Tensor] | None = None
-        self.aux_disagreement: list[float] = []
+        self._aux = DisagreementLog(self._warn_disagreement)
+        self._tokens = RowTokenCheck(type(model).__name__, self.info.vocab_size)
         self._batch: ReplayBatch | None = None
         self._targets: list[torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None
@@ -98,7 +102,17 @@ class RoutingReplay(PatchHandle):
         self._verified = False
         self._check_tokens = True
         self._live: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._warned = False
+
+    @property
+    def aux_disagreement(self) -> list[float]:
+        """``aux_loss="warn"``: per replayed router call, the fraction of replayed rows whose own top-k differs from
+        the replayed experts (read from the device here, by :meth:`check` and on undo)."""
+        return self._aux.values()
+
+    def _warn_disagreement(self, rate: float) -> None:
+        warnings.warn(f"transformers computes the MoE aux loss from the router's own top-k, which differs from "
+                      f"the replayed experts on {rate:.1%} of replayed rows; replay_routing(model, "
+                      f"aux_loss='replayed') counts the replayed experts instead", stacklevel=4)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -138,6 +152,7 @@ class RoutingReplay(PatchHandle):
         else:
             self._weights = None
         self._batch = batch
+        self._tokens.set(batch.row_tokens, None if batch.all_routed else batch.route_mask)
         self._check_tokens = bool(check_tokens)
         self._verified = not check_tokens
 
@@ -152,7 +167,12 @@ class RoutingReplay(PatchHandle):
     def check(self, calls: int = 1) -> None:
         """Raise :class:`ReplayError` unless every router ran ``calls`` times, replaying its rows each time, and
         (with ``verify``) the experts that ran were the recorded ones on every replayed row, each router call
-        followed by its experts."""
+        followed by its experts; and the token checks of every forward since the last check (the tokens the model
+        ran are the batch's on every routed row, in the vocabulary, its attention mask 0/1 leaving them attended:
+        :class:`~moealign.errors.InputError` / :class:`ReplayError`). Reads the device counters (one host sync)."""
+        self._tokens.check()
+        if self.aux_loss == "warn":
+            self._aux.values()
         if self.verifier is not None:
             # routers called directly (check_tokens=False) run no experts: only the rows that ran are compared
             router_calls = [c.calls for c in self.counters.counts] if self._check_tokens else None
@@ -166,12 +186,14 @@ class RoutingReplay(PatchHandle):
 
     def reset_counters(self) -> None:
         self.counters.reset()
+        self._tokens.reset()
         if self.verifier is not None:
             self.verifier.reset()
 
     def clear(self) -> None:
         """Drop the targets (a router call without new ``set_routes`` is then an error)."""
         self._targets = self._mask = self._weights = self._batch = self._expected = None
+        self._tokens.clear()
         self._rows_replayed = 0
         self._verified = False
 
@@ -220,14 +242,9 @@ class RoutingReplay(PatchHandle):
                 native = select_topk(logits, top_k, scoring)[1]
             differs = (ids.sort(-1).values != native.sort(-1).values).any(-1)
             if self._mask is not None:
-                differs = differs[self._mask]
-            rate = float(differs.float().mean()) if differs.numel() else 0.0
-        self.aux_disagreement.append(rate)
-        if rate > 0 and not self._warned:
-            self._warned = True
-            warnings.warn(f"transformers computes the MoE aux loss from the router's own top-k, which differs from "
-                          f"the replayed experts on {rate:.1%} of replayed rows; replay_routing(model, "
-                          f"aux_loss='replayed') counts the replayed experts instead", stacklevel=3)
+                differs &= self._mask
+            # on the device (read by aux_disagreement / check / undo): no host sync in the forward
+            self._aux.add(differs.sum() / max(self._rows_replayed, 1))
 
     # ------------------------------------------------------------ verification: what the experts received
     def _experts_modules(self) -> list[torch.nn.Module]:
@@ -269,25 +286,43 @@ class RoutingReplay(PatchHandle):
         if input_ids is None:
             raise ReplayError("routing replay checks the tokens every router row holds: call the model with "
                               "input_ids (inputs_embeds hide them)")
-        check_token_ids(input_ids, "input_ids", self.info.vocab_size, InputError)
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+            raise InputError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        given = input_ids
         if batch.layout == "packed" and input_ids.dim() == 2 and input_ids.shape[0] == 1:
             input_ids = input_ids[0]
         if tuple(input_ids.shape) != tuple(batch.input_ids.shape):
             raise ReplayError(f"the model runs input_ids {tuple(input_ids.shape)}, the routes were laid out for a "
                               f"{batch.layout} batch {tuple(batch.input_ids.shape)}")
-        check_row_tokens(batch.row_tokens, input_ids, batch.route_mask, where=f"{type(self.model).__name__}")
         attention_mask = arguments.get("attention_mask")
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            check_binary_mask(attention_mask, "attention_mask", InputError)
-        if batch.layout == "padded" and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            if tuple(attention_mask.shape) != tuple(batch.input_ids.shape):
-                raise ReplayError(f"attention_mask {tuple(attention_mask.shape)} does not match the batch "
-                                  f"{tuple(batch.input_ids.shape)}")
-            masked = batch.route_mask.to(attention_mask.device) & (attention_mask.reshape(-1) == 0)
-            if bool(masked.any()):
-                raise ReplayError(f"{int(masked.sum())} routed rows are masked in the attention_mask the model "
-                                  f"runs with (first row {int(masked.nonzero()[0, 0])}): another padding side?")
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+            attention_mask = None
+        padded = batch.layout == "padded" and attention_mask is not None
+        if padded and tuple(attention_mask.shape) != tuple(batch.input_ids.shape):
+            raise ReplayError(f"attention_mask {tuple(attention_mask.shape)} does not match the batch "
+                              f"{tuple(batch.input_ids.shape)}")
+        if attention_mask is not None and attention_mask.is_complex():
+            raise InputError(f"attention_mask must hold 0/1 values, got dtype {attention_mask.dtype}")
+        # values on the device (tokens, vocabulary, 0/1 mask, routed rows attended), raised by check()
+        self._tokens.observe(input_ids, input_ids=given, attention_mask=attention_mask, masked_rows=padded)
         self._verified = True
+
+    def _run(self, original, arguments, args, kwargs):
+        """``original(*args, **kwargs)``; a token id outside the vocabulary (checked on the device, read by check())
+        makes the CPU embedding raise IndexError first: that is reported as the InputError naming the id."""
+        try:
+            return original(*args, **kwargs)
+        except IndexError as e:
+            input_ids = arguments.get("input_ids")
+            if isinstance(input_ids, torch.Tensor):
+                try:
+                    check_token_ids(input_ids, "input_ids", self.info.vocab_size, InputError)   # the error path only
+                except InputError:
+                    self._tokens.discard_last()
+                    raise
+            raise e
 
     def _model_forward(self, original):
         signature = inspect.signature(type(self.model).forward)
@@ -303,13 +338,13 @@ class RoutingReplay(PatchHandle):
             self._check_batch(arguments)
             self._live.clear()
             if self.aux_loss != "replayed":
-                return original(*args, **kwargs)
+                return self._run(original, arguments, args, kwargs)
             # The aux loss is fixed on the output object: where the caller asks for a tuple, get the object
             # and convert at the end, as transformers' ``can_return_tuple`` does.
             want_tuple = kwargs.get("return_dict") is False
             if want_tuple:
                 kwargs["return_dict"] = True
-            out = original(*args, **kwargs)
+            out = self._run(original, arguments, args, kwargs)
             aux = getattr(out, "aux_loss", None)
             if aux is not None and self._live:
                 by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -341,6 +376,7 @@ class RoutingReplay(PatchHandle):
                 raise ReplayError("a router of this model already has an instance-level forward (another replay "
                                   "is active on it?); nested replays on one model are refused")
         self.add_callback(self.clear)                    # undone last: drop targets and live router outputs
+        self.add_callback(self._aux.values)              # aux_loss="warn": read the rates, warn once
         self.add_callback(self._live.clear)
         for index, (layer, module) in enumerate(self.info.routers):
             self.set_attr(module, "forward", self._router_forward(index, module), f"router forward (layer {layer})")

@@ -45,11 +45,12 @@ from ...errors import InputTypeError, MoealignWarning, ReplayConfigError, Replay
 from ...handle import PatchHandle
 from ...routing_replay.layouts import local_route_rows, packed_source_rows
 from ...routing_replay.protocol import (
+    DisagreementLog,
     ReplayBatch,
     ReplayCounters,
+    RowTokenCheck,
     check_aux_loss_mode,
     check_route_ids,
-    check_row_tokens,
     model_routes,
 )
 from ...routing_replay.routes import RouteError, check_num_experts
@@ -161,9 +162,9 @@ class RouterReplayDriver(PatchHandle):
     def __init__(self, model: torch.nn.Module, *, audit: bool = True, aux_loss: str = "warn", verify: bool = True):
         self.aux_loss = check_aux_loss_mode(aux_loss)
         self.model = model
-        self.aux_disagreement: list[float] = []   # per aux-loss computation under replay: rows whose own top-k differs
+        self._aux = DisagreementLog(self._warn_disagreement)   # per aux-loss computation under replay (device)
+        self._tokens = RowTokenCheck(type(model).__name__)      # the per-forward token check (device counters)
         self._last_replayed: torch.Tensor | None = None
-        self._warned = False
         config = getattr(model, "config", None)
         if audit and is_transformer_config(config):
             audit_replay_config(config, aux_loss="ignore")
@@ -204,6 +205,7 @@ class RouterReplayDriver(PatchHandle):
         self._expected_mask: torch.Tensor | None = None
         self._sp: tuple[int, int] = (1, 0)
         self.add_callback(self.clear)                       # undone last: empty this driver's targets and FIFOs
+        self.add_callback(self._aux.values)                 # read the aux-loss disagreement rates, warn once
         try:
             for index, (layer, router) in enumerate(self.routers):
                 self._wrap(index, layer, router.router_replay)
@@ -237,11 +239,23 @@ class RouterReplayDriver(PatchHandle):
             raise ReplayError(f"{rows.numel()} token rows are not divisible by the sequence-parallel size {sp_size}")
         step = rows.numel() // sp_size
         rows = rows[sp_rank * step:(sp_rank + 1) * step]
-        check_row_tokens(self._expected_tokens, rows, self._expected_mask, where=f"{type(module).__name__}")
+        self._tokens.observe(rows, input_ids=input_ids)       # values on the device, raised by check()
         if (self._recomputes and module.training and torch.is_grad_enabled()
                 and self._replays[0].router_replay_action.value == "replay_forward"):
             self._awaiting_backward = True            # (checked here: Megatron's checkpoint runs routers without grad)
         return None
+
+    @property
+    def aux_disagreement(self) -> list[float]:
+        """Per aux-loss computation under replay: the fraction of tokens whose own top-k differs from the replayed
+        experts (read from the device here, by :meth:`check` and on undo; a warning once with ``aux_loss="warn"``)."""
+        return self._aux.values()
+
+    def _warn_disagreement(self, rate: float) -> None:
+        if self.aux_loss == "warn":
+            warnings.warn(f"Megatron computes the MoE aux loss from the router's own top-k, which differs from "
+                          f"the replayed experts on {rate:.1%} of tokens; RouterReplayDriver(aux_loss='replayed') "
+                          f"counts the replayed experts instead", MoealignWarning, stacklevel=4)
 
     def _replaying(self) -> bool:
         """True while this driver's routers replay (REPLAY_FORWARD / REPLAY_BACKWARD, however it was set)."""
@@ -266,15 +280,10 @@ class RouterReplayDriver(PatchHandle):
             if not wrapper.active or last is None or last.shape[0] != routing_map.shape[0]:
                 return routing_map, scores
             replayed = torch.zeros_like(routing_map).scatter(1, last.to(routing_map.device), True)
-            rate = float((replayed != routing_map).any(-1).float().mean())
-            driver.aux_disagreement.append(rate)
+            # on the device (read by aux_disagreement / check / undo): no host sync in the forward
+            driver._aux.add((replayed != routing_map).any(-1).float().mean())
             if driver.aux_loss == "replayed":
                 return replayed, scores
-            if rate > 0 and not driver._warned:
-                driver._warned = True
-                warnings.warn(f"Megatron computes the MoE aux loss from the router's own top-k, which differs from "
-                              f"the replayed experts on {rate:.1%} of tokens; RouterReplayDriver(aux_loss='replayed') "
-                              f"counts the replayed experts instead", MoealignWarning, stacklevel=2)
             return routing_map, scores
 
         wrapper = compute_routing_scores_for_aux_loss
@@ -452,6 +461,7 @@ class RouterReplayDriver(PatchHandle):
         # what the pre-hook compares: the token of every local router row (padding slots of THD excluded)
         self._expected_tokens = tokens[local]
         self._expected_mask = valid[local]
+        self._tokens.set(self._expected_tokens, None if bool(self._expected_mask.all()) else self._expected_mask)
         self._sp = (int(layout.get("sp_size", 1)), int(layout.get("sp_rank", 0)))
 
     @contextlib.contextmanager
@@ -485,7 +495,10 @@ class RouterReplayDriver(PatchHandle):
     def check(self, calls: int = 1) -> None:
         """Raise :class:`ReplayError` unless every router ran ``calls`` replayed calls of exactly its rows and
         (with ``verify``) the tokens were dispatched to the recorded experts on every replayed row, each replayed
-        router call followed by its dispatcher."""
+        router call followed by its dispatcher; and the token checks of every replayed forward since the last check
+        (each router row holds the batch's token). Reads the device counters (one host sync)."""
+        self._tokens.check()
+        self._aux.values()
         if self.verifier is not None:
             self.verifier.check([c.calls for c in self.counters.counts])
         self.counters.check(calls, self._rows)
@@ -497,6 +510,7 @@ class RouterReplayDriver(PatchHandle):
 
     def reset_counters(self) -> None:
         self.counters.reset()
+        self._tokens.reset()
         if self.verifier is not None:
             self.verifier.reset()
 
@@ -508,6 +522,7 @@ class RouterReplayDriver(PatchHandle):
         self._forwarded = [False] * len(self.routers)
         self._awaiting_backward = False
         self._expected_tokens = self._expected_mask = None
+        self._tokens.clear()
         self._expected_maps = self._verify_mask = None
         self._verify_replayed = 0
 

@@ -140,6 +140,7 @@ class RouteForcer(PatchHandle):
         self.stray_calls = 0
         self._plan_for: Any = None
         self._plan: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._plan_dev: tuple | None = None
         self.forced_calls = [0] * len(self.routers)     # per router: engine steps in which it forced rows
         self.verifier: ReplayVerifier | None = None
         self._experts: list[Any] = []
@@ -200,6 +201,14 @@ class RouteForcer(PatchHandle):
         self.forced_rows += int(plan[0].numel())
         return plan
 
+    def _plan_on(self, step, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's plan on ``device``, copied once per step (not once per router)."""
+        cached = self._plan_dev
+        if cached is None or cached[0] is not step or cached[1] != device:
+            rows, forced = self._step_plan(step)
+            cached = self._plan_dev = (step, device, rows.to(device), forced.to(device))
+        return cached[2], cached[3]
+
     def _compute_routing(self, index: int, original, scoring: RouterScoring):
         layer = self.routers[index][0]
 
@@ -219,8 +228,8 @@ class RouteForcer(PatchHandle):
             if forced.shape[-1] != ids.shape[-1]:
                 raise ReplayError(f"the record forces {forced.shape[-1]} experts per row, the router of layer "
                                   f"{layer} chooses {ids.shape[-1]}")
-            rows_d = rows.to(ids.device)
-            chosen = forced[:, index].to(router_logits.device)
+            rows_d, forced_d = self._plan_on(step, ids.device)
+            chosen = forced_d[:, index].to(router_logits.device)
             gate = replay_gate_weights(router_logits[rows_d], chosen, scoring, out_dtype=weights.dtype,
                                        validate=False)
             ids = ids.clone()
@@ -324,6 +333,7 @@ class RouteForcer(PatchHandle):
 
     def _drop_step_cache(self) -> None:
         self._expect_for = self._expect = None
+        self._plan_dev = None
 
     # ---------------------------------------------------------------- what ran
     def ran_routes(self, lengths: Sequence[int]) -> list[torch.Tensor]:
