@@ -2,10 +2,18 @@
 
 Every kernel fixes the reduction order of an output element independently of the batch size:
 
-* :func:`matmul` - a persistent kernel (grid = number of SMs, output tiles strided over the programs).
-  The tile configuration is fixed per dtype, never chosen from ``M``; each output tile loops over all of
-  ``K`` in one program with an fp32 accumulator (no split-K, no stream-K), so a row's K order is the same
-  whatever ``M`` is. A bias is added to the fp32 accumulator before the single cast.
+* :func:`matmul` - a persistent kernel (grid = number of SMs, output tiles strided over the programs, grouped
+  for L2 reuse). The tile configuration (:func:`matmul_config`) is a function of ``(N, K, dtype)`` and the
+  device only, never of ``M``: one compiled kernel serves every batch size (``M`` is not even specialised on),
+  so every row runs the same instructions in the same order (int64 addressing past 2**31 elements per operand
+  is another compilation of the same arithmetic). Each output tile loops over all of ``K`` in one
+  program, ``BLOCK_K`` at a time, into an fp32 accumulator (no split-K, no stream-K): a row's K order is fixed
+  by ``BLOCK_K`` alone. A bias is added to the fp32 accumulator before the single cast. For speed (issue 24,
+  item 3): rows / columns past the edge are clamped instead of masked (the loads stay unmasked and
+  vectorised, the store is masked), the K mask is compiled out when ``BLOCK_K`` divides ``K``, offsets are
+  int32 unless the operands need int64, the persistent loop is flattened (Triton pipelines the next tile's
+  loads behind this tile's epilogue), and ``BLOCK_N`` is chosen from ``N`` so that a small batch still
+  spreads over enough SMs (``M`` small is memory-bound: the whole of ``b`` is streamed once).
 * :func:`log_softmax`, :func:`mean`, :func:`rms_norm` - one program per row; the row is read in
   ``BLOCK``-wide chunks into a ``BLOCK``-lane fp32 accumulator (lane ``j`` sums elements ``j, j + BLOCK,
   ...`` in order), and the lanes are combined by one ``tl.sum`` whose tree depends only on ``BLOCK``.
@@ -21,24 +29,46 @@ import triton.language as tl
 
 from ..errors import InputError
 
-__all__ = ["matmul", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS"]
+__all__ = ["matmul", "matmul_config", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS"]
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per dtype: fixed, whatever the shape.
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per dtype for wide outputs (``N`` of at least
+#: ``64 * 128`` columns: enough tiles across ``N`` alone to fill an H100 / H200 at any ``M``).
 MATMUL_CONFIGS = {
-    torch.bfloat16: (128, 128, 64, 3, 8),
-    torch.float16: (128, 128, 64, 3, 8),
+    torch.bfloat16: (128, 128, 64, 4, 8),
+    torch.float16: (128, 128, 64, 4, 8),
     torch.float32: (128, 128, 32, 3, 8),
 }
+#: narrower outputs (e.g. K = N = 4096): 64-column tiles, twice the tiles across ``N`` for a small batch
+#: (64 of them at N = 4096), more stages in flight; the same for every ``M``.
+_NARROW_CONFIGS = {
+    torch.bfloat16: (128, 64, 64, 5, 4),
+    torch.float16: (128, 64, 64, 5, 4),
+    torch.float32: (128, 64, 32, 4, 4),
+}
+_WIDE_TILES_N = 64
 _GROUP_M = 8
 _ROW_BLOCK = 1024
+_INT32_MAX = 2 ** 31 - 1
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit
+def matmul_config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` for an ``[M, k] @ [k, n]`` product: a function of
+    ``(n, k, dtype)`` only (never of ``M``: a row's result cannot depend on the batch it is in)."""
+    if dtype not in MATMUL_CONFIGS:
+        raise InputError(f"matmul supports {list(MATMUL_CONFIGS)}, got {dtype}")
+    wide = MATMUL_CONFIGS[dtype]
+    if triton.cdiv(int(n), wide[1]) >= _WIDE_TILES_N:
+        return wide
+    return _NARROW_CONFIGS[dtype]
+
+
+@triton.jit(do_not_specialize=["M"])
 def _persistent_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                              HAS_BIAS: tl.constexpr, FP32_IEEE: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, FP32_IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                              EVEN_N: tl.constexpr, USE_INT64: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     pid = tl.program_id(0)
@@ -46,30 +76,48 @@ def _persistent_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tiles_m * tiles_n
     tiles_per_group = GROUP_M * tiles_n
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True):
         # Grouped tile order (for L2 reuse): a schedule only, it does not change any element's K order.
         group = tile // tiles_per_group
         first_m = group * GROUP_M
         group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
         tile_m = first_m + (tile % tiles_per_group) % group_rows
         tile_n = (tile % tiles_per_group) // group_rows
-        offs_m = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # rows / columns past the edge read row / column 0 (their results are never stored): unmasked loads
+        rows = tl.where(offs_m < M, offs_m, 0)
+        cols = tl.where(offs_n < N, offs_n, 0)
+        if EVEN_N:    # (a function of N only) every column tile is whole: contiguous, aligned column offsets
+            cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
+        if USE_INT64:
+            rows = rows.to(tl.int64)
+            cols = cols.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                        mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        for ks in range(k_steps):
+            offs_k = ks * BLOCK_K + tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < K, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < K, other=0.0)
             if FP32_IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + cols).to(tl.float32)
             acc = acc + bias[None, :]
-        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        out_m = offs_m
+        out_n = offs_n
+        if USE_INT64:
+            out_m = out_m.to(tl.int64)
+            out_n = out_n.to(tl.int64)
+        tl.store(c_ptr + out_m[:, None] * stride_cm + out_n[None, :] * stride_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -79,8 +127,15 @@ def _num_programs(device: torch.device) -> int:
     return 4  # Triton's CPU interpreter (TRITON_INTERPRET=1): any fixed number works
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a [M, K] @ b [K, N] (+ bias [N])`` with the fixed-configuration persistent kernel."""
+def _needs_int64(*tensors: torch.Tensor) -> bool:
+    """True when an element offset of any operand may pass int32 (addressing only: the arithmetic is the same)."""
+    return any(sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride())) > _INT32_MAX for t in tensors)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias [N])`` with the persistent kernel; ``config`` (tests): override
+    :func:`matmul_config` (it must then be the same for every ``M`` too)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise InputError(f"matmul needs a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype not in MATMUL_CONFIGS or b.dtype != a.dtype:
@@ -90,12 +145,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    block_m, block_n, block_k, stages, warps = MATMUL_CONFIGS[a.dtype]
+    if k == 0:
+        return c.zero_() if bias is None else c.copy_(bias.to(c.dtype).expand(m, n))
+    block_m, block_n, block_k, stages, warps = config or matmul_config(n, k, a.dtype)
+    # the grid depends on M (a schedule: which program runs which tile), never a tile's arithmetic
     programs = min(_num_programs(a.device), triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
     _persistent_matmul_kernel[(programs,)](
         a, b, c, bias if bias is not None else c, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None, FP32_IEEE=a.dtype == torch.float32,
+        HAS_BIAS=bias is not None, FP32_IEEE=a.dtype == torch.float32, EVEN_K=k % block_k == 0,
+        EVEN_N=n % block_n == 0, USE_INT64=_needs_int64(a, b, c),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, NUM_PROGRAMS=programs,
         num_stages=stages, num_warps=warps)
     return c
