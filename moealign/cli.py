@@ -265,28 +265,32 @@ def _add_tp_check(sub) -> None:
 
 def _cmd_record_inspect(args: argparse.Namespace) -> int:
     from .record import RolloutRecord
-    from .record_inspect import format_inspection, inspect_record
+    from .record.inspect import format_inspection, inspect_record
 
     _check_json_path(args.json, {"record": args.file, "--model": args.model})
-    model_layers = None
+    model_layers = check = None
     if args.model is not None:
+        from functools import partial
+
+        from .mismatch.router_check import router_check
         from .model_config import moe_layers, read_model_config
 
         model_layers = moe_layers(read_model_config(args.model), f"--model {args.model}")
-    result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers, model_path=args.model)
+        check = partial(router_check, model_path=args.model)
+    result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers, router_check=check)
     failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
     return _finish("record inspect", format_inspection(result), result, args.json, failures)
 
 
 def _cmd_record_convert(args: argparse.Namespace) -> int:
-    from .record_convert import run
+    from .record.convert import run
 
     print(run(args))
     return 0
 
 
 def _add_record_convert(rsub) -> None:
-    from .record_convert import FORMATS, WRITABLE
+    from .record.convert import FORMATS, WRITABLE
 
     c = rsub.add_parser(
         "convert", help="another engine's rollout outputs -> a record (--from), or a record -> a batch file (--to)",

@@ -13,7 +13,7 @@ import torch
 from moealign.embedded import embedded_model_path
 from moealign.errors import RecordError, ReplayError, RouteError
 from moealign.record import RecordMeta, RolloutRecord, Sample
-from moealign.record_inspect import inspect_record
+from moealign.record.inspect import inspect_record
 from moealign.routing_replay.routes import compact_routes
 
 L = 40   # one sample of 40 tokens: 39 route rows, above the checks' MIN_ROWS

@@ -13,6 +13,7 @@ import torch
 from test_record import make_record
 
 from moealign import record as rec_mod
+from moealign.record import io as rec_io
 from moealign.contract import (
     check_contract,
     compare_contracts,
@@ -279,7 +280,7 @@ def _rewrite(path, out, contract_text, *, fix_checksum: bool):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     metadata["moealign.contract"] = contract_text
     if fix_checksum:
-        metadata["moealign.checksum"] = rec_mod._checksum(tensors, metadata)
+        metadata["moealign.checksum"] = rec_io._checksum(tensors, metadata)
     save_file(tensors, str(out), metadata=metadata)
 
 
@@ -315,7 +316,7 @@ def test_record_refuses_a_malformed_contract_at_save(tmp_path):
 # --- the CLI -------------------------------------------------------------------------------------------------------
 
 def _cli(*argv, timeout=600):
-    return subprocess.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", *argv],
+    return subprocess.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--device", "cpu", *argv],
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -27,7 +27,7 @@ from moealign.cli import main
 from moealign.embedded import embedded_model_path
 from moealign.errors import RecordError, ReplayError
 from moealign.record import MIN_TEMPERATURE, RolloutRecord, SamplingParams
-from moealign.record_stitch import Turn, stitch_turns
+from moealign.record.stitch import Turn, stitch_turns
 from moealign.routing_replay.degenerate import DOMINANT_SHARE, find_degenerate
 from moealign.routing_replay.protocol import ReplayBatch, model_routes
 

@@ -1,6 +1,6 @@
 """Issue 23, "Tracebacks and late errors": wrongly typed fields, deep JSON, huge integers and out-of-range seeds end in
 one :class:`~moealign.errors.MoealignError` (the CLI: one line, exit 2), found before any work. ``record convert``
-closes the class at its input boundary (:func:`moealign.record_convert.convert_to_record` turns any built-in error a
+closes the class at its input boundary (:func:`moealign.record.convert.convert_to_record` turns any built-in error a
 reader meets into an :class:`~moealign.errors.InputError` naming the file), besides the named checks."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from moealign.cli import main
 from moealign.embedded import embedded_model_path
 from moealign.errors import InputError, RecordError, RecordFormatError
 from moealign.record import RolloutRecord
-from moealign.record_convert import convert_to_record, model_info
-from moealign.record_stitch import Turn, stitch_turns
+from moealign.record.convert import convert_to_record, model_info
+from moealign.record.stitch import Turn, stitch_turns
 
 MODEL = str(embedded_model_path())          # 4 MoE layers, 16 experts, top-4, vocabulary 2048 (read only)
 
@@ -125,7 +125,7 @@ def test_wrongly_typed_tensor_fields_are_one_line(tmp_path, capsys, fmt, data, n
 
 
 def test_the_boundary_keeps_named_errors_and_converts_builtin_ones(tmp_path, monkeypatch):
-    from moealign import record_convert
+    from moealign.record import convert as record_convert
 
     path = tmp_path / "in.json"
     path.write_text("[{}]")
@@ -153,13 +153,13 @@ def test_huge_meta_integers_are_format_errors(tmp_path, capsys, field, value):
 def test_contract_nested_100000_deep_is_a_format_error(tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from moealign import record as rec_mod
+    from moealign.record import io as rec_io
 
     small = make_record(shapes=[(5, 2)], seed=1)
     tensors = {k: v.contiguous() for k, v in small._tensors().items()}
     metadata = {"moealign.meta": META.to_json(), "moealign.format_version": "2",
                 "moealign.contract": "[" * 100_000 + "]" * 100_000}
-    metadata["moealign.checksum"] = rec_mod._checksum(tensors, metadata)
+    metadata["moealign.checksum"] = rec_io._checksum(tensors, metadata)
     save_file(tensors, str(tmp_path / "r.safetensors"), metadata=metadata)
     with pytest.raises(RecordFormatError, match="nested too deeply"):
         RolloutRecord.load(tmp_path / "r.safetensors")

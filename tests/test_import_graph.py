@@ -5,6 +5,9 @@ Rules, checked on every ``moealign/**/*.py`` with :mod:`ast` (nothing is importe
 * a core package (:data:`CORE`: ``moealign.correction``, ``routing_replay``, ``precision``, ``families``,
   ``record``, ``errors``, ``handle``) imports no engine (:data:`ENGINES`) and neither ``moealign.patches``
   nor ``moealign.mismatch``;
+* no import runs back up into ``moealign.record``: the core packages it is built on (:data:`BELOW_RECORD`:
+  ``routing_replay``, ``families``, ``errors``, ``handle``) do not import it, but for the deprecated paths of
+  :data:`DEPRECATED_SHIMS` (one release);
 * an engine is imported only inside its own adapter package (:data:`ENGINES`: transformers in
   ``moealign/patches/hf/``, Megatron and transformer-engine in ``moealign/patches/megatron/``, vLLM in
   ``moealign/patches/vllm/``, SGLang in ``moealign/patches/sglang/``).
@@ -41,12 +44,19 @@ CORE = (
     "moealign/routing_replay/",
     "moealign/precision/",
     "moealign/families/",
-    "moealign/record.py",
+    "moealign/record/",
     "moealign/errors.py",
     "moealign/handle.py",
 )
 #: moealign packages a core package must not import
 NOT_FROM_CORE = ("moealign.patches", "moealign.mismatch")
+#: core packages that ``moealign.record`` imports, which must not import it back
+BELOW_RECORD = ("moealign/routing_replay/", "moealign/families/", "moealign/errors.py", "moealign/handle.py")
+#: deprecated paths kept for one release (moealign._deprecated): the only imports from below into moealign.record
+DEPRECATED_SHIMS: dict[str, str] = {
+    "moealign/routing_replay/formats.py": "the old path of moealign.record.formats (a shim)",
+    "moealign/routing_replay/__init__.py": "the format names it exported, moved to moealign.record.formats (warn)",
+}
 #: calls whose string first argument is a module imported at run time
 IMPORTING_CALLS = {"require", "probe", "import_module", "__import__"}
 #: files that may name modules as strings (the optional-backend table and the environment report)
@@ -140,6 +150,9 @@ def violations(source: str, rel: str) -> list[Violation]:
             if bad:
                 found.append(Violation(imp, f"a core package imports {bad[0]}"))
                 continue
+        if _in(rel, BELOW_RECORD) and _under(imp.module, "moealign.record") and rel not in DEPRECATED_SHIMS:
+            found.append(Violation(imp, "an import runs back up: a package below moealign.record imports it"))
+            continue
         if engine in ENGINES and not rel.startswith(ENGINES[engine]):
             found.append(Violation(imp, f"{engine} is imported outside {ENGINES[engine]}"))
     return found
@@ -170,6 +183,15 @@ def test_the_walk_sees_the_adapters():
         p.name for p in PACKAGE.iterdir() if p.is_dir()}                    # every core package exists
 
 
+def test_deprecated_shims_are_still_there():
+    """A shim whose import of moealign.record is gone (the path removed after its release) leaves
+    :data:`DEPRECATED_SHIMS`."""
+    sources = dict(_sources())
+    for rel, reason in DEPRECATED_SHIMS.items():
+        assert rel in sources, (rel, reason)
+        assert any(_under(imp.module, "moealign.record") for imp in imports_of(sources[rel], rel)), (rel, reason)
+
+
 def test_allowed_exceptions_are_still_needed():
     """An allowance whose import is gone is removed from :data:`ALLOWED`."""
     sources = dict(_sources())
@@ -185,7 +207,12 @@ def test_allowed_exceptions_are_still_needed():
 
 @pytest.mark.parametrize("rel, source, rule", [
     ("moealign/correction/x.py", "import transformers\n", "core package imports an engine"),
-    ("moealign/record.py", "def f():\n    from megatron.core import parallel_state\n", "core package imports an engine"),
+    ("moealign/record/io.py", "def f():\n    from megatron.core import parallel_state\n", "core package imports an engine"),
+    ("moealign/record/inspect.py", "def f():\n    from ..mismatch.engines import HFTrainEngine\n",
+     "imports moealign.mismatch"),
+    ("moealign/routing_replay/x.py", "from ..record import RolloutRecord\n", "an import runs back up"),
+    ("moealign/families/x.py", "def f():\n    from moealign.record.formats import RouteRows\n",
+     "an import runs back up"),
     ("moealign/routing_replay/x.py", "from ..patches import hf\n", "imports moealign.patches"),
     ("moealign/precision/x.py", "from ..mismatch.engines import DTYPES\n", "imports moealign.mismatch"),
     ("moealign/families/x.py", "from moealign.patches.megatron import capture\n", "imports moealign.patches"),
@@ -220,6 +247,9 @@ def test_violations_are_caught(rel, source, rule):
     ("moealign/info.py", "from ._optional import probe\nprobe('megatron.core')\n"),
     ("moealign/patches/hf/x.py", "from .._optional import require\nrequire('transformers', 'why')\n"),
     ("moealign/routing_replay/x.py", "from .. import patchesque\n"),                      # prefix, not package
+    ("moealign/routing_replay/x.py", "from .. import recorder\n"),                        # prefix, not package
+    ("moealign/record/x.py", "from ..routing_replay.routes import route_dtype\nfrom . import formats\n"),
+    ("moealign/mismatch/x.py", "from ..record.inspect import compare_routes\n"),
 ])
 def test_allowed_imports_pass(rel, source):
     assert violations(source, rel) == []

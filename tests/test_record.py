@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moealign import record as rec_mod
+from moealign.record import io as rec_io
 from moealign.errors import MoealignWarning
 from moealign.record import (
     FORMAT_VERSION,
@@ -520,7 +520,7 @@ def write_raw(path, tensors, *, meta_json=None, version=str(FORMAT_VERSION), che
         "moealign.format_version": version,
     }
     if checksum is None:
-        checksum = rec_mod._checksum(tensors, None if version == "1" else metadata)
+        checksum = rec_io._checksum(tensors, None if version == "1" else metadata)
     metadata["moealign.checksum"] = checksum
     save_file(tensors, str(path), metadata=metadata)
 
@@ -584,11 +584,11 @@ def test_corrupted_byte_in_every_tensor(record, tmp_path):
 
 def test_checksum_covers_names_dtypes_and_shapes():
     t = {"a": torch.arange(6, dtype=torch.int64)}
-    base = rec_mod._checksum(t)
-    assert rec_mod._checksum({"b": t["a"]}) != base
-    assert rec_mod._checksum({"a": t["a"].view(torch.float64)}) != base
-    assert rec_mod._checksum({"a": t["a"].reshape(2, 3)}) != base
-    assert rec_mod._checksum({"a": torch.arange(6, dtype=torch.int64)}) == base
+    base = rec_io._checksum(t)
+    assert rec_io._checksum({"b": t["a"]}) != base
+    assert rec_io._checksum({"a": t["a"].view(torch.float64)}) != base
+    assert rec_io._checksum({"a": t["a"].reshape(2, 3)}) != base
+    assert rec_io._checksum({"a": torch.arange(6, dtype=torch.int64)}) == base
 
 
 def test_non_record_safetensors_file(tmp_path):

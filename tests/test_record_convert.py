@@ -15,7 +15,7 @@ import torch
 from moealign.cli import main
 from moealign.embedded import embedded_model_path
 from moealign.record import RolloutRecord, SamplingParams
-from moealign.record_convert import model_info
+from moealign.record.convert import model_info
 
 EXPERTS, TOP_K, VOCAB = 16, 4, 2048
 

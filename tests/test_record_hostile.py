@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from test_record import META, assert_records_equal, make_record, write_raw
 
 from moealign import _files
-from moealign import record as rec_mod
+from moealign.record import io as rec_io
 from moealign.errors import ConfigError, MoealignError, MoealignWarning, RecordError, RecordFormatError
 from moealign.record import FORMAT_VERSION, RecordMeta, RolloutRecord, SamplingParams
 
@@ -80,7 +80,7 @@ def test_header_bit_flips_never_load_a_changed_record(small, tmp_path):
 def test_checksum_covers_every_metadata_field(small, tmp_path, field, value):
     """A metadata field changed after the checksum was taken (by hand or by a bad disk) is refused."""
     path = tmp_path / "r.safetensors"
-    good = rec_mod._checksum({k: v.contiguous() for k, v in small._tensors().items()},
+    good = rec_io._checksum({k: v.contiguous() for k, v in small._tensors().items()},
                              {"moealign.meta": META.to_json(), "moealign.format_version": str(FORMAT_VERSION)})
     write_raw(path, small._tensors())                     # control: the checksum of an unchanged header loads
     assert json.loads(json.dumps(header_of(path.read_bytes())[1]["__metadata__"]))["moealign.checksum"] == good
@@ -95,8 +95,8 @@ def test_checksum_covers_the_format_version(small, tmp_path):
     path = tmp_path / "r.safetensors"
     metadata = {"moealign.meta": META.to_json(), "moealign.format_version": "2"}
     tensors = {k: v.contiguous() for k, v in small._tensors().items()}
-    v2 = rec_mod._checksum(tensors, metadata)
-    assert v2 != rec_mod._checksum(tensors, dict(metadata, **{"moealign.format_version": "1"}))
+    v2 = rec_io._checksum(tensors, metadata)
+    assert v2 != rec_io._checksum(tensors, dict(metadata, **{"moealign.format_version": "1"}))
     # a version-2 file relabelled version 1 (whose checksum covers the tensors only) fails the v1 checksum
     write_raw(path, small._tensors(), version="1", checksum=v2)
     with pytest.raises(RecordFormatError, match="checksum mismatch"):

@@ -13,7 +13,7 @@ import torch
 from moealign.cli import main
 from moealign.embedded import embedded_model_path
 from moealign.record import RecordMeta, RolloutRecord, Sample, SamplingParams
-from moealign.record_inspect import MIN_ROWS, inspect_record
+from moealign.record.inspect import MIN_ROWS, inspect_record
 from moealign.routing_replay.routes import compact_routes
 
 META = RecordMeta(engine="vllm", engine_version="0.0-test", model_fingerprint="0123456789abcdef", num_layers=4,

@@ -1,5 +1,5 @@
 """Rows without a recorded route are explicit (``Sample.route_missing``), never replayed and never counted as
-routes; per-row weight versions (``Sample.route_version``); multi-turn stitching (``moealign.record_stitch``); and the
+routes; per-row weight versions (``Sample.route_version``); multi-turn stitching (``moealign.record.stitch``); and the
 broken-capture patterns refused at replay time (``routing_replay.protocol.model_routes``), through the transformers
 adapter on the embedded model."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moealign import record as rec_mod
+from moealign.record import io as rec_io
 from moealign.embedded import embedded_model_path
 from moealign.errors import ReplayError, RouteError
 from moealign.record import RecordError, RecordFormatError, RecordMeta, RolloutRecord, Sample, SamplingParams
-from moealign.record_inspect import inspect_record
-from moealign.record_stitch import Turn, stitch_turns
+from moealign.record.inspect import inspect_record
+from moealign.record.stitch import Turn, stitch_turns
 from moealign.routing_replay.protocol import ReplayBatch, model_routes
 from moealign.routing_replay.routes import compact_routes
 
@@ -111,8 +111,8 @@ def test_a_file_whose_mask_does_not_cover_the_rows_is_refused(tmp_path):
     record = RolloutRecord(META, [sample_with_missing()])
     tensors = record._tensors()
     tensors["route_missing"] = tensors["route_missing"][:-2]
-    metadata = {rec_mod._META_KEY: META.to_json(), rec_mod._VERSION_KEY: str(rec_mod.FORMAT_VERSION)}
-    metadata[rec_mod._CHECKSUM_KEY] = rec_mod._checksum(tensors, metadata)
+    metadata = {rec_io._META_KEY: META.to_json(), rec_io._VERSION_KEY: str(rec_io.FORMAT_VERSION)}
+    metadata[rec_io._CHECKSUM_KEY] = rec_io._checksum(tensors, metadata)
     path = tmp_path / "bad.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     with pytest.raises(RecordFormatError, match="route_missing has 17 entries, the record has 19 route rows"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moealign.errors import ConfigError, InputError, RecordMismatchError, RouteError
-from moealign.routing_replay.formats import (
+from moealign.record.formats import (
     RouteRows,
     nemo_rl_route_dtype,
     routes_from_nemo_rl,

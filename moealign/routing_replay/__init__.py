@@ -25,19 +25,8 @@ Conventions:
 Every bad input raises :class:`RouteError` (a ``ValueError``) naming the tensor, row and value.
 """
 
+from .._deprecated import moved_names
 from .flips import RouteFlipMetrics, route_flip_metrics
-from .formats import (
-    RouteRows,
-    routes_from_nemo_rl,
-    routes_from_sglang,
-    routes_from_slime,
-    routes_from_trtllm,
-    routes_from_verl,
-    routes_from_vllm_0_21,
-    routes_to_nemo_rl,
-    routes_to_slime,
-    routes_to_verl,
-)
 from .gates import (
     SCORES,
     RouterScoring,
@@ -73,7 +62,6 @@ __all__ = [
     "ReplayVerifier",
     "RouteError",
     "RouteFlipMetrics",
-    "RouteRows",
     "RouterScoring",
     "check_tokens_in_kept",
     "compact_routes",
@@ -87,15 +75,6 @@ __all__ = [
     "replay_recorded_gate_weights",
     "route_dtype",
     "route_flip_metrics",
-    "routes_from_nemo_rl",
-    "routes_from_sglang",
-    "routes_from_slime",
-    "routes_from_trtllm",
-    "routes_from_verl",
-    "routes_from_vllm_0_21",
-    "routes_to_nemo_rl",
-    "routes_to_slime",
-    "routes_to_verl",
     "select_topk",
     "support_mismatch",
     "support_mismatch_rate",
@@ -108,3 +87,15 @@ __all__ = [
     "vocab_parallel_kept_logprob",
     "validate_routes",
 ]
+
+
+def _formats():
+    from ..record import formats   # deprecated names only: the record package sits above this one
+
+    return formats
+
+
+#: other engines' route formats moved to moealign.record.formats (these names warn for one release)
+__getattr__ = moved_names(globals(), "moealign.record.formats", _formats, (
+    "RouteRows", "routes_from_nemo_rl", "routes_from_sglang", "routes_from_slime", "routes_from_trtllm",
+    "routes_from_verl", "routes_from_vllm_0_21", "routes_to_nemo_rl", "routes_to_slime", "routes_to_verl"))
