@@ -28,6 +28,7 @@ PrecisionAuditError            AssertionError         a live model that does not
 UnknownPolicyError             KeyError               a precision policy name nobody registered
 BatchInvariantError            ValueError             inputs the batch-invariant ops cannot take
 TreeReductionError             ValueError             inputs the TP-invariant tree reductions cannot take
+CanonicalError                 ValueError             a model, engine op or setting the canonical forward does not cover
 MissingFileError               FileNotFoundError      a file the call needs is not there
 MissingDependencyError         ImportError            an optional dependency that does not import
 =============================  =====================  =========================================================
@@ -59,6 +60,7 @@ __all__ = [
     "UnknownPolicyError",
     "BatchInvariantError",
     "TreeReductionError",
+    "CanonicalError",
     "MissingFileError",
     "RefitError",
     "MissingDependencyError",
@@ -161,6 +163,11 @@ class BatchInvariantError(MoealignError, ValueError):
 
 class TreeReductionError(MoealignError, ValueError):
     """Inputs the TP-invariant tree reductions cannot take."""
+
+
+class CanonicalError(MoealignError, ValueError):
+    """A model, engine op or setting the canonical forward (``--aligned``) does not cover: refused at setup,
+    naming it, never a silently partial alignment."""
 
 
 class MissingFileError(MoealignError, FileNotFoundError):

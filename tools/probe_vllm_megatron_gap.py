@@ -43,7 +43,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48, help="sequence length (default 48)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--aligned", action="store_true",
+                    help="both engines under moealign's canonical forward (MOEALIGN_VLLM_PATCHES=canonical)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args(argv)
+    if args.aligned:
+        os.environ["MOEALIGN_VLLM_PATCHES"] = "canonical"
 
     import torch
 
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     from _timing import write_json
 
     path = str(embedded_model_path())
-    llm = open_llm(path, dtype="fp32", max_num_seqs=2, enable_prefix_caching=False)
+    llm = open_llm(path, dtype=args.dtype, max_num_seqs=2, enable_prefix_caching=False)
     ids = llm.get_tokenizer()("".join(default_prompts()[:4]))["input_ids"][:args.tokens]
     T = len(ids)
     vllm_store: dict = {}
@@ -65,8 +70,15 @@ def main(argv=None) -> int:
     llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
                  use_tqdm=False)
 
-    engine = MegatronTrainEngine(path, "fp32")
+    engine = MegatronTrainEngine(path, args.dtype)
     model = engine.model
+    if args.aligned:
+        from moealign.model_config import read_model_config
+        from moealign.patches.megatron.canonical import apply_canonical_forward
+
+        cfg = read_model_config(path)
+        apply_canonical_forward(model, rope_base=cfg["rope_parameters"]["rope_theta"],
+                                max_positions=cfg["max_position_embeddings"])
     mg_store: dict = {}
     hooks = _hook_all(model, mg_store)
     mask = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]
@@ -115,7 +127,8 @@ def main(argv=None) -> int:
         rows.append(("LM head", diff(V["logits_processor"][1], logits.reshape(T, -1)),
                      diff(model.output_layer(col(V["model.norm"][1]))[0], V["logits_processor"][1])))
     tree = os.environ.get("MOEALIGN_VLLM_PATCHES", "") or "stock"
-    print(f"vLLM ({tree}) vs Megatron-core, fp32, {T} tokens: max |diff| per op")
+    print(f"vLLM ({tree}) vs Megatron-core{' (canonical)' if args.aligned else ''}, {args.dtype}, {T} tokens: "
+          f"max |diff| per op")
     print(f"{'op':<52} {'cumulative':>11} {'local':>10}")
     for name, cum, local in rows:
         print(f"{name:<52} {cum:>11.3g} {'-' if local is None else format(local, '.3g'):>10}")

@@ -9,6 +9,8 @@ opening the engine and every process (workers included) applies the same patches
     MOEALIGN_VLLM_PATCHES=tree                 # apply_tree_reductions() (TP-invariant forward)
     MOEALIGN_VLLM_PATCHES=tree:leaf_width=16   # with a leaf width
     MOEALIGN_VLLM_PATCHES=precision:policy=fp16-fp32-router-head,tree   # apply_precision(), then the tree
+    MOEALIGN_VLLM_PATCHES=canonical            # apply_canonical_forward() (every op moealign's one implementation)
+    MOEALIGN_VLLM_PATCHES=canonical:skip=attention+rope   # ... with those ops left stock (negative controls)
 
 Unset or empty: nothing is patched (the plugin is inert in every vLLM run that does not ask for it). An unknown
 name or option raises :class:`~moealign.errors.ConfigError` naming it, in the worker that reads it (vLLM then
@@ -28,7 +30,7 @@ __all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for"]
 ENV = "MOEALIGN_VLLM_PATCHES"
 
 #: patch name -> (option name -> type) it accepts
-PATCHES = {"tree": {"leaf_width": int}, "precision": {"policy": str}}
+PATCHES = {"tree": {"leaf_width": int}, "precision": {"policy": str}, "canonical": {"skip": str}}
 
 _LOADED: dict[str, PatchHandle] = {}
 
@@ -55,9 +57,12 @@ def parse_spec(text: str) -> list[tuple[str, dict]]:
     return result
 
 
-def spec_for(*, tree: bool = False, leaf_width: int | None = None, precision: str | None = None) -> str:
+def spec_for(*, tree: bool = False, leaf_width: int | None = None, precision: str | None = None,
+             canonical: bool = False, canonical_skip=()) -> str:
     """The :data:`ENV` value asking for these patches (``""``: none)."""
     parts = []
+    if canonical:
+        parts.append("canonical" + (f":skip={'+'.join(canonical_skip)}" if canonical_skip else ""))
     if precision is not None:
         parts.append(f"precision:policy={precision}")
     if tree:
@@ -81,6 +86,14 @@ def load() -> None:
             from .precision import apply_precision
 
             _LOADED[name] = apply_precision(options["policy"])
+        elif name == "canonical":
+            from .canonical import VLLM_OPS, apply_canonical_forward
+
+            skip = [op for op in options.get("skip", "").split("+") if op]
+            unknown = sorted(set(skip) - set(VLLM_OPS))
+            if unknown:
+                raise ConfigError(f"{ENV}: canonical:skip names unknown ops {unknown}; known: {list(VLLM_OPS)}")
+            _LOADED[name] = apply_canonical_forward([op for op in VLLM_OPS if op not in skip])
 
 
 def loaded() -> dict[str, PatchHandle]:

@@ -8,6 +8,7 @@ import torch
 
 from ..._validate import check_positive_int
 from ...errors import ConfigError, InputTypeError
+from ...precision.canonical import c_combine, c_experts
 from ...precision.tree import (
     TreeReducePatch,
     TreeReductionError,
@@ -206,32 +207,23 @@ class _VllmTree:
 
 def _tree_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights, leaf_width: int,
                   tp_size: int) -> torch.Tensor:
-    """The routed experts of one MoE layer with TP-invariant arithmetic: for each (token, slot) the expert's
-    gate / up projections (fp32 roots, column tiles), SiLU-and-mul cast to the activation dtype, the down
-    projection's fp32 subtree root over this rank's intermediate shard; the ``[T, k, H]`` partials tree
-    all-reduced across ranks, then the top-k weighted sum slot by slot in fp32, cast once."""
+    """The routed experts of one MoE layer with TP-invariant arithmetic, the canonical experts and combine of
+    :mod:`moealign.precision.canonical`: the (token, expert) pairs taken in ascending expert id, each expert's
+    gate / up projections (fp32 roots), SiLU-and-mul cast to the activation dtype, the down projection's fp32
+    subtree root over this rank's intermediate shard; the ``[T, k, H]`` partials tree all-reduced across ranks,
+    then the gated sum in ascending expert id in fp32, cast once."""
     w13, w2 = weights
-    tokens, hidden = x.shape
-    k = topk_ids.shape[1]
-    inter = w2.shape[2]
-    partial = torch.zeros(tokens * k, hidden, dtype=torch.float32, device=x.device)
-    flat = topk_ids.reshape(-1).long()
-    for expert in torch.unique(flat).tolist():
-        rows = (flat == expert).nonzero().squeeze(1)
-        xe = x.index_select(0, torch.div(rows, k, rounding_mode="floor"))
-        gate_up = tree_linear(xe, w13[expert], leaf_width=leaf_width)
-        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        partial[rows] = tree_linear(act, w2[expert], leaf_width=leaf_width)
-    partial = partial.view(tokens, k, hidden)
+    ids, order = topk_ids.to(torch.int64).sort(dim=1)
+    gates = torch.gather(topk_weights, 1, order)
+    partial = c_experts(x, ids, lambda e: (w13[e], w2[e]), num_experts=w13.shape[0], leaf_width=leaf_width)
     full = tree_all_reduce(partial, _tp_group()) if tp_size > 1 else partial
-    gates = topk_weights.to(torch.float32)
-    out = full[:, 0] * gates[:, :1]
-    for slot in range(1, k):
-        out = out + full[:, slot] * gates[:, slot:slot + 1]
-    return out.to(x.dtype)
+    return c_combine(full, gates, x.dtype)
 
 
-def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH) -> TreeReducePatch:
+TREE_PARTS = ("linear", "lm_head", "experts")
+
+
+def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH, parts=TREE_PARTS) -> TreeReducePatch:
     """Make a vLLM model's forward TP-invariant: the log-probs at TP = 2 (4, ...) equal TP = 1 bitwise.
 
     Class-level (scope ``"process"``), applied *before* the engine loads its model (in each worker: the
@@ -254,6 +246,9 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH) -> TreeRedu
     kernels, and the MoE expert weights are held twice on CPU (the tree reads the unpacked copy).
     """
     check_positive_int(leaf_width, "leaf_width", ConfigError)
+    parts = tuple(parts)
+    if not parts or set(parts) - set(TREE_PARTS):
+        raise ConfigError(f"tree parts must be a non-empty subset of {list(TREE_PARTS)}, got {list(parts)}")
     _, version = engine_version("vllm", "moealign.patches.vllm.apply_tree_reductions needs vLLM")
     check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
     from vllm.model_executor.layers import linear, vocab_parallel_embedding
@@ -261,16 +256,20 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH) -> TreeRedu
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
     tree = _VllmTree(leaf_width)
-    targets = [
+    linear_targets = [
         (require_attr(linear, "UnquantizedLinearMethod", "vllm linear"), "process_weights_after_loading",
          tree.keep_linear_weight, ["self", "layer"]),
         (linear.UnquantizedLinearMethod, "apply", tree.linear_apply, ["self", "layer", "x", "bias"]),
+        (require_attr(linear, "RowParallelLinear", "vllm linear"), "forward", tree.row_parallel_forward,
+         ["self", "input_"]),
+    ]
+    head_targets = [
         (require_attr(vocab_parallel_embedding, "UnquantizedEmbeddingMethod", "vllm vocab_parallel_embedding"),
          "process_weights_after_loading", tree.keep_linear_weight, ["self", "layer"]),
         (vocab_parallel_embedding.UnquantizedEmbeddingMethod, "apply", tree.linear_apply,
          ["self", "layer", "x", "bias"]),
-        (require_attr(linear, "RowParallelLinear", "vllm linear"), "forward", tree.row_parallel_forward,
-         ["self", "input_"]),
+    ]
+    expert_targets = [
         (require_attr(unquantized_fused_moe_method, "UnquantizedFusedMoEMethod", "vllm fused_moe"),
          "process_weights_after_loading", tree.keep_expert_weights, ["self", "layer"]),
         (require_attr(routed_experts, "RoutedExperts", "vllm fused_moe.routed_experts"), "forward_modular",
@@ -278,13 +277,15 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH) -> TreeRedu
         (require_attr(moe_runner, "MoERunner", "vllm fused_moe.runner.moe_runner"), "_maybe_reduce_final_output",
          tree.runner_final_reduce, ["self", "states", "trunc_size", "output_is_reduced"]),
     ]
+    targets = ((linear_targets if "linear" in parts else []) + (head_targets if "lm_head" in parts else [])
+               + (expert_targets if "experts" in parts else []))
     for cls, name, _, expected in targets:
         params = list(inspect.signature(require_attr(cls, name, f"vllm {cls.__name__}")).parameters)
         if params != expected:
             raise UnsupportedEngineError(f"vllm {cls.__name__}.{name}{tuple(params)} has a signature this patch "
                                          "was not written for, nothing was patched")
-    handle = TreeReducePatch(f"vLLM TP-invariant tree forward (linear layers, LM head, row-parallel all-reduce, "
-                             f"MoE experts; leaf_width={leaf_width})", "process")
+    handle = TreeReducePatch(f"vLLM TP-invariant tree forward ({', '.join(parts)}, all-reduce; "
+                             f"leaf_width={leaf_width})", "process")
     for cls, name, make, _ in targets:
         handle.set_attr(cls, name, make(getattr(cls, name)), f"{cls.__name__}.{name}")
     handle.add_handle(patch_vllm_all_reduce(), "GroupCoordinator all-reduce")

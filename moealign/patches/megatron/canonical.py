@@ -1,0 +1,242 @@
+"""The canonical forward (:mod:`moealign.precision.canonical`) installed into a Megatron-core ``GPTModel`` (local
+spec), so its logits equal vLLM's under :mod:`moealign.patches.vllm.canonical` bit for bit.
+
+What is swapped (instance attributes on the model's modules, plus Megatron's ``apply_rotary_pos_emb`` as the
+attention module sees it):
+
+* ``ColumnParallelLinear`` / ``RowParallelLinear`` (QKV, output projection, the output layer) -> ``c_linear``;
+* every ``torch.nn.RMSNorm`` (input, pre-MLP, final, q / k layernorms) -> ``c_rms_norm``;
+* RoPE -> ``c_rope`` from the canonical table (positions read from Megatron's own frequencies:
+  ``freqs[p, 0] = p * inv_freq[0] = p`` exactly);
+* ``DotProductAttention`` -> ``c_attention`` (each query row over its unmasked keys);
+* ``TopKRouter.gating`` -> fp32 ``c_linear`` logits; ``TopKRouter.routing`` keeps Megatron's selection (so
+  RouterReplay still forces the recorded experts) and replaces the gates with ``c_gates``;
+* ``MoELayer.forward`` -> ``c_experts`` + ``c_combine`` over the routed experts (the token dispatcher's
+  ``dispatch_preprocess`` is still called, so the replay verifier sees the routing map).
+
+Everything stays differentiable: a training step's backward runs through the same forward. Refused at setup,
+naming it (:class:`~moealign.errors.CanonicalError`): tensor / expert / context parallelism, shared experts, a
+capacity factor, a latent MoE, grouped GEMM experts, RoPE fusion or interleaving or scaling, a custom softmax
+scale, packed sequences at run time, and any module of a class the canonical forward does not know.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import CanonicalError, ConfigError
+from ...handle import PatchHandle
+from ...precision import canonical as C
+
+__all__ = ["MEGATRON_OPS", "apply_canonical_forward"]
+
+MEGATRON_OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head")
+
+_PASSIVE = {"GPTModel", "LanguageModelEmbedding", "VocabParallelEmbedding", "Dropout", "TransformerBlock",
+            "ModuleList", "TransformerLayer", "SelfAttention", "IdentityOp", "IdentityFuncOp", "FusedScaleMaskSoftmax",
+            "SequentialMLP", "MLP", "MoEAllGatherTokenDispatcher", "RotaryEmbedding"}
+
+
+def _check_config(config) -> None:
+    problems = []
+    for name, bad in (("tensor_model_parallel_size", lambda v: v != 1), ("expert_model_parallel_size", lambda v: v != 1),
+                      ("expert_tensor_parallel_size", lambda v: v not in (None, 1)),
+                      ("context_parallel_size", lambda v: v != 1), ("sequence_parallel", bool),
+                      ("moe_shared_expert_intermediate_size", bool), ("moe_expert_capacity_factor", lambda v: v is not None),
+                      ("moe_latent_size", bool), ("moe_grouped_gemm", bool), ("apply_rope_fusion", bool),
+                      ("rotary_interleaved", bool), ("softmax_scale", lambda v: v is not None),
+                      ("apply_query_key_layer_scaling", bool), ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1)),
+                      ("moe_router_num_groups", lambda v: v not in (None, 1)), ("moe_router_enable_expert_bias", bool)):
+        value = getattr(config, name, None)
+        if value is not None and bad(value):
+            problems.append(f"{name}={value!r}")
+    if getattr(config, "moe_router_score_function", "softmax") != "softmax":
+        problems.append(f"moe_router_score_function={config.moe_router_score_function!r}")
+    if getattr(config, "gated_linear_unit", True) is not True or getattr(config, "activation_func", None) not in (
+            None, torch.nn.functional.silu):
+        problems.append("experts other than SwiGLU")
+    if problems:
+        raise CanonicalError("the canonical forward does not cover this Megatron config: " + ", ".join(problems))
+
+
+def _linear_forward(module, out_dtype=None):
+    def forward(input_, weight=None, runtime_gather_output=None):
+        w = module.weight if weight is None else weight
+        bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
+        out = C.c_linear(input_, w, bias, out_dtype=out_dtype)
+        return out, (module.bias if module.skip_bias_add else None)
+    return forward
+
+
+def _row_forward(module):
+    def forward(input_):
+        bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
+        return C.c_linear(input_, module.weight, bias), (module.bias if module.skip_bias_add else None)
+    return forward
+
+
+def _norm_forward(module):
+    def forward(x):
+        return C.c_rms_norm(x, module.weight, module.eps)
+    return forward
+
+
+def _rope(original, base: float):
+    def apply_rotary_pos_emb(t, freqs, config=None, cu_seqlens=None, mscale=1.0, cp_group=None):
+        if cu_seqlens is not None:
+            raise CanonicalError("the canonical forward does not cover packed (THD) sequences in Megatron")
+        if mscale != 1.0:
+            raise CanonicalError(f"the canonical RoPE does not cover a scaled rotary embedding (mscale={mscale})")
+        rot = freqs.shape[-1]
+        positions = freqs.reshape(freqs.shape[0], -1)[:, 0]           # p * inv_freq[0] = p exactly
+        cos, sin = C.rope_cos_sin(positions.round().to(torch.int64), rot, base)
+        return C.c_rope(t, cos[:, None], sin[:, None])
+    return apply_rotary_pos_emb
+
+
+def _attention_forward(module):
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise CanonicalError("the canonical attention does not cover packed sequences or an attention bias")
+        sq, b, heads, d = query.shape
+        if attention_mask is None:
+            raise CanonicalError("the canonical attention needs Megatron's attention mask (causal + padding)")
+        group = heads // key.shape[2]
+        head_map = torch.arange(heads, device=query.device) // group
+        mask = attention_mask.expand(b, 1, sq, key.shape[0])
+        outs = []
+        for i in range(b):
+            k = key[:, i][:, head_map][None]                 # [1, sk, heads, d]
+            v = value[:, i][:, head_map][None]
+            outs.append(C.c_attention(query[:, i], k, v, ~mask[i, 0]))
+        return torch.stack(outs, dim=1).reshape(sq, b, heads * d)
+    return forward
+
+
+def _router_gating(module):
+    def gating(input):
+        return C.c_linear(input, module.weight, module.bias, out_dtype=torch.float32)
+    return gating
+
+
+def _router_routing(module, original, renormalize: bool):
+    def routing(logits, padding_mask=None):
+        probs, routing_map = original(logits, padding_mask=padding_mask)
+        flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
+        T, E = flat.shape
+        ids = torch.arange(E, device=flat.device).expand(T, E)[routing_map].view(T, module.topk)
+        gates = C.c_gates(flat, ids, renormalize=renormalize)
+        dense = torch.zeros_like(flat).scatter(1, ids, gates)
+        return dense + (probs - probs.detach()).to(dense.dtype) * 0, routing_map   # keeps Megatron's aux-loss hooks
+    return routing
+
+
+def _moe_forward(module):
+    experts = module.experts.local_experts
+    num_experts = len(experts)
+
+    def expert(e):
+        mlp = experts[e]
+        return mlp.linear_fc1.weight, mlp.linear_fc2.weight
+
+    def forward(hidden_states, intermediate_tensors=None, padding_mask=None):
+        if intermediate_tensors is not None:
+            raise CanonicalError("the canonical MoE layer does not cover partial (CUDA-graph) MoE forwards")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        s, b, hidden = hidden_states.shape
+        probs, routing_map = module.route(hidden_states, padding_mask)
+        module.preprocess(hidden_states, probs, routing_map)          # the dispatcher sees the routes (verifier)
+        x = hidden_states.reshape(-1, hidden)
+        T = x.shape[0]
+        k = module.router.topk
+        ids = torch.arange(num_experts, device=x.device).expand(T, num_experts)[routing_map].view(T, k)
+        gates = torch.gather(probs.reshape(T, -1), 1, ids)
+        out = C.c_combine(C.c_experts(x, ids, expert, num_experts=num_experts), gates, x.dtype)
+        return out.view(s, b, hidden), None
+    return forward
+
+
+def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_positions: int,
+                            renormalize: bool = True, ops=MEGATRON_OPS) -> PatchHandle:
+    """Install the canonical ops ``ops`` (default all of :data:`MEGATRON_OPS`) into a Megatron ``GPTModel``.
+
+    ``rope_base`` / ``max_positions``: the checkpoint's RoPE theta and maximum position (the canonical table is
+    built for them; the model's own inverse frequencies must match). ``renormalize``: the top-k gates are
+    renormalised (Qwen3-MoE's ``norm_topk_prob``). Returns a :class:`~moealign.handle.PatchHandle` (scope
+    ``"module"``: Megatron's ``apply_rotary_pos_emb`` is swapped where the attention module reads it).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import attention as mg_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    ops = tuple(ops)
+    unknown = sorted(set(ops) - set(MEGATRON_OPS))
+    if unknown:
+        raise ConfigError(f"unknown canonical ops {unknown}; known: {list(MEGATRON_OPS)}")
+    config = model.config
+    _check_config(config)
+    escaped = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls.__name__ in _PASSIVE or isinstance(module, (ColumnParallelLinear, RowParallelLinear,
+                                                           DotProductAttention, MoELayer, TopKRouter,
+                                                           torch.nn.RMSNorm)):
+            continue
+        escaped.append(f"{name} ({cls.__name__})")
+    if escaped:
+        raise CanonicalError("the canonical forward does not cover these Megatron modules: " + ", ".join(escaped))
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if "rope" in ops:
+        if rotary is None:
+            raise CanonicalError("the canonical RoPE needs the model's rotary embedding (position_embedding_type=rope)")
+        inv = rotary.inv_freq.detach().double().cpu()
+        rot = 2 * inv.numel()
+        want = torch.tensor([1.0 / (float(rope_base) ** (2 * i / rot)) for i in range(inv.numel())],
+                            dtype=torch.float64)
+        if float(inv[0]) != 1.0 or not torch.allclose(inv, want, rtol=1e-6, atol=0):
+            raise CanonicalError(f"Megatron's rotary frequencies are not RoPE theta={rope_base} over {rot} dims "
+                                 "(scaled or interpolated RoPE is not covered)")
+        C.rope_reserve(max_positions, rot, rope_base, next(model.parameters()).device)
+
+    handle = PatchHandle(f"Megatron canonical forward ({', '.join(ops)}) on {type(model).__name__}", "module")
+    try:
+        output_layer = getattr(model, "output_layer", None)
+        for name, module in model.named_modules():
+            if module is output_layer:
+                if "lm_head" in ops:
+                    handle.set_attr(module, "forward", _linear_forward(module), f"{name}.forward")
+            elif isinstance(module, ColumnParallelLinear) and "linear" in ops:
+                handle.set_attr(module, "forward", _linear_forward(module), f"{name}.forward")
+            elif isinstance(module, RowParallelLinear) and "linear" in ops:
+                handle.set_attr(module, "forward", _row_forward(module), f"{name}.forward")
+            elif isinstance(module, torch.nn.RMSNorm) and "norm" in ops:
+                if module.eps is None:
+                    raise CanonicalError(f"Megatron norm {name!r} has no eps (torch's default): not covered")
+                handle.set_attr(module, "forward", _norm_forward(module), f"{name}.forward")
+            elif isinstance(module, DotProductAttention) and "attention" in ops:
+                handle.set_attr(module, "forward", _attention_forward(module), f"{name}.forward")
+            elif isinstance(module, TopKRouter) and "router" in ops:
+                handle.set_attr(module, "gating", _router_gating(module), f"{name}.gating")
+                handle.set_attr(module, "routing", _router_routing(module, module.routing, renormalize),
+                                f"{name}.routing")
+            elif isinstance(module, MoELayer) and "experts" in ops:
+                handle.set_attr(module, "forward", _moe_forward(module), f"{name}.forward")
+        if "rope" in ops:
+            handle.set_attr(mg_attention, "apply_rotary_pos_emb", _rope(mg_attention.apply_rotary_pos_emb,
+                                                                        float(rope_base)),
+                            "megatron.core.transformer.attention.apply_rotary_pos_emb")
+    except BaseException:
+        handle.undo()
+        raise
+    return handle
+
+
+def canonical_scale_ok(head_dim: int, scale: float | None) -> bool:
+    """True when an engine's attention scale is the canonical ``1 / sqrt(head_dim)`` (to the last bits)."""
+    return scale is None or math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12)

@@ -1,0 +1,291 @@
+"""The canonical forward (:mod:`moealign.precision.canonical`) installed into vLLM: every op of the model runs
+moealign's one implementation, so vLLM's log-probs equal Megatron's (under the same patch) bit for bit.
+
+Class-level, applied before the engine loads its model, in every vLLM process (the ``vllm.general_plugins``
+entry point does it from ``MOEALIGN_VLLM_PATCHES=canonical``; :func:`apply_canonical_forward` in-process):
+
+* linear layers, the LM head, the row-parallel all-reduce and every other all-reduce: the tree forward of
+  :func:`~moealign.patches.vllm.tree_reduce.apply_tree_reductions` at the canonical leaf width (TP-invariant);
+* ``RMSNorm`` (with its fused residual add), ``RotaryEmbedding`` (NeoX style, from the canonical table);
+* attention: ``CPUAttentionBackendImpl``: keys and values are also written to a shadow cache in the
+  canonical layout (one row per slot, any ISA), and each query row attends its own sequence's keys
+  ``0 .. position`` from it, prefill or decode alike (the paged cache's ISA-specific layout is never read);
+* the router: ``GateLinear`` keeps fp32 logits; ``FusedTopKRouter._compute_routing`` takes the canonical top-k
+  and gates (the recorder's capture hook still sees the chosen ids); the experts and their combine
+  (``RoutedExperts.forward_modular``, through the tree forward's experts);
+* the sampler's processed log-probs (``TopKTopPSampler.forward_cpu`` / ``forward_native``): the canonical
+  log-softmax of the same masked logits (the sampling itself is vLLM's).
+
+``ops`` selects a subset (the others stay stock): the negative controls and the diagnosis use it. A model with a
+module the canonical forward does not cover is refused by :func:`audit_canonical` (run in every worker after
+loading; the mismatch harness does), naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ...errors import CanonicalError, ConfigError
+from ...handle import PatchHandle
+from ...precision import canonical as C
+from .._version import UnsupportedEngineError, check_engine_version, engine_version, require_attr
+from .engine import SUPPORTED_VLLM_ENGINE
+
+__all__ = ["CanonicalPatch", "apply_canonical_forward", "audit_canonical", "VLLM_OPS"]
+
+#: The ops this patch can install (``linear`` covers every linear layer but the router and the LM head).
+VLLM_OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head", "log_softmax")
+
+
+class CanonicalPatch(PatchHandle):
+    """Undo handle of :func:`apply_canonical_forward` (``ops``: what it installed)."""
+
+    ops: tuple[str, ...] = ()
+
+
+def _count(module) -> None:
+    module._moealign_canonical = getattr(module, "_moealign_canonical", 0) + 1
+
+
+def _norm_forward(original):
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    def forward(self, x, residual=None):
+        if type(self) is not RMSNorm or self.variance_size_override is not None:
+            return original(self, x, residual)
+        _count(self)
+        weight = self.weight if self.has_weight else None
+        if residual is None:
+            return C.c_rms_norm(x, weight, self.variance_epsilon)
+        x = x + residual
+        return C.c_rms_norm(x, weight, self.variance_epsilon), x
+    return forward
+
+
+def _rope_forward(original):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    def forward(self, positions, query, key=None, *args, **kwargs):
+        if type(self) is not RotaryEmbedding or not self.is_neox_style or args or kwargs:
+            return original(self, positions, query, key, *args, **kwargs)
+        _count(self)
+        C.rope_reserve(self.max_position_embeddings, self.rotary_dim, self.base, positions.device)
+        pos = positions.flatten()
+        cos, sin = C.rope_cos_sin(pos, self.rotary_dim, self.base)
+        n = pos.shape[0]
+
+        def rotate(t):
+            shape = t.shape
+            return C.c_rope(t.reshape(n, -1, self.head_size), cos, sin).reshape(shape)
+        return rotate(query), (None if key is None else rotate(key))
+    return forward
+
+
+def _shadow(layer, kv_cache: torch.Tensor, key: torch.Tensor):
+    """The layer's shadow K / V cache ``[slots + 1, kv_heads, head]`` (the last row takes padded tokens)."""
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    slots = num_blocks * block_size
+    shadow = getattr(layer, "_moealign_shadow_kv", None)
+    if shadow is None or shadow[0].shape[0] != slots + 1 or shadow[0].dtype != key.dtype:
+        shape = (slots + 1, kv_heads, key.shape[-1])
+        shadow = (torch.zeros(shape, dtype=key.dtype, device=key.device),
+                  torch.zeros(shape, dtype=key.dtype, device=key.device), block_size)
+        layer._moealign_shadow_kv = shadow
+    return shadow
+
+
+def _kv_update(original):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        original(self, layer, key, value, kv_cache, slot_mapping)
+        if not getattr(self, "_moealign_canonical_attention", True):
+            return
+        shadow_k, shadow_v, _ = _shadow(layer, kv_cache, key)
+        n = slot_mapping.shape[0]
+        slot = slot_mapping.to(torch.int64)
+        slot = torch.where(slot < 0, shadow_k.shape[0] - 1, slot)
+        kv_heads, head = shadow_k.shape[1:]
+        shadow_k.index_copy_(0, slot, key[:n].reshape(n, kv_heads, head))
+        shadow_v.index_copy_(0, slot, value[:n].reshape(n, kv_heads, head))
+    return do_kv_cache_update
+
+
+def _attention_forward(original):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if attn_metadata is None:
+            return output
+        if getattr(layer, "_moealign_shadow_kv", None) is None:
+            raise CanonicalError(f"vLLM attention layer {getattr(layer, 'layer_name', '?')!r}: no canonical "
+                                 "shadow KV cache was written before its forward (the KV-cache update path changed)")
+        _count(layer)
+        shadow_k, shadow_v, block_size = layer._moealign_shadow_kv
+        n = attn_metadata.num_actual_tokens
+        qsl = attn_metadata.query_start_loc.to(torch.int64)
+        seq_lens = attn_metadata.seq_lens.to(torch.int64)
+        tokens = torch.arange(n, device=query.device)
+        req = torch.searchsorted(qsl[1:], tokens, right=True)
+        q_len = qsl[1:] - qsl[:-1]
+        pos = seq_lens[req] - q_len[req] + (tokens - qsl[req])          # each query's position in its sequence
+        L = int(attn_metadata.max_seq_len)
+        j = torch.arange(L, device=query.device)
+        table = attn_metadata.block_table.to(torch.int64)
+        blocks = table[req][:, (j // block_size).clamp_max(table.shape[1] - 1)]
+        slots = blocks * block_size + (j % block_size)[None]
+        keep = j[None] <= pos[:, None]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        head_map = torch.arange(heads, device=query.device) // (heads // kv_heads)
+        k = shadow_k[slots][:, :, head_map]
+        v = shadow_v[slots][:, :, head_map]
+        q = query[:n].reshape(n, heads, -1)
+        out = C.c_attention(q, k, v, keep)
+        output[:n].copy_(out.reshape(output[:n].shape))
+        return output
+    return forward
+
+
+def _gate_forward(original):
+    def forward(self, x):
+        _count(self)
+        return self._return(C.c_linear(x, self.weight, out_dtype=torch.float32))
+    return forward
+
+
+def router_problems(router) -> list[str]:
+    """What in a vLLM router the canonical router does not cover (empty: covered)."""
+    problems = []
+    if getattr(router, "scoring_func", "softmax") != "softmax":
+        problems.append(f"scoring {router.scoring_func!r}")
+    if getattr(router, "use_grouped_topk", False):
+        problems.append("grouped top-k")
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        problems.append("a score-correction bias")
+    if getattr(router, "custom_routing_function", None) is not None:
+        problems.append("a custom routing function")
+    if getattr(router, "routed_scaling_factor", 1.0) not in (None, 1.0):
+        problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
+    if getattr(router, "eplb_state", None) is not None:
+        problems.append("EPLB")
+    return problems
+
+
+def _routing(original):
+    def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        problems = router_problems(self)
+        if problems:
+            raise CanonicalError(f"vLLM {type(self).__name__}: the canonical router does not cover "
+                                 + ", ".join(problems))
+        _count(self)
+        logits = router_logits.to(torch.float32)
+        ids = C.c_topk(logits, self.top_k)
+        return C.c_gates(logits, ids, renormalize=self.renormalize), ids
+    return _compute_routing
+
+
+def _sampler(original):
+    def forward(self, logits, generators, k, p):
+        raw = logits.clone()
+        sampled, processed = original(self, logits, generators, k, p)
+        if processed is not None and self.logprobs_mode == "processed_logprobs":
+            processed = C.c_log_softmax(raw.to(torch.float32).masked_fill(processed == float("-inf"),
+                                                                         float("-inf")), -1)
+        return sampled, processed
+    return forward
+
+
+def _check_signature(cls, name: str, expected: list[str]) -> None:
+    params = list(inspect.signature(require_attr(cls, name, f"vllm {cls.__name__}")).parameters)
+    if params[:len(expected)] != expected:
+        raise UnsupportedEngineError(f"vllm {cls.__name__}.{name}{tuple(params)} has a signature the canonical "
+                                     "forward was not written for; nothing was patched")
+
+
+def apply_canonical_forward(ops=VLLM_OPS) -> CanonicalPatch:
+    """Install the canonical ops ``ops`` (default: all of :data:`VLLM_OPS`) into vLLM's classes (scope
+    ``"process"``; apply before the engine loads its model). ``undo()`` restores vLLM."""
+    ops = tuple(ops)
+    unknown = sorted(set(ops) - set(VLLM_OPS))
+    if unknown:
+        raise ConfigError(f"unknown canonical ops {unknown}; known: {list(VLLM_OPS)}")
+    _, version = engine_version("vllm", "moealign.patches.vllm.apply_canonical_forward needs vLLM")
+    check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    from vllm.model_executor.layers import layernorm
+    from vllm.model_executor.layers.fused_moe.router import cpu_router, fused_topk_router, gate_linear
+    from vllm.model_executor.layers.rotary_embedding import base as rope_base
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from .tree_reduce import apply_tree_reductions
+
+    targets = []
+    if "norm" in ops:
+        targets.append((layernorm.RMSNorm, "forward", _norm_forward))
+    if "rope" in ops:
+        targets.append((rope_base.RotaryEmbedding, "forward", _rope_forward))
+    if "attention" in ops:
+        impl = require_attr(cpu_attn, "CPUAttentionBackendImpl", "vllm cpu_attn")
+        _check_signature(impl, "forward", ["self", "layer", "query", "key", "value", "kv_cache", "attn_metadata",
+                                           "output"])
+        _check_signature(impl, "do_kv_cache_update", ["self", "layer", "key", "value", "kv_cache", "slot_mapping"])
+        targets += [(impl, "do_kv_cache_update", _kv_update), (impl, "forward", _attention_forward)]
+    if "router" in ops:
+        targets += [(require_attr(gate_linear, "GateLinear", "vllm gate_linear"), "forward", _gate_forward),
+                    (require_attr(fused_topk_router, "FusedTopKRouter", "vllm fused_topk_router"),
+                     "_compute_routing", _routing),
+                    (require_attr(cpu_router, "CPURouter", "vllm cpu_router"), "_compute_routing", _routing)]
+    if "log_softmax" in ops:
+        sampler = require_attr(topk_topp_sampler, "TopKTopPSampler", "vllm topk_topp_sampler")
+        for name in ("forward_cpu", "forward_native"):
+            _check_signature(sampler, name, ["self", "logits", "generators", "k", "p"])
+            targets.append((sampler, name, _sampler))
+    handle = CanonicalPatch(f"vLLM canonical forward ({', '.join(ops)})", "process")
+    handle.ops = ops
+    try:
+        tree_parts = {"linear", "lm_head", "experts"} & set(ops)
+        if tree_parts:
+            handle.add_handle(apply_tree_reductions(leaf_width=C.LEAF_WIDTH, parts=tuple(sorted(tree_parts))),
+                              "tree forward (linear layers, LM head, experts, all-reduce)")
+        for cls, name, make in targets:
+            handle.set_attr(cls, name, make(getattr(cls, name)), f"{cls.__name__}.{name}")
+    except BaseException:
+        handle.undo()
+        raise
+    return handle
+
+
+#: vLLM module classes with no arithmetic of their own (containers, identity, the embedding lookup, which is
+#: exact) or covered as part of a patched parent.
+_PASSIVE = {"ModuleList", "ModuleDict", "Sequential", "Identity", "VocabParallelEmbedding", "LogitsProcessor",
+            "Attention", "FusedMoE", "RoutedExperts", "MoERunner", "DefaultMoERunner", "SharedFusedMoE",
+            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
+            "Qwen3MoeSparseMoeBlock", "UnquantizedFusedMoEMethod", "FusedMoEModularKernel", "Sampler",
+            "TopKTopPSampler", "CPUUnquantizedExperts", "ApplyRotaryEmb"}
+#: covered class -> the op that covers it
+_COVERED = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "QKVParallelLinear": "linear",
+            "MergedColumnParallelLinear": "linear", "ColumnParallelLinear": "linear", "RowParallelLinear": "linear",
+            "ReplicatedLinear": "linear", "GateLinear": "router", "ParallelLMHead": "lm_head"}
+
+
+def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS) -> list[str]:
+    """The modules of a loaded vLLM model the canonical forward does not cover (``"name (Class)"``), given the
+    ops installed: every module must be passive (no arithmetic of its own) or of a class an installed op covers.
+    Runs in the worker that holds ``model`` (the harness sends it through ``collective_rpc``)."""
+    escaped = []
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if cls in _PASSIVE:
+            continue
+        op = _COVERED.get(cls)
+        if op is not None and op in ops:
+            if cls == "RotaryEmbedding" and not module.is_neox_style:
+                escaped.append(f"{name} ({cls}, GPT-J style)")
+            continue
+        if cls.endswith("Router") and "router" in ops:
+            continue
+        if not list(module.parameters(recurse=False)) and not list(module.buffers(recurse=False)) \
+                and not list(module.children()):
+            escaped.append(f"{name} ({cls})")
+        elif op is None or op not in ops:
+            escaped.append(f"{name} ({cls})")
+    return escaped

@@ -1,0 +1,376 @@
+"""The canonical forward: one implementation of every op of an MoE decoder, whose bits depend on nothing but
+the op's own inputs, so two engines that both run it agree bit for bit.
+
+Why the stock ops cannot: each engine has its own kernels (oneDNN / MKL GEMMs, fused RMSNorm, paged attention,
+fused MoE), and even one kernel's result depends on the batch size (GEMV vs GEMM), the thread count (a
+reduction split across threads), the vector width (an element in a vector's tail takes the scalar path: a
+``torch.exp`` of one value differs between SLEEF and libm) and the tensor-parallel cut. The canonical ops
+remove every such dependency *by construction*, using only operations whose IEEE result is fixed:
+
+* **Elementwise add, subtract, multiply, divide, sqrt, comparisons, max, rounding, frexp and dtype casts**:
+  correctly rounded (or exact) in every code path, scalar or vector, on any thread.
+* **Sums** (:func:`~moealign.precision.batch_invariant.fixed_tree_sum` and the leaf tree of
+  :mod:`moealign.precision.tree`): fixed trees of elementwise adds. The tree over a key axis pads to a power of
+  two, so a row with trailing zeros (masked keys) sums the same whatever the axis length: a decode step over
+  ``t + 1`` cached keys equals row ``t`` of a full-sequence forward.
+* **exp and log** (:func:`c_exp`, :func:`c_log`): range reduction and a fixed polynomial evaluated in float64
+  with elementwise ops only (error far below float32's rounding), then one rounding to the input dtype. No
+  libm, no SLEEF: the same bits in every position, process and engine.
+* **Linear layers** (:func:`c_linear`): :func:`~moealign.precision.tree.tree_linear` (each output element is
+  the leaf tree of its ``K`` products in fp32, leaf width :data:`LEAF_WIDTH`), so TP shards of ``K`` give
+  subtree roots that :func:`~moealign.precision.tree.tree_all_reduce` turns into the same bits as TP = 1.
+* **RoPE** (:func:`rope_cos_sin`): the cos / sin table is built in fixed 256-position chunks of float64
+  (under torch's parallel grain, so one thread; the same shape every time), rounded to float32 once.
+
+The formulas (one per op; both engines are patched to call exactly these):
+
+=================  ==========================================================================================
+RMSNorm            ``y = (x32 * (1 / sqrt(tree_sum(x32 * x32) / H + eps))).to(dtype) * w`` (residual add in
+                   the activation dtype before it, as both engines do)
+linear             ``tree_linear(x, W)`` (fp32 nodes) ``+ b``, cast to the activation dtype once
+RoPE (NeoX)        ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]`` in fp32, cast once; cos / sin from the table
+attention          per query row over its own valid keys (compacted to the front): ``s = tree_sum(q * k) *
+                   (1 / sqrt(d))``, ``p = c_exp(s - max s)``, ``o = tree_sum(p * v) / tree_sum(p)``; fp32, cast once
+router             logits = ``tree_linear(x, W_router)`` kept in fp32; top-k by a stable descending sort
+                   (ties: the lower expert id); gates over the chosen experts taken in ascending expert id:
+                   ``softmax`` of their logits (``renormalize``) or the full softmax's values
+experts            per (token, expert): ``act = (silu(g) * u).to(dtype)`` from the fp32 gate / up roots,
+                   ``y = tree_linear(act, W_down)`` (fp32; the TP partials tree-reduced)
+combine            ``sum_j gate_j * y_j`` over the chosen experts in ascending expert id, fp32, cast once
+log-softmax        ``x - max - c_log(fixed_tree_sum(c_exp(x - max)))`` in fp32 (``-inf`` entries stay ``-inf``)
+=================  ==========================================================================================
+
+Everything is differentiable (autograd through the elementwise ops; :func:`c_exp` / :func:`c_log` carry their
+own exact derivatives), so a trainer runs its backward through the same forward. The price is speed: these
+are elementwise-product kernels, not GEMMs (see ``tools/bench_aligned.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..errors import CanonicalError
+from .batch_invariant import fixed_tree_sum
+from .tree import tree_linear
+
+__all__ = [
+    "LEAF_WIDTH",
+    "OPS",
+    "CanonicalError",
+    "c_exp",
+    "c_log",
+    "c_silu",
+    "c_log_softmax",
+    "c_linear",
+    "c_rms_norm",
+    "rope_cos_sin",
+    "c_rope",
+    "c_attention",
+    "c_topk",
+    "c_gates",
+    "c_experts",
+    "c_combine",
+    "log_softmax_mode",
+]
+
+#: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree).
+LEAF_WIDTH = 32
+
+#: The canonical ops, as the engines' patches, the audit and the diagnosis name them.
+OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head", "log_softmax")
+
+_LN2_HI = 6.93147180369123816490e-01      # fdlibm's split of ln 2: n * _LN2_HI is exact for |n| < 2**11
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e+00
+_LN2 = math.log(2.0)
+_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(14)]        # Taylor on |r| <= ln2 / 2: error < 1e-17
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def _float_out(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _exp64(x: torch.Tensor) -> torch.Tensor:
+    """exp of a float64 tensor from elementwise ops only (range reduction, Horner, 2**n built from bits)."""
+    neg_inf = x == float("-inf")
+    x = x.clamp(-746.0, 710.0)
+    n = torch.round(x * _INV_LN2)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = torch.full_like(r, _EXP_COEFFS[-1])
+    for c in reversed(_EXP_COEFFS[:-1]):
+        p = p * r + c
+    ni = n.to(torch.int64)
+    half = torch.div(ni, 2, rounding_mode="floor")                 # 2**n as 2**half * 2**(n - half): no overflow
+    two = lambda e: ((e + 1023) << 52).view(torch.float64)         # noqa: E731  (e in [-1022, 1023])
+    out = p * two(half) * two(ni - half)
+    return out.masked_fill(neg_inf, 0.0)
+
+
+def _log64(x: torch.Tensor) -> torch.Tensor:
+    """log of a float64 tensor from elementwise ops only (frexp, an atanh series, e * ln 2)."""
+    m, e = torch.frexp(x)                     # x = m * 2**e, m in [0.5, 1)
+    small = m < _SQRT_HALF
+    m = torch.where(small, m * 2.0, m)
+    e = (e - small.to(e.dtype)).to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)                  # |s| <= 0.1716
+    s2 = s * s
+    acc = torch.full_like(s, 1.0 / 21.0)
+    for k in range(19, 0, -2):
+        acc = acc * s2 + 1.0 / k
+    out = (2.0 * s * acc + e * _LN2_LO) + e * _LN2_HI
+    out = torch.where(x == 0, float("-inf"), out)
+    out = torch.where(x == float("inf"), float("inf"), out)
+    return torch.where((x < 0) | torch.isnan(x), float("nan"), out)
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = _exp64(x.to(torch.float64)).to(_float_out(x))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
+class _Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _log64(x.to(torch.float64)).to(_float_out(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / x
+
+
+def c_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` with the same bits wherever the element sits (float32 out for half inputs; ``exp(-inf) = 0``)."""
+    return _Exp.apply(x)
+
+
+def c_log(x: torch.Tensor) -> torch.Tensor:
+    """``log(x)`` with the same bits wherever the element sits (``log 0 = -inf``, negative -> NaN)."""
+    return _Log.apply(x)
+
+
+def c_silu(x: torch.Tensor) -> torch.Tensor:
+    """``x / (1 + exp(-x))`` in fp32 (fp64 for fp64) with :func:`c_exp`."""
+    xf = x.to(_float_out(x))
+    return xf / (1.0 + c_exp(-xf))
+
+
+def c_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``log_softmax`` in fp32 (fp64 for fp64): ``x - max - log(tree_sum(exp(x - max)))``; ``-inf`` stays ``-inf``."""
+    xf = x.to(_float_out(x))
+    shifted = xf - xf.amax(dim=dim, keepdim=True)
+    return shifted - c_log(fixed_tree_sum(c_exp(shifted), dim)).unsqueeze(dim)
+
+
+def c_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             out_dtype: torch.dtype | None = None, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+    """``x @ weight.T + bias``: the leaf tree of each output's products (fp32 nodes), cast once to ``out_dtype``
+    (default ``x.dtype``; ``torch.float32`` keeps the root, e.g. the router's logits)."""
+    out = tree_linear(x, weight.to(x.dtype), leaf_width=leaf_width)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.to(out_dtype or x.dtype)
+
+
+def c_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``(x32 * (1 / sqrt(tree_sum(x32 * x32) / H + eps))).to(x.dtype) * weight``."""
+    xf = x.to(_float_out(x))
+    var = fixed_tree_sum(xf * xf, -1).unsqueeze(-1) / x.shape[-1]
+    y = (xf * (1.0 / torch.sqrt(var + eps))).to(x.dtype)
+    return y if weight is None else y * weight.to(x.dtype)
+
+
+_ROPE_CHUNK = 256
+_ROPE_TABLES: dict[tuple[int, float, str], torch.Tensor] = {}
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` ``[*positions.shape, rotary_dim // 2]`` float32 from the process's canonical table.
+
+    ``inv_freq[i] = 1 / base ** (2i / rotary_dim)`` (Python floats); the table grows in fixed chunks of 256
+    positions, each ``cos`` / ``sin`` of a ``[256, rotary_dim // 2]`` float64 tensor, so an entry's bits do not
+    depend on how far the table reaches or who built it. Reading it syncs nothing (the table is sized from the
+    engine's max position at setup: :func:`rope_reserve`).
+    """
+    key = (int(rotary_dim), float(base), str(positions.device))
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        raise CanonicalError(f"the canonical RoPE table for rotary_dim={rotary_dim}, base={base} on "
+                             f"{positions.device} was not reserved (rope_reserve at setup)")
+    cs = table[positions.long()]
+    return cs[..., 0, :], cs[..., 1, :]
+
+
+def rope_reserve(max_positions: int, rotary_dim: int, base: float, device: torch.device | str = "cpu") -> None:
+    """Build (or extend) the canonical cos / sin table to ``max_positions`` positions (setup time)."""
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise CanonicalError(f"the canonical RoPE needs an even rotary dim, got {rotary_dim}")
+    key = (int(rotary_dim), float(base), str(torch.device(device)))
+    have = _ROPE_TABLES.get(key)
+    have_n = 0 if have is None else have.shape[0]
+    want = -(-int(max_positions) // _ROPE_CHUNK) * _ROPE_CHUNK
+    if want <= have_n:
+        return
+    half = rotary_dim // 2
+    inv_freq = torch.tensor([1.0 / (float(base) ** (2 * i / rotary_dim)) for i in range(half)], dtype=torch.float64)
+    chunks = [] if have is None else [have.cpu()]
+    for start in range(have_n, want, _ROPE_CHUNK):
+        pos = torch.arange(start, start + _ROPE_CHUNK, dtype=torch.float64)[:, None]
+        freqs = pos * inv_freq[None]
+        chunks.append(torch.stack([torch.cos(freqs), torch.sin(freqs)], dim=1).to(torch.float32))
+    _ROPE_TABLES[key] = torch.cat(chunks).to(device)
+
+
+def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation of the first ``2 * cos.shape[-1]`` dims of ``x [..., heads, head_dim]``; ``cos`` /
+    ``sin`` ``[..., rot / 2]`` broadcast over heads. fp32 arithmetic, cast once; the rest of each head passes."""
+    half = cos.shape[-1]
+    xf = x.to(torch.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+    return out.to(x.dtype)
+
+
+def _compact(keep: torch.Tensor) -> torch.Tensor:
+    """For a bool key mask ``[Q, L]`` (True: attend), the key order with the kept keys first, in key order."""
+    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
+
+
+def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                max_elements: int = 1 << 24) -> torch.Tensor:
+    """Attention of each query row over its own kept keys.
+
+    ``q [Q, H, d]``; ``k, v [Q, L, H, d]`` (each row's keys, heads already expanded for GQA; an ``expand``ed view
+    costs nothing); ``keep [Q, L]`` bool. Kept keys are compacted to the front (stable), so the trees see the same
+    leading values whatever the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in
+    ``q.dtype``. Queries are processed in chunks bounded by ``max_elements`` products (no effect on the bits).
+    """
+    Q, H, d = q.shape
+    L = k.shape[1]
+    k, v = k.expand(Q, -1, -1, -1), v.expand(Q, -1, -1, -1)          # views: a shared key set costs nothing
+    scale = 1.0 / math.sqrt(d)
+    out = []
+    step = max(1, max_elements // max(1, L * H * d))
+    for start in range(0, Q, step):
+        sl = slice(start, min(Q, start + step))
+        order = _compact(keep[sl])
+        kept = torch.gather(keep[sl], 1, order)
+        idx = order[:, :, None, None].expand(-1, -1, H, d)
+        ks = torch.gather(k[sl], 1, idx).float()
+        vs = torch.gather(v[sl], 1, idx).float()
+        qf = q[sl].float()
+        scores = fixed_tree_sum(qf[:, None] * ks, -1) * scale                      # [q, L, H]
+        scores = scores.masked_fill(~kept[:, :, None], float("-inf"))
+        p = c_exp(scores - scores.amax(dim=1, keepdim=True))
+        denom = fixed_tree_sum(p, 1)                                                # [q, H]
+        o = fixed_tree_sum(p[..., None] * vs, 1)                                    # [q, H, d]
+        out.append((o / denom[..., None]).to(q.dtype))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def c_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` experts of each row ``[T, E]`` with the largest logits (stable: ties go to the lower id),
+    returned in ascending expert id ``[T, k]`` int64."""
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.sort(order, dim=-1).values
+
+
+def c_gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
+    """The gate of each chosen expert ``[T, k]`` fp32 from fp32 router logits ``[T, E]`` and ids ``[T, k]`` in
+    ascending order: ``softmax`` over the chosen logits (``renormalize``: equal to the full softmax renormalised,
+    in exact arithmetic) or the full softmax's value at each chosen expert."""
+    lf = logits.to(torch.float32)
+    if renormalize:
+        chosen = torch.gather(lf, 1, ids)
+        e = c_exp(chosen - chosen.amax(dim=-1, keepdim=True))
+        return e / fixed_tree_sum(e, -1).unsqueeze(-1)
+    full = c_exp(c_log_softmax(lf, -1))
+    return torch.gather(full, 1, ids)
+
+
+def c_experts(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *,
+              num_experts: int, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+    """Each (token, slot)'s expert output ``[T, k, H]`` fp32 (the down projection's root: on a TP shard of the
+    expert's intermediate axis, that shard's subtree root, to be tree-all-reduced).
+
+    ``expert(e)`` gives expert ``e``'s ``(w_gate_up [2I, H], w_down [H, I])`` (gate rows first), in ``x``'s dtype.
+    """
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    out = torch.zeros(T * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        rows = (flat == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        w13, w2 = expert(e)
+        inter = w13.shape[0] // 2
+        xe = x.index_select(0, torch.div(rows, k, rounding_mode="floor"))
+        gate_up = c_linear(xe, w13, out_dtype=torch.float32, leaf_width=leaf_width)
+        act = (c_silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        out = out.index_copy(0, rows, c_linear(act, w2, out_dtype=torch.float32, leaf_width=leaf_width))
+    return out.view(T, k, -1)
+
+
+def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j gates[:, j] * partials[:, j]`` left to right over the (ascending-id) slots, fp32, cast once."""
+    g = gates.to(torch.float32)
+    out = partials[:, 0] * g[:, :1]
+    for j in range(1, partials.shape[1]):
+        out = out + partials[:, j] * g[:, j:j + 1]
+    return out.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
+# log_softmax as an aten override (the trainer's scoring calls torch.log_softmax)
+
+
+def _aten_log_softmax(x, dim, half_to_float):
+    out = c_log_softmax(x, dim)
+    return out if (half_to_float or x.dtype in (torch.float32, torch.float64)) else out.to(x.dtype)
+
+
+class _LogSoftmaxMode:
+    lib: torch.library.Library | None = None
+    depth = 0
+
+
+def log_softmax_mode():
+    """A context manager under which ``torch.log_softmax`` (``aten::_log_softmax``, CPU and CUDA) is
+    :func:`c_log_softmax`, so scoring code written with ``torch.log_softmax`` runs the canonical op (a
+    :class:`~moealign.handle.PatchHandle`, scope ``"process"``; nested uses share one override)."""
+    from ..handle import PatchHandle
+
+    handle = PatchHandle("aten::_log_softmax -> the canonical log-softmax", "process")
+    if _LogSoftmaxMode.depth == 0:
+        import warnings
+
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")     # overriding the kernel is the point
+            for key in ["CPU"] + (["CUDA"] if torch.cuda.is_available() else []):
+                lib.impl("_log_softmax", _aten_log_softmax, key)
+        _LogSoftmaxMode.lib = lib
+    _LogSoftmaxMode.depth += 1
+
+    def release() -> None:
+        _LogSoftmaxMode.depth -= 1
+        if _LogSoftmaxMode.depth == 0 and _LogSoftmaxMode.lib is not None:
+            _LogSoftmaxMode.lib._destroy()
+            _LogSoftmaxMode.lib = None
+
+    handle.add_callback(release, "aten::_log_softmax override")
+    return handle
