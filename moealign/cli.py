@@ -52,7 +52,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
         device=args.device, save_record=args.save_record, load_record=args.load_record,
         diagnose=bool(args.diagnose), report_dir=args.report, inject_fault=args.inject_fault,
-        rollout_tp=args.rollout_tp)
+        rollout_tp=args.rollout_tp, aligned=bool(args.aligned), aligned_skip=_aligned_skip(args.aligned_skip))
     if args.sweep and (args.diagnose or args.report or args.inject_fault):
         raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
                           "to one mismatch test; drop --sweep")
@@ -67,6 +67,10 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     else:
         report = run_mismatch(cfg, progress=progress, log=log)
     table = format_sweep(sweep) if args.sweep else format_table(report)
+    if not args.sweep and "aligned" in report:
+        from .mismatch.run import format_aligned
+
+        table += "\n" + format_aligned(report["aligned"])
     if not args.sweep and "diagnosis" in report:
         from .mismatch.report import format_diagnosis
 
@@ -93,6 +97,11 @@ def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
                           f"drop {'them' if len(other) > 1 else 'it'}")
     result = run_contract_check(cfg, log=log)
     return _finish("mismatch", format_contract(result["fields"]), result, args.json, gap_lines(result["fields"]))
+
+
+def _aligned_skip(text: str | None) -> tuple:
+    """``--aligned-skip attention,rope`` -> ``("attention", "rope")`` (checked by MismatchConfig)."""
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
 
 
 #: The engines of ``moealign mismatch`` when --rollout / --train are not given (the API's MismatchConfig keeps
@@ -172,6 +181,12 @@ def _add_mismatch(sub) -> None:
                    help="attention of the transformers engines (default: bi, the batch-invariant attention, with "
                    "--batch-invariant, else transformers' default, sdpa); --batch-invariant --attention sdpa or "
                    "eager leaves a decode-vs-full gap")
+    p.add_argument("--aligned", action="store_true",
+                   help="the canonical forward on both engines (vLLM -> Megatron, qwen3_moe, CPU): every op "
+                   "(linear, norm, RoPE, attention, router, experts, LM head, log-softmax) one moealign implementation, "
+                   "so the fully aligned run is bitwise equal; one precision on both sides (default bf16)")
+    p.add_argument("--aligned-skip", metavar="OPS",
+                   help="with --aligned: leave these canonical ops stock (comma-separated; a negative control)")
     p.add_argument("--sweep", action="store_true",
                    help="run the standard precision configurations on the same prompts (bf16 vs fp32, fp16 vs "
                    "fp16, fp8 aligned, fp8 vs bf16, fp32 vs fp32, fully aligned) and print one compact table; "

@@ -249,7 +249,8 @@ class VLLMRolloutEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None, tp: int = 1):
+                 batch_invariant: bool = False, attention: str | None = None, tp: int = 1, aligned: bool = False,
+                 aligned_skip=()):
         from ..precision.policy import to_vllm_engine_args, vllm_gaps
 
         policy = resolve_precision(precision)
@@ -273,6 +274,7 @@ class VLLMRolloutEngine:
         # an fp32 router / LM head: built by moealign's class-level patch (this process runs the model), undone
         # on close; the live model is then audited against the policy
         self._precision = apply_precision(policy) if needs_patch(policy) else None
+        self.aligned = _AlignedVllm(aligned_skip) if aligned else None
         try:
             if tp != 1:
                 extra["tensor_parallel_size"] = tp      # stock reductions unless MOEALIGN_VLLM_PATCHES=tree
@@ -280,9 +282,12 @@ class VLLMRolloutEngine:
                     from ..tp_check import _cpu_bind    # vLLM's CPU build binds each rank to its own cores
 
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(tp)
-            self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
+            with (self.aligned.environment() if self.aligned else contextlib.nullcontext()):
+                self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
             if self._precision is not None:
                 audit_vllm(self.llm, policy)
+            if self.aligned:
+                self.aligned.audit(self.llm)
         except BaseException:
             self.close()
             raise
@@ -293,6 +298,8 @@ class VLLMRolloutEngine:
 
         record = generate_with_record(self.llm, list(prompts), sampling=sampling, max_new_tokens=max_new_tokens,
                                       seed=seed)
+        if self.aligned:
+            self.aligned.audit(self.llm, ran=True)
         if progress:
             progress(len(prompts))
         return record
@@ -308,6 +315,54 @@ class VLLMRolloutEngine:
         if getattr(self, "_precision", None) is not None:
             self._precision.undo()
             self._precision = None
+        if getattr(self, "aligned", None) is not None:
+            self.aligned.close()
+
+
+class _AlignedVllm:
+    """``--aligned`` on the vLLM side: the plugin's canonical patch in every vLLM process (this one included
+    when the engine runs here), the audit of every worker's model, and the undo of the in-process patch."""
+
+    def __init__(self, skip):
+        from ..precision.canonical import OPS
+
+        self.skip = tuple(skip)
+        self.ops = tuple(op for op in OPS if op not in self.skip)
+
+    @contextlib.contextmanager
+    def environment(self):
+        from ..patches.vllm.plugin import ENV, spec_for
+
+        saved = os.environ.get(ENV)
+        os.environ[ENV] = spec_for(canonical=True, canonical_skip=self.skip)
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved
+
+    def audit(self, llm, *, ran: bool = False) -> None:
+        """Every worker's model runs only canonical ops (``ran``: and each patched module ran its canonical path
+        in the last generation); else :class:`~moealign.errors.CanonicalError` naming what escaped."""
+        import functools
+
+        from ..errors import CanonicalError
+        from ..patches.vllm.canonical import audit_canonical
+
+        escaped = sorted({name for worker in llm.apply_model(functools.partial(audit_canonical, ops=self.ops,
+                                                                               ran=ran))
+                          for name in worker})
+        if escaped:
+            raise CanonicalError(f"--aligned: these vLLM modules {'did not run' if ran else 'are not covered by'} the "
+                                 f"canonical forward: {', '.join(escaped[:12])}"
+                                 + (f" (+{len(escaped) - 12} more)" if len(escaped) > 12 else ""))
+
+    def close(self) -> None:
+        from ..patches.vllm.plugin import unload
+
+        unload("canonical")
 
 
 class HFTrainEngine:
@@ -391,7 +446,8 @@ class MegatronTrainEngine:
     name = "megatron"
 
     def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None):
+                 batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
+                 aligned_skip=()):
         from ..patches import hf
         from ..patches import megatron as mg
         from ..patches.hf.loading import load_model
@@ -415,21 +471,28 @@ class MegatronTrainEngine:
             raise ConfigError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
                               f"needs transformer-engine layers, which the engine's local spec does not use; use "
                               f"--train hf (simulated FP8)") from exc
-        if device.startswith("cuda") != torch.cuda.is_available():
-            raise ConfigError(f"the megatron engine runs on cuda when CUDA is available and on cpu otherwise, "
-                             f"not on {device!r}")
+        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+            raise ConfigError(f"the megatron engine runs on cpu, or on cuda where CUDA is available, not on {device!r}")
         self.precision, self.dtype, self.device = policy.name, short_dtype(fields["params_dtype"]), device
         self.batch_invariant = bool(batch_invariant)
-        self._world = mg.init_single_process()
+        # device="cpu" pins Megatron's CPU mode even where CUDA is available (--device cpu on a GPU machine)
+        self._world = mg.init_single_process(device="cpu" if device == "cpu" else "cuda")
         try:
             hf_model, _ = load_model(model_path, "fp32", "cpu")
             self._meta = hf.record_meta(hf_model)
             self._hf_config = hf_model.config          # the contract's transformers names (contract())
             pad = hf_model.generation_config.pad_token_id
             self.pad_token_id = int(pad) if isinstance(pad, int) else 0
-            self.model = mc.build_megatron_from_hf(hf_model, **fields)
+            self.model = mc.build_megatron_from_hf(hf_model, cpu=device == "cpu", **fields)
             del hf_model
             self.model.to(device).eval()
+            self.aligned = None
+            if aligned:
+                from ..patches.megatron.canonical import apply_canonical_forward_from_hf
+                from ..precision.canonical import OPS
+
+                self.aligned = apply_canonical_forward_from_hf(
+                    self.model, self._hf_config, ops=[op for op in OPS if op not in aligned_skip])
             self.driver = mg.RouterReplayDriver(self.model, aux_loss="own")
         except BaseException:
             self._world.undo()
@@ -501,6 +564,9 @@ class MegatronTrainEngine:
         if getattr(self, "driver", None) is not None:
             self.driver.undo()
             self.driver = None
+        if getattr(self, "aligned", None) is not None:
+            self.aligned.undo()
+            self.aligned = None
         self.model = None
         if getattr(self, "_world", None) is not None:
             self._world.undo()

@@ -121,6 +121,8 @@ class MismatchConfig:
     report_dir: str | None = None       # write report.html + report.json there (implies diagnose)
     inject_fault: str | None = None     # a known fault (moealign.mismatch.faults), to check the diagnosis
     rollout_tp: int | None = None       # vLLM rollout: tensor-parallel size (default 1)
+    aligned: bool = False               # the canonical forward on both engines (vLLM -> Megatron; bitwise)
+    aligned_skip: tuple = ()            # canonical ops left stock (negative controls)
 
     def __post_init__(self):
         if self.load_record is not None:
@@ -128,6 +130,8 @@ class MismatchConfig:
             if given:
                 raise ConfigError(f"{', '.join(given)}: rollout option(s) given with --load-record, which scores the "
                                   f"record as it was sampled (its own sampling parameters and engine); drop them")
+        if self.aligned is True:
+            self._aligned_defaults()
         for name, value in DEFAULTS.items():
             if getattr(self, name) is None and not name.endswith("_precision"):   # precisions: after the aliases
                 setattr(self, name, value)
@@ -193,6 +197,7 @@ class MismatchConfig:
                 raise ConfigError("--rollout-tp > 1 needs --rollout vllm (the transformers engine runs on one device)")
         if not isinstance(self.diagnose, bool):
             raise ConfigError(f"diagnose must be a bool, got {self.diagnose!r}")
+        self._check_aligned()
         if self.report_dir is not None:
             self.diagnose = True
         if self.inject_fault is not None:
@@ -206,6 +211,53 @@ class MismatchConfig:
             if layers is not None and fault.layer >= layers:
                 raise ConfigError(f"--inject-fault weights:layer={fault.layer}: the model has {layers} decoder layers "
                                   f"(0 .. {layers - 1})")
+
+    def _aligned_defaults(self) -> None:
+        """``--aligned``: one precision for both sides (the one given, else bf16); the default engines."""
+        given = {getattr(self, f"{side}_{kind}") for side in ("rollout", "train") for kind in ("precision", "dtype")}
+        given.discard(None)
+        if len(given) > 1:
+            raise ConfigError(f"--aligned runs one precision on both engines; got {sorted(given)}")
+        value = given.pop() if given else "bf16"
+        for side in ("rollout", "train"):
+            if getattr(self, f"{side}_dtype") is None:
+                setattr(self, f"{side}_precision", value)
+
+    def _check_aligned(self) -> None:
+        """``--aligned``: what the canonical forward covers, checked before any work (each refusal names it)."""
+        if not isinstance(self.aligned, bool):
+            raise ConfigError(f"aligned must be a bool, got {self.aligned!r}")
+        skip = tuple(self.aligned_skip or ())
+        if not self.aligned:
+            if skip:
+                raise ConfigError("--aligned-skip leaves canonical ops stock: it needs --aligned")
+            return
+        from ..precision.canonical import OPS
+
+        unknown = sorted(set(skip) - set(OPS))
+        if unknown:
+            raise ConfigError(f"--aligned-skip: unknown ops {unknown}; the canonical ops are {list(OPS)}")
+        self.aligned_skip = tuple(op for op in OPS if op in skip)
+        if self.load_record is not None:
+            raise ConfigError("--aligned runs the canonical forward in the rollout engine too: it cannot score a "
+                              "--load-record")
+        if self.rollout_engine != "vllm" or self.train_engine != "megatron":
+            raise ConfigError(f"--aligned covers --rollout vllm --train megatron (the canonical forward is installed "
+                              f"in those two engines), not --rollout {self.rollout_engine} --train {self.train_engine}")
+        if self.rollout_precision != self.train_precision or self.rollout_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not rollout "
+                              f"{self.rollout_precision} / train {self.train_precision}")
+        if self.batch_invariant or self.attention is not None:
+            raise ConfigError("--aligned is the canonical forward; --batch-invariant / --attention select other ops")
+        if self.diagnose or self.inject_fault is not None:
+            raise ConfigError("--aligned with --diagnose / --report / --inject-fault: use --aligned-skip OP for a "
+                              "negative control (that op left stock)")
+        if self.resolved_device() != "cpu":
+            raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
+                              "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")
+        from ..precision.canonical import check_canonical_model
+
+        check_canonical_model(read_model_config(self.model_path()))
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the
@@ -304,7 +356,8 @@ def make_rollout_engine(cfg: MismatchConfig, model_path: str, device: str) -> Ro
     """The rollout engine ``cfg`` names, loaded with its precision policy (the caller closes it)."""
     return open_engine(ROLLOUT_ENGINES[cfg.rollout_engine], f"the {cfg.rollout_engine} rollout engine", model_path,
                        cfg.rollout_precision, device, batch_invariant=cfg.batch_invariant, attention=cfg.attention,
-                       **({"tp": cfg.rollout_tp} if cfg.rollout_tp not in (None, 1) else {}))
+                       **({"tp": cfg.rollout_tp} if cfg.rollout_tp not in (None, 1) else {}),
+                       **({"aligned": True, "aligned_skip": cfg.aligned_skip} if cfg.aligned else {}))
 
 
 def rollout_prompts(cfg: MismatchConfig) -> list[str]:

@@ -122,7 +122,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         trainer = ReplayOffTrainer(trainer)
     try:
         sides = score_record(record, trainer, batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant,
-                             progress=progress)
+                             progress=progress,
+                             canonical_log_softmax=cfg.aligned and "log_softmax" not in cfg.aligned_skip)
         train_desc = describe_engine(trainer)
         extra = {}
         if cfg.diagnose:
@@ -137,6 +138,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
                           train=train_desc, sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
                           device=device, started=t0)
     report.update(extra)
+    if cfg.aligned:
+        report["aligned"] = aligned_section(cfg, record, sides)
     report["warnings"] = route_warnings(sides) + warned
     if fault is not None:
         report["injected_fault"] = fault.describe()
@@ -147,6 +150,31 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
     return report
+
+
+def aligned_section(cfg: MismatchConfig, record, sides: dict) -> dict:
+    """``--aligned``: the ops the canonical forward ran on both engines, those left stock, and whether the fully
+    aligned run (routing replay + the sampling mask) reproduced the rollout's log-probs bit for bit
+    (``torch.equal``)."""
+    from ..precision.canonical import OPS
+
+    rollout_lp = torch.cat([s.logprobs.float() for s in record.samples])
+    trained = sides[True].logprobs(record.has_kept_sets)
+    diff = (trained.double() - rollout_lp.double()).abs()
+    return {"ops": [op for op in OPS if op not in cfg.aligned_skip], "stock_ops": list(cfg.aligned_skip),
+            "run": "routing_replay+sampling_mask" if record.has_kept_sets else "routing_replay",
+            "bitwise_equal": bool(torch.equal(trained, rollout_lp)), "num_tokens": int(rollout_lp.numel()),
+            "tokens_differing": int((diff > 0).sum()), "max_abs_logp_diff": float(diff.max()) if diff.numel() else 0.0}
+
+
+def format_aligned(section: dict) -> str:
+    """The report's ``aligned`` section as one line."""
+    stock = f"; left stock: {', '.join(section['stock_ops'])}" if section["stock_ops"] else ""
+    verdict = ("bitwise equal (torch.equal)" if section["bitwise_equal"] else
+               f"NOT bitwise equal: {section['tokens_differing']} of {section['num_tokens']} tokens differ, "
+               f"max |dlogp| {section['max_abs_logp_diff']:.3g}")
+    return (f"aligned: the canonical forward on both engines ({', '.join(section['ops'])}{stock}); "
+            f"{section['run']}: {section['num_tokens']} log-probs {verdict}")
 
 
 def route_warnings(sides: dict) -> list[str]:

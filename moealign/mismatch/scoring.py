@@ -11,12 +11,14 @@ truncation and of the kept set it uses, and the router flips of the experts it u
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import ConfigError
 from ..precision.batch_invariant import batch_invariant_mode
+from ..precision.canonical import log_softmax_mode
 from ..record import RolloutRecord, concat_kept_sets
 from ..routing_replay.flips import RouteFlipMetrics, route_flip_metrics
 from ..routing_replay.sampling_mask import (
@@ -67,7 +69,8 @@ def make_train_engine(cfg: MismatchConfig, model_path: str, device: str) -> Trai
     """The training engine ``cfg`` names, loaded with its precision policy (the caller closes it)."""
     return open_engine(TRAIN_ENGINES[cfg.train_engine], f"the {cfg.train_engine} training engine", model_path,
                        cfg.train_precision, device, batch_invariant=cfg.batch_invariant,
-                       attention=cfg.attention if cfg.train_engine == "hf" else None)
+                       attention=cfg.attention if cfg.train_engine == "hf" else None,
+                       **({"aligned": True, "aligned_skip": cfg.aligned_skip} if cfg.aligned else {}))
 
 
 def train_message(cfg: MismatchConfig, record: RolloutRecord) -> str:
@@ -97,10 +100,11 @@ def score_batch(record: RolloutRecord, indices, fwd: TrainForward, side: SideSco
 
 
 def score_record(record: RolloutRecord, trainer: TrainEngine, *, batch_size: int, batch_invariant: bool = False,
-                 progress: bool = False) -> dict[bool, SideScores]:
+                 progress: bool = False, canonical_log_softmax: bool = False) -> dict[bool, SideScores]:
     """Score every sample of ``record`` with ``trainer`` in micro-batches of ``batch_size``, without and with
     routing replay: ``{False: scores, True: scores}`` (flips measured against the record's routes). The
-    log-prob arithmetic runs under ``batch_invariant_mode`` when ``batch_invariant``."""
+    log-prob arithmetic runs under ``batch_invariant_mode`` when ``batch_invariant``, and under the canonical
+    log-softmax (:func:`moealign.precision.canonical.log_softmax_mode`) when ``canonical_log_softmax``."""
     record.meta.check_matches(trainer.meta(), what="training model")
     sides = {False: SideScores(), True: SideScores()}
     batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
@@ -108,7 +112,8 @@ def score_record(record: RolloutRecord, trainer: TrainEngine, *, batch_size: int
     for replay in (False, True):
         for indices in batches:
             fwd = trainer.forward(record, indices, replay=replay)
-            with batch_invariant_mode(batch_invariant):
+            with batch_invariant_mode(batch_invariant), \
+                    (log_softmax_mode() if canonical_log_softmax else contextlib.nullcontext()):
                 score_batch(record, indices, fwd, sides[replay])
             update(len(indices))
     if bar is not None:

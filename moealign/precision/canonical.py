@@ -74,6 +74,8 @@ __all__ = [
     "c_experts",
     "c_combine",
     "log_softmax_mode",
+    "COVERED_FAMILIES",
+    "check_canonical_model",
 ]
 
 #: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree).
@@ -332,6 +334,41 @@ def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -
     for j in range(1, partials.shape[1]):
         out = out + partials[:, j] * g[:, j:j + 1]
     return out.to(dtype)
+
+
+#: The model families whose every op the canonical forward covers in both engines (verified bitwise).
+COVERED_FAMILIES = ("qwen3_moe",)
+
+
+def check_canonical_model(config: dict) -> None:
+    """Refuse (naming it) a checkpoint ``config.json`` the canonical forward does not cover: another family, sliding
+    window attention, attention sinks, MLA, scaled RoPE, dense MLP layers, a non-SiLU activation."""
+    family = config.get("model_type")
+    if family not in COVERED_FAMILIES:
+        raise CanonicalError(f"--aligned covers {list(COVERED_FAMILIES)} checkpoints; model_type {family!r} is not "
+                             "covered (its ops have not been verified in both engines)")
+    problems = []
+    if config.get("use_sliding_window"):
+        problems.append("sliding-window attention")
+    if config.get("layer_types") and any(t != "full_attention" for t in config["layer_types"]):
+        problems.append(f"layer types {sorted(set(config['layer_types']))}")
+    if any(key in config for key in ("kv_lora_rank", "q_lora_rank")):
+        problems.append("MLA attention")
+    if config.get("sinks") or config.get("attention_sinks"):
+        problems.append("attention sinks")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        problems.append(f"RoPE type {rope.get('rope_type') or rope.get('type')!r}")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor={config['partial_rotary_factor']}")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']!r}")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step)")
+    if config.get("shared_expert_intermediate_size"):
+        problems.append("shared experts")
+    if problems:
+        raise CanonicalError(f"--aligned does not cover this {family} checkpoint: " + ", ".join(problems))
 
 
 # --------------------------------------------------------------------------------------------------------

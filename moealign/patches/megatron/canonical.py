@@ -30,7 +30,7 @@ from ...errors import CanonicalError, ConfigError
 from ...handle import PatchHandle
 from ...precision import canonical as C
 
-__all__ = ["MEGATRON_OPS", "apply_canonical_forward"]
+__all__ = ["MEGATRON_OPS", "apply_canonical_forward", "apply_canonical_forward_from_hf"]
 
 MEGATRON_OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head")
 
@@ -237,6 +237,14 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
     return handle
 
 
-def canonical_scale_ok(head_dim: int, scale: float | None) -> bool:
-    """True when an engine's attention scale is the canonical ``1 / sqrt(head_dim)`` (to the last bits)."""
-    return scale is None or math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12)
+def apply_canonical_forward_from_hf(model: torch.nn.Module, hf_config, *, ops=MEGATRON_OPS) -> PatchHandle:
+    """:func:`apply_canonical_forward` with the RoPE theta, the maximum position and the gate renormalisation
+    read from the transformers config the model was converted from (``ops`` outside :data:`MEGATRON_OPS`, such as
+    the scoring's ``log_softmax``, are not Megatron's and are ignored)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if base is None:
+        raise CanonicalError("the checkpoint's config names no RoPE theta (rope_parameters.rope_theta)")
+    return apply_canonical_forward(model, rope_base=float(base), max_positions=int(hf_config.max_position_embeddings),
+                                   renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
+                                   ops=[op for op in ops if op in MEGATRON_OPS])

@@ -257,7 +257,7 @@ def apply_canonical_forward(ops=VLLM_OPS) -> CanonicalPatch:
 #: vLLM module classes with no arithmetic of their own (containers, identity, the embedding lookup, which is
 #: exact) or covered as part of a patched parent.
 _PASSIVE = {"ModuleList", "ModuleDict", "Sequential", "Identity", "VocabParallelEmbedding", "LogitsProcessor",
-            "Attention", "FusedMoE", "RoutedExperts", "MoERunner", "DefaultMoERunner", "SharedFusedMoE",
+            "FusedMoE", "RoutedExperts", "MoERunner", "DefaultMoERunner", "SharedFusedMoE",
             "Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
             "Qwen3MoeSparseMoeBlock", "UnquantizedFusedMoEMethod", "FusedMoEModularKernel", "Sampler",
             "TopKTopPSampler", "CPUUnquantizedExperts", "ApplyRotaryEmb"}
@@ -267,25 +267,31 @@ _COVERED = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "QKVParallelLinear": "
             "ReplicatedLinear": "linear", "GateLinear": "router", "ParallelLMHead": "lm_head"}
 
 
-def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS) -> list[str]:
+def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> list[str]:
     """The modules of a loaded vLLM model the canonical forward does not cover (``"name (Class)"``), given the
-    ops installed: every module must be passive (no arithmetic of its own) or of a class an installed op covers.
-    Runs in the worker that holds ``model`` (the harness sends it through ``collective_rpc``)."""
+    ops installed: every module must be passive (no arithmetic of its own) or of a class an installed op covers;
+    a MoE layer's router must be one the canonical router covers. ``ran``: also the covered norms, rotary
+    embeddings, attention layers and routers' gates that did not run their canonical path since the last audit
+    (the counters are then reset). Runs in the worker that holds ``model`` (the harness sends it through
+    ``collective_rpc``)."""
     escaped = []
+    counted = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "Attention": "attention", "GateLinear": "router"}
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if cls in _PASSIVE:
-            continue
-        op = _COVERED.get(cls)
-        if op is not None and op in ops:
+        router = getattr(module, "router", None)
+        if router is not None and "router" in ops and router_problems(router):
+            escaped.append(f"{name}.router ({type(router).__name__}: {', '.join(router_problems(router))})")
+        op = counted.get(cls) or _COVERED.get(cls)
+        if op is not None:
+            if op not in ops:
+                continue                                  # left stock on purpose (--aligned-skip)
             if cls == "RotaryEmbedding" and not module.is_neox_style:
                 escaped.append(f"{name} ({cls}, GPT-J style)")
+            if cls in counted:
+                if ran and not getattr(module, "_moealign_canonical", 0):
+                    escaped.append(f"{name} ({cls}, not run)")
+                module._moealign_canonical = 0
             continue
-        if cls.endswith("Router") and "router" in ops:
-            continue
-        if not list(module.parameters(recurse=False)) and not list(module.buffers(recurse=False)) \
-                and not list(module.children()):
-            escaped.append(f"{name} ({cls})")
-        elif op is None or op not in ops:
+        if cls not in _PASSIVE:
             escaped.append(f"{name} ({cls})")
     return escaped

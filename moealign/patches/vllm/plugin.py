@@ -25,7 +25,7 @@ import os
 from ...errors import ConfigError
 from ...handle import PatchHandle
 
-__all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for"]
+__all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for", "unload"]
 
 ENV = "MOEALIGN_VLLM_PATCHES"
 
@@ -99,3 +99,10 @@ def load() -> None:
 def loaded() -> dict[str, PatchHandle]:
     """The patches :func:`load` applied in this process, by name."""
     return {name: handle for name, handle in _LOADED.items() if handle.active}
+
+
+def unload(name: str) -> None:
+    """Undo the patch :func:`load` applied under ``name`` in this process (nothing when it did not)."""
+    handle = _LOADED.pop(name, None)
+    if handle is not None:
+        handle.undo()
