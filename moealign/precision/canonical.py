@@ -240,7 +240,7 @@ def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """NeoX-style rotation of the first ``2 * cos.shape[-1]`` dims of ``x [..., heads, head_dim]``; ``cos`` /
     ``sin`` ``[..., rot / 2]`` broadcast over heads. fp32 arithmetic, cast once; the rest of each head passes."""
     half = cos.shape[-1]
-    xf = x.to(torch.float32)
+    xf = x.to(_float_out(x))
     x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
     c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
@@ -272,9 +272,10 @@ def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
         order = _compact(keep[sl])
         kept = torch.gather(keep[sl], 1, order)
         idx = order[:, :, None, None].expand(-1, -1, H, d)
-        ks = torch.gather(k[sl], 1, idx).float()
-        vs = torch.gather(v[sl], 1, idx).float()
-        qf = q[sl].float()
+        acc = _float_out(q)
+        ks = torch.gather(k[sl], 1, idx).to(acc)
+        vs = torch.gather(v[sl], 1, idx).to(acc)
+        qf = q[sl].to(acc)
         scores = fixed_tree_sum(qf[:, None] * ks, -1) * scale                      # [q, L, H]
         scores = scores.masked_fill(~kept[:, :, None], float("-inf"))
         p = c_exp(scores - scores.amax(dim=1, keepdim=True))
