@@ -292,9 +292,8 @@ def case_batch_invariant_mode(mp, stack):
 
 
 def _megatron_cpu_only():
+    """The Megatron cases run Megatron's CPU mode, pinned (pin_cpu / device="cpu") on any machine."""
     pytest.importorskip("megatron.core")
-    if torch.cuda.is_available():
-        pytest.skip("the Megatron CPU mode refuses to run where CUDA is available")
 
 
 def case_enable_megatron_cpu(mp, stack):
@@ -307,7 +306,7 @@ def case_enable_megatron_cpu(mp, stack):
         return (torch.cuda.current_device, torch.cuda.get_rng_state, torch.cuda.manual_seed,
                 mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
 
-    return Case(world.enable_megatron_cpu, probe, "module", ("Megatron-core CPU mode",))
+    return Case(lambda: world.enable_megatron_cpu(pin_cpu=True), probe, "module", ("Megatron-core CPU mode",))
 
 
 def case_enable_megatron_without_te(mp, stack):
@@ -336,7 +335,8 @@ def case_init_single_process(mp, stack):
         return dist.is_initialized(), parallel_state.model_parallel_is_initialized(), torch.cuda.current_device
 
     already = dist.is_initialized() or parallel_state.model_parallel_is_initialized()
-    return Case(world.init_single_process, probe, "process", ("one-process Megatron world", "gloo"),
+    return Case(lambda: world.init_single_process(device="cpu"), probe, "process",
+                ("one-process Megatron world", "gloo"),
                 changes=not already)
 
 
@@ -347,7 +347,7 @@ def case_patch_megatron_row_parallel(mp, stack):
 
     from moealign.patches.megatron import tree_reduce, world
 
-    stack.enter_context(world.init_single_process())
+    stack.enter_context(world.init_single_process(device="cpu"))
     cfg = ModelParallelConfig(tensor_model_parallel_size=1, use_cpu_initialization=True,
                               perform_initialization=False, gradient_accumulation_fusion=False)
     outer = torch.nn.Module()
@@ -578,7 +578,7 @@ def test_megatron_world_close_is_undo():
     _megatron_cpu_only()
     from moealign.patches.megatron import world
 
-    w = world.init_single_process()
+    w = world.init_single_process(device="cpu")
     assert "scope=process" in repr(w)
     w.close()
     assert not w.active and w.cpu_mode is None and not w.owns_process_group and not w.owns_parallel_state

@@ -4,7 +4,6 @@ is exact, unsupported features and key mismatches raise."""
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
@@ -21,12 +20,6 @@ from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 LOGIT_TOL = 1e-4      # fp32; measured ~1e-5 (printed by the tests)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron_cpu():
     """gloo world of one, TP=1; restores RouterReplay's global list and the CPU patches afterwards."""
@@ -34,7 +27,7 @@ def megatron_cpu():
 
     saved_replays = list(RouterReplay.global_router_replay_instances)
     try:
-        with mg.init_single_process(seed=123):
+        with mg.init_single_process(seed=123, device="cpu"):
             yield
     finally:
         RouterReplay.global_router_replay_instances[:] = saved_replays
@@ -288,7 +281,7 @@ def test_unfilled_megatron_parameters_and_shapes_raise(embedded):
 # --------------------------------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, out_dir: str) -> None:
     """One TP rank: build each model from the full transformers weights (this rank's slices), compare the
     gathered logits and the routes with transformers, save the figures."""
     torch.set_num_threads(1)
@@ -296,8 +289,9 @@ def _tp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    mode = mg.enable_megatron_cpu()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mode = mg.enable_megatron_cpu(pin_cpu=True)
+    # a rendezvous file in the test's own directory: no TCP port, so parallel pytest workers never share a world
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         model_parallel_cuda_manual_seed(123)
@@ -337,8 +331,7 @@ def test_tensor_parallel_slices_match(tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

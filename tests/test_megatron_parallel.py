@@ -40,7 +40,7 @@ def _worker(rank, world, init_file, out_dir):
     _allow_sp_torch_norm()
     from moealign.patches import megatron as mg
 
-    mode = mg.enable_megatron_cpu()
+    mode = mg.enable_megatron_cpu(pin_cpu=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -19,7 +19,7 @@ from moealign.patches.megatron.audit import audit_layers, check_record_layers  #
 
 @pytest.fixture(scope="module")
 def world():
-    with mg.init_single_process(seed=123):
+    with mg.init_single_process(seed=123, device="cpu"):
         yield
 
 

@@ -21,7 +21,7 @@ from moealign.mismatch.engines import (  # noqa: E402
 )
 from moealign.record import SamplingParams  # noqa: E402
 
-SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]
+SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_training_step_with_replay_and_recompute(record):
     from moealign.patches import megatron as mgp
     from moealign.patches.megatron import checkpoint as mc
 
-    with mgp.init_single_process():
+    with mgp.init_single_process(device="cpu"):
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(embedded_model_path()), dtype=torch.float32)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

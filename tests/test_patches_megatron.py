@@ -23,7 +23,7 @@ from moealign.routing_replay.routes import RouteError  # noqa: E402
 
 @pytest.fixture(scope="module")
 def megatron_cpu():
-    with mg.init_single_process(seed=123):      # CPU mode + a gloo world of one, TP=1
+    with mg.init_single_process(seed=123, device="cpu"):      # CPU mode + a gloo world of one, TP=1
         torch.manual_seed(0)
         model = _build(_config())
         with torch.no_grad():   # peaked routers, so a rotated assignment is a real change
@@ -47,14 +47,18 @@ def test_cpu_mode_is_reversible_and_refuses_cuda(megatron_cpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="refuses to run where CUDA is available"):
         mg.enable_megatron_cpu()
+    with mg.enable_megatron_cpu(pin_cpu=True):       # a caller that pins the CPU on purpose gets the mode
+        assert mg.megatron_cpu_mode_active() and torch.cuda.current_device() == "cpu"
+    assert mg.megatron_cpu_mode_active()            # the fixture's outer mode is still on
 
 
 def test_cpu_mode_undo_restores():
-    before = torch.cuda.current_device
-    mode = mg.enable_megatron_cpu()
-    assert torch.cuda.current_device is not before
+    before, active = torch.cuda.current_device, mg.megatron_cpu_mode_active()   # a module fixture's mode may be on
+    mode = mg.enable_megatron_cpu(pin_cpu=True)
+    assert torch.cuda.current_device() == "cpu" and mg.megatron_cpu_mode_active()
+    assert any("current_device" in label for label in mode.patched)
     mode.undo()
-    assert torch.cuda.current_device is before
+    assert torch.cuda.current_device is before and mg.megatron_cpu_mode_active() is active
 
 
 def test_routers_bound_by_layer_number(megatron_cpu):

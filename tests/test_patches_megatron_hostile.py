@@ -23,7 +23,7 @@ RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recom
 
 @pytest.fixture(scope="module")
 def world():
-    with mg.init_single_process(seed=123):
+    with mg.init_single_process(seed=123, device="cpu"):
         yield
 
 

@@ -68,7 +68,7 @@ def _megatron_worker(rank, world):
 
     from moealign.patches import megatron as mg
 
-    mode = mg.enable_megatron_cpu()
+    mode = mg.enable_megatron_cpu(pin_cpu=True)
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import RowParallelLinear

@@ -263,7 +263,7 @@ def mg_world():
     pytest.importorskip("megatron.core")
     from moealign.patches import megatron as mg
 
-    with mg.init_single_process(seed=123):
+    with mg.init_single_process(seed=123, device="cpu"):
         yield mg
 
 

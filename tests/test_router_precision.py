@@ -173,7 +173,7 @@ def megatron_build(hf_model):
     from moealign.patches.megatron import checkpoint as mc
     from moealign.precision.policy import to_megatron_config_fields
 
-    world = mg.init_single_process()
+    world = mg.init_single_process(device="cpu")
 
     def build(policy):
         with warnings.catch_warnings():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 import warnings
@@ -147,13 +146,12 @@ def test_group_needs_initialised_distributed(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, port: int, results) -> None:
+def _gloo_worker(rank: int, world: int, init: str, results) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         group = dist.group.WORLD
         width = V // world
         start = rank * width
@@ -225,13 +223,17 @@ def _gloo_worker(rank: int, world: int, port: int, results) -> None:
 
 
 def _run_workers(target, world: int, timeout: float = 180) -> dict:
-    """Start ``world`` spawned processes running ``target(rank, world, port, results)``; their results by rank."""
+    """Start ``world`` spawned processes running ``target(rank, world, init, results)``; their results by rank.
+    ``init`` is a rendezvous file of this call's own (no TCP port: parallel pytest workers never share a world)."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, results), daemon=True) for r in range(world)]
+    rendezvous = tempfile.TemporaryDirectory(prefix="moealign-test-gloo-")
+    init = f"file://{os.path.join(rendezvous.name, 'init')}"
+    procs = [ctx.Process(target=target, args=(r, world, init, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got, deadline = {}, time.monotonic() + timeout
@@ -252,6 +254,7 @@ def _run_workers(target, world: int, timeout: float = 180) -> dict:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        rendezvous.cleanup()
     for rank, value in sorted(got.items()):
         assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
     return got
@@ -312,19 +315,17 @@ def _megatron_inputs():
     return ids, pos, mask
 
 
-def _megatron_worker(rank: int, world: int, port: int, results) -> None:
+def _megatron_worker(rank: int, world: int, init: str, results) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")          # Megatron's CPU-mode notices (Apex, CUDA env vars)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     import torch.distributed as dist
 
     from moealign.patches.megatron import enable_megatron_cpu
 
     mode = None
     try:
-        mode = enable_megatron_cpu()
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        mode = enable_megatron_cpu(pin_cpu=True)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -410,12 +411,6 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
             dist.destroy_process_group()
         if mode is not None:
             mode.undo()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_megatron_tp2_kept_logprob_equals_tp1():

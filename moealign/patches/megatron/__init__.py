@@ -11,7 +11,8 @@ REPLAY_BACKWARD). This module drives it instead of re-implementing it, and guard
   by position in the global list; MTP routers excluded), converts a record's routes into each router's
   int64 ``[local_tokens, k]`` targets, sets the actions, and counts what every router consumed.
 * :func:`enable_megatron_cpu` is an explicit, reversible CPU mode (tests, the embedded default); it
-  refuses to activate when CUDA is present.
+  refuses to activate when CUDA is present unless the caller pins the CPU (``pin_cpu=True``;
+  ``init_single_process(device="cpu")``).
 * :func:`enable_megatron_without_te` binds the names 0.16.1's ``moe_utils`` defines only with
   transformer-engine (its router GEMM raises ``NameError`` without them); the CPU mode nests it and
   :func:`init_single_process` applies it on CUDA (nothing to patch where transformer-engine imported).
@@ -37,6 +38,7 @@ from .world import (
     enable_megatron_cpu,
     enable_megatron_without_te,
     init_single_process,
+    megatron_cpu_mode_active,
 )
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "TE_ONLY_MOE_UTILS_NAMES",
     "MegatronWorld",
     "init_single_process",
+    "megatron_cpu_mode_active",
     "audit_layers",
     "audit_replay_config",
     "check_record_layers",

@@ -174,8 +174,8 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
     transformers' configs, and ``moe_enable_routing_replay=True``. Load balancing: ``aux_loss`` with
     ``router_aux_loss_coef`` when the config trains with it (``output_router_logits``), else ``none``
     (Megatron averages the aux loss per layer; transformers pools all layers: not bitwise the same loss).
-    ``cpu`` (default: no CUDA) adds the CPU-safe settings: CPU initialisation, every fusion off,
-    allgather dispatcher. ``overrides`` are applied last. The rotary base is not a config field: see
+    ``cpu`` (default: no CUDA, or the CPU mode active) adds the CPU-safe settings: CPU initialisation, every
+    fusion off, allgather dispatcher. ``overrides`` are applied last. The rotary base is not a config field: see
     :func:`build_megatron_from_hf`. Raises :class:`UnsupportedConversionError` naming the feature a
     family uses that the local spec cannot express.
     """
@@ -184,7 +184,11 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
 
     family = _check_expressible(hf_config)
     model_type = family.model_type
-    cpu = (not torch.cuda.is_available()) if cpu is None else bool(cpu)
+    if cpu is None:         # the CPU mode pins the CPU even where CUDA is available
+        from .world import megatron_cpu_mode_active
+
+        cpu = not torch.cuda.is_available() or megatron_cpu_mode_active()
+    cpu = bool(cpu)
     pattern = _moe_layer_pattern(hf_config)
     if not any(pattern):
         raise UnsupportedConversionError(f"{model_type}: no sparse layer (mlp_only_layers / decoder_sparse_step)")

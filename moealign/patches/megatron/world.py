@@ -51,27 +51,41 @@ def enable_megatron_without_te() -> MegatronWithoutTE:
     return handle
 
 
+def _cpu_current_device() -> str:
+    """``torch.cuda.current_device`` while a CPU mode is active: Megatron places its tensors on the CPU."""
+    return "cpu"
+
+
+def megatron_cpu_mode_active() -> bool:
+    """Whether a :func:`enable_megatron_cpu` mode is active in this process (pinned or on a CPU machine)."""
+    return torch.cuda.current_device is _cpu_current_device
+
+
 class MegatronCPUMode(PatchHandle):
     """Undo handle of :func:`enable_megatron_cpu` (a :class:`~moealign.handle.PatchHandle`, scope ``"module"``)."""
 
 
-def enable_megatron_cpu() -> MegatronCPUMode:
+def enable_megatron_cpu(*, pin_cpu: bool = False) -> MegatronCPUMode:
     """Let Megatron-core build and run models on CPU (gloo), reversibly.
 
     Patches, all undone by ``undo()``: ``torch.cuda.current_device`` returns ``"cpu"`` (Megatron moves
     router weights and rotary buffers to it); the tensor-parallel CUDA RNG tracker uses the CPU RNG;
     ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; :func:`enable_megatron_without_te`
     (transformer-engine is never installed on CPU machines).
-    Raises RuntimeError when CUDA is available: the CPU mode is never active on a GPU machine.
+    Where CUDA is available it raises :class:`~moealign.errors.EngineError` (a GPU machine's Megatron runs on
+    the GPU) unless ``pin_cpu=True``: the caller pins Megatron to the CPU on purpose (``--device cpu``, tests
+    whose claims are about CPU kernels). While the mode is active ``torch.cuda.current_device()`` is ``"cpu"``
+    in the whole process: keep CUDA work out of its scope.
     """
-    if torch.cuda.is_available():
-        raise EngineError("enable_megatron_cpu() refuses to run where CUDA is available; use the GPU")
+    if torch.cuda.is_available() and not pin_cpu:
+        raise EngineError("enable_megatron_cpu() refuses to run where CUDA is available; use the GPU, or pass "
+                          "pin_cpu=True (init_single_process(device='cpu')) to pin Megatron to the CPU")
     megatron_version()
     import megatron.core.tensor_parallel.random as mrandom
 
     mode = MegatronCPUMode("Megatron-core CPU mode (torch.cuda RNG/device, tensor_parallel.random, moe_utils)",
                            "module")
-    mode.set_attr(torch.cuda, "current_device", lambda: "cpu")
+    mode.set_attr(torch.cuda, "current_device", _cpu_current_device)
     mode.set_attr(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
     mode.set_attr(torch.cuda, "manual_seed", lambda seed: None)
     mode.set_attr(mrandom, "_get_cuda_rng_state",
@@ -79,6 +93,15 @@ def enable_megatron_cpu() -> MegatronCPUMode:
     mode.set_attr(mrandom, "_set_cuda_rng_state",
                   lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     mode.add_handle(enable_megatron_without_te())
+    if torch.cuda.is_available():
+        # pinned on a GPU machine: Megatron's jit_fuser is torch.compile, and compiling asks CUDA for the current
+        # device's properties through torch.cuda.current_device(), which is "cpu" here (TypeError). The mode's
+        # functions run eagerly instead (torch._dynamo.config.disable for the mode's duration).
+        from torch import _dynamo
+
+        saved = _dynamo.config.disable
+        _dynamo.config.disable = True
+        mode.add_callback(lambda: setattr(_dynamo.config, "disable", saved), "torch._dynamo.config.disable")
     return mode
 
 
@@ -139,26 +162,36 @@ class MegatronWorld(PatchHandle):
         self.add_callback(destroy_model_parallel, "megatron parallel_state (TP = PP = CP = EP = 1)")
 
 
-def init_single_process(seed: int = 1234) -> MegatronWorld:
+def init_single_process(seed: int = 1234, device: str = "auto") -> MegatronWorld:
     """A one-process Megatron world (TP = PP = CP = EP = 1) for the mismatch harness and benchmarks.
 
-    On CPU it enables :func:`enable_megatron_cpu` and a gloo process group; on CUDA, NCCL and
-    :func:`enable_megatron_without_te` (a no-op where transformer-engine imported). An already
-    initialised process group or ``parallel_state`` is used as it is (and left alone by ``undo()``).
+    ``device``: ``"auto"`` (default) is CUDA when available, else the CPU; ``"cpu"`` pins the CPU on any
+    machine; ``"cuda"`` (or ``"cuda:N"``) needs CUDA. On CPU it enables :func:`enable_megatron_cpu` and a gloo
+    process group; on CUDA, NCCL and :func:`enable_megatron_without_te` (a no-op where transformer-engine
+    imported). An already initialised process group or ``parallel_state`` is used as it is (and left alone by
+    ``undo()``).
     """
     import tempfile
 
     import torch.distributed as dist
 
+    if device == "auto":
+        on_cuda = torch.cuda.is_available()
+    elif device == "cpu" or str(device).startswith("cuda"):
+        on_cuda = str(device).startswith("cuda")
+        if on_cuda and not torch.cuda.is_available():
+            raise EngineError(f"init_single_process(device={device!r}): CUDA is not available on this machine")
+    else:
+        raise EngineError(f"init_single_process(device={device!r}): expected 'auto', 'cpu' or 'cuda'")
     megatron_version()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if on_cuda else "gloo"
     world = MegatronWorld(f"one-process Megatron world ({'CUDA, nccl' if backend == 'nccl' else 'CPU mode, gloo'})")
     try:
-        if not torch.cuda.is_available():
-            world._adopt_cpu_mode(enable_megatron_cpu())
+        if not on_cuda:
+            world._adopt_cpu_mode(enable_megatron_cpu(pin_cpu=True))
         else:
             world.add_handle(enable_megatron_without_te())
         if not dist.is_initialized():
