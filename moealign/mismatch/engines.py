@@ -331,11 +331,12 @@ class _AlignedVllm:
 
     @contextlib.contextmanager
     def environment(self):
-        from ..patches.vllm.plugin import ENV, spec_for
+        from ..patches.vllm.plugin import ENV, load, spec_for
 
         saved = os.environ.get(ENV)
         os.environ[ENV] = spec_for(canonical=True, canonical_skip=self.skip)
         try:
+            load()            # this process now (vLLM calls its plugins once per process); workers at their start
             yield
         finally:
             if saved is None:

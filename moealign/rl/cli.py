@@ -23,7 +23,7 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
                         rollout_precision=args.rollout_precision, train_precision=args.train_precision,
                         rollout_tp=args.rollout_tp, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
                         verify=not args.no_verify, json=args.json, report_dir=args.report, fail_above=bounds,
-                        compare=args.compare, device=args.device)
+                        compare=args.compare, device=args.device, aligned=bool(args.aligned))
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.quiet:
         # vLLM logs on stdout, around the table; -q keeps its errors only (its refit-time "RotaryEmbedding: Failed
@@ -65,15 +65,18 @@ def add_rl_check(sub) -> None:
                    + ", ".join(sorted(n for n in PRESETS if not n.startswith("bypass"))))
     p.add_argument("--staleness", type=int, default=0, metavar="N",
                    help="rollouts from the weights of N steps earlier (asynchronous RL; default 0)")
-    p.add_argument("--rollout-precision", default="bf16", metavar="NAME",
+    p.add_argument("--rollout-precision", default=None, metavar="NAME",
                    help="vLLM's precision policy (default bf16, as the mismatch test)")
-    p.add_argument("--train-precision", default="fp32", metavar="NAME",
+    p.add_argument("--train-precision", default=None, metavar="NAME",
                    help="Megatron's precision policy (default fp32)")
     p.add_argument("--rollout-tp", type=int, default=1, metavar="N", help="vLLM tensor-parallel size (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
     p.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--aligned", action="store_true",
+                   help="the canonical forward on both engines (moealign mismatch --aligned): the trainer's log-probs "
+                   "bitwise equal to the rollout's at every step, through the refits; one precision (default bf16)")
     p.add_argument("--no-verify", action="store_true", help="skip the refit verification (for overhead benchmarks)")
     p.add_argument("--compare", action="store_true",
                    help="run the stock loop (levers none) and the aligned loop from the same seed, side by side")

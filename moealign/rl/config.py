@@ -46,8 +46,8 @@ class RLCheckConfig:
     levers: str = "all"
     correction: str = DEFAULT_CORRECTION
     staleness: int = 0
-    rollout_precision: str = "bf16"
-    train_precision: str = "fp32"
+    rollout_precision: str | None = None    # default bf16 (with aligned: the one given, else bf16, both sides)
+    train_precision: str | None = None      # default fp32
     rollout_tp: int = 1
     seed: int = 0
     temperature: float = 1.0
@@ -60,6 +60,7 @@ class RLCheckConfig:
     fail_above: dict = field(default_factory=dict)
     compare: bool = False
     device: str = "auto"
+    aligned: bool = False               # the canonical forward on both engines: bitwise equal at every step
 
     def __post_init__(self):
         for name, low in (("steps", 1), ("group_size", 2), ("num_prompts", 1), ("max_new_tokens", 1),
@@ -84,6 +85,7 @@ class RLCheckConfig:
         if PRESETS[self.correction]().bypass_mode:
             raise ConfigError(f"--correction {self.correction}: a bypass-mode preset; rl-check runs the decoupled "
                               f"loss (pi_old = the trainer's own log-probs): choose a decoupled_* preset or disabled")
+        self._precisions()
         from ..mismatch.engines import resolve_precision
         from ..precision.policy import megatron_gaps, vllm_gaps
 
@@ -100,6 +102,8 @@ class RLCheckConfig:
             from ..mismatch.rollout import check_checkpoint
 
             check_checkpoint(self.model)
+        if self.aligned:
+            self._check_aligned()
         if self.probe_sequences > self.num_prompts * self.group_size:
             raise ConfigError(f"--probe-sequences {self.probe_sequences} exceeds the samples of a step "
                               f"({self.num_prompts} x {self.group_size})")
@@ -111,6 +115,37 @@ class RLCheckConfig:
             outputs += [("--report", os.path.join(self.report_dir, "report.html")),
                         ("--report", os.path.join(self.report_dir, "report.json"))]
         check_outputs(outputs, {"--model": self.model_path()}, created_dirs=created)   # embedded: its files too
+
+    def _precisions(self) -> None:
+        if not isinstance(self.aligned, bool):
+            raise ConfigError(f"aligned must be a bool, got {self.aligned!r}")
+        if not self.aligned:
+            self.rollout_precision = self.rollout_precision or "bf16"
+            self.train_precision = self.train_precision or "fp32"
+            return
+        given = {p for p in (self.rollout_precision, self.train_precision) if p is not None}
+        if len(given) > 1:
+            raise ConfigError(f"--aligned runs one precision on both engines; got rollout {self.rollout_precision} / "
+                              f"train {self.train_precision}")
+        self.rollout_precision = self.train_precision = given.pop() if given else "bf16"
+
+    def _check_aligned(self) -> None:
+        """``--aligned``: the canonical forward's coverage, checked before any work (each refusal names it)."""
+        if self.rollout_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not "
+                              f"{self.rollout_precision}")
+        for flag, bad in (("--levers " + self.levers, self.levers != "all"),
+                          (f"--staleness {self.staleness}", self.staleness != 0), ("--compare", self.compare)):
+            if bad:
+                raise ConfigError(f"--aligned certifies the fully aligned, on-policy loop (replay + sampling mask, "
+                                  f"identical weights): drop {flag}")
+        if self.resolved_device() != "cpu":
+            raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
+                              "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")
+        from ..model_config import read_model_config
+        from ..precision.canonical import check_canonical_model
+
+        check_canonical_model(read_model_config(self.model_path()))
 
     @property
     def replay(self) -> bool:

@@ -64,7 +64,8 @@ class _Run:
         self.rollout = rollout
         self.llm = rollout.llm
         self.correction = RolloutCorrectionConfig.preset(cfg.correction)
-        self.trainer = MegatronTrainEngine(cfg.model_path(), cfg.train_precision, cfg.resolved_device())
+        self.trainer = MegatronTrainEngine(cfg.model_path(), cfg.train_precision, cfg.resolved_device(),
+                                           **({"aligned": True} if cfg.aligned else {}))
         self.params = [p for p in self.trainer.model.parameters()]
         for p in self.params:
             p.requires_grad_(True)
@@ -77,6 +78,14 @@ class _Run:
             self.trainer = None
 
     # ------------------------------------------------------------------ pieces of a step
+    def _log_softmax(self):
+        """The canonical log-softmax for the trainer's log-probs in the aligned mode (vLLM's sampler runs it too)."""
+        import contextlib
+
+        from ..precision.canonical import log_softmax_mode
+
+        return log_softmax_mode() if self.cfg.aligned else contextlib.nullcontext()
+
     def _train(self, record) -> tuple[dict, object]:
         from ..mismatch.engines import TrainForward
         from ..record import concat_kept_sets
@@ -88,12 +97,19 @@ class _Run:
         idx = list(range(len(record)))
         lengths = [s.response_len for s in record.samples]
         fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
-        if self.mask:
-            offsets, ids = concat_kept_sets(record.samples)
-            logp = kept_logprob(fwd.logits, fwd.tokens, offsets.to(fwd.logits.device), ids.to(fwd.logits.device),
-                                temperature=cfg.temperature)
-        else:
-            logp = full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
+        with self._log_softmax():
+            if self.mask:
+                offsets, ids = concat_kept_sets(record.samples)
+                logp = kept_logprob(fwd.logits, fwd.tokens, offsets.to(fwd.logits.device),
+                                    ids.to(fwd.logits.device), temperature=cfg.temperature)
+            else:
+                logp = full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
+        rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(logp.device)
+        aligned = None
+        if cfg.aligned:                                  # the certificate: every token's log-prob bit for bit
+            differing = int((logp.detach() != rollout_flat).sum())
+            aligned = {"bitwise_equal": bool(torch.equal(logp.detach(), rollout_flat)),
+                       "tokens_differing": differing, "tokens": int(rollout_flat.numel())}
         logp_pad = _pad(logp, lengths)
         old = logp_pad.detach()
         rollout_lp = _pad(torch.cat([s.logprobs.float() for s in record.samples]).to(old.device), lengths)
@@ -115,7 +131,7 @@ class _Run:
         # aligned loop: same weights, vLLM's routes replayed, the same kept sets)
         engine_gap = float(((old - rollout_lp).abs() * mask).sum() / mask.sum().clamp(min=1))
         out = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
-               "engine_gap": engine_gap,
+               "engine_gap": engine_gap, **({"aligned": aligned} if aligned is not None else {}),
                "loss": float(loss.detach()), "grad_norm": grad_norm,
                "correction": {"masked_fraction": masked, **corr_floats}}
         detached = TrainForward(logits=fwd.logits.detach(), tokens=fwd.tokens, routes=fwd.routes)
@@ -126,7 +142,8 @@ class _Run:
         from ..mismatch.scoring import SideScores, score_batch
 
         side = SideScores()
-        score_batch(record, list(range(len(record))), fwd, side)
+        with self._log_softmax():
+            score_batch(record, list(range(len(record))), fwd, side)
         recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
         recorded = torch.cat([s.routed_rows for s in record.samples])
         side.finish(recorded_routes, recorded)
@@ -216,7 +233,10 @@ class _Run:
                         "time": {k: round(v, 6) for k, v in times.items()}})
             steps.append(out)
             m = out["metrics"]
-            self.log(f"{self.name} step {step}: reward {out['reward_mean']:.3f}, kl_k3 {m['kl_k3']:.3g}, "
+            bits = "" if "aligned" not in out else (
+                ", bitwise equal" if out["aligned"]["bitwise_equal"] else
+                f", NOT bitwise equal ({out['aligned']['tokens_differing']} tokens)")
+            self.log(f"{self.name} step {step}{bits}: reward {out['reward_mean']:.3f}, kl_k3 {m['kl_k3']:.3g}, "
                      f"max|dlogp| {m['max_abs_logp_diff']:.3g}, router flips {m['router_flip_rate']:.4f}, refit "
                      f"{'-' if result is None else f'{result.seconds * 1e3:.0f} ms'}, verify "
                      f"{'-' if check is None else ('ok' if check.ok else 'FAILED')}")
@@ -242,7 +262,8 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
     runs_wanted = [("stock", "none"), ("aligned", cfg.levers if cfg.levers != "none" else "all")] if cfg.compare \
         else [("aligned" if cfg.levers != "none" else "stock", cfg.levers)]
     log(f"rollout: vllm {cfg.rollout_precision} (TP={cfg.rollout_tp}); train: megatron {cfg.train_precision}")
-    rollout = VLLMRolloutEngine(cfg.model_path(), cfg.rollout_precision, cfg.resolved_device(), tp=cfg.rollout_tp)
+    rollout = VLLMRolloutEngine(cfg.model_path(), cfg.rollout_precision, cfg.resolved_device(), tp=cfg.rollout_tp,
+                                **({"aligned": True} if cfg.aligned else {}))
     runs = []
     try:
         rollout_desc = describe_engine(rollout)
@@ -259,6 +280,7 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
             "reward": REWARD_NAME, "correction": cfg.correction,
             "config": {k: getattr(cfg, k) for k in ("steps", "group_size", "num_prompts", "max_new_tokens", "lr",
                                                      "levers", "staleness", "rollout_precision", "train_precision",
-                                                     "rollout_tp", "seed", "temperature", "top_p", "compare")},
+                                                     "rollout_tp", "seed", "temperature", "top_p", "compare",
+                                                     "aligned")},
             "rollout": rollout_desc, "train": train_desc, "runs": runs,
             "elapsed_s": round(time.perf_counter() - t0, 3)}

@@ -46,6 +46,13 @@ def format_steps(report: dict) -> str:
                 f"{_g(m['mean_abs_logp_diff'], '.2e'):>9} {m['router_flip_rate']:>7.4f} "
                 f"{s['correction']['masked_fraction']:>7.4f} {refit_ms:>8} {verdict:>7} {t['rollout']:>9.2f} "
                 f"{t['train']:>7.2f} {t['measure'] + t['verify']:>7.2f}")
+        aligned = [s["aligned"] for s in run["steps"] if "aligned" in s]
+        if aligned:
+            equal = sum(a["bitwise_equal"] for a in aligned)
+            lines.append(f"aligned (canonical forward on both engines): the trainer's log-probs bitwise equal to the "
+                         f"rollout's at {equal} of {len(aligned)} steps"
+                         + ("" if equal == len(aligned) else
+                            f" (steps {[s['step'] for s in run['steps'] if not s['aligned']['bitwise_equal']]} differ)"))
     return "\n".join(lines)
 
 
@@ -60,6 +67,10 @@ def check_steps(report: dict, bounds: dict[str, float]) -> list[str]:
             v = s.get("verify")
             if v is not None and not v["ok"]:
                 failures.append(f"{run['name']} step {s['step']}: refit verification failed ({v['weights']})")
+            a = s.get("aligned")
+            if a is not None and not a["bitwise_equal"]:
+                failures.append(f"{run['name']} step {s['step']}: --aligned, yet {a['tokens_differing']} of "
+                                f"{a['tokens']} log-probs differ from the rollout's")
     if judged is not None:
         for s in judged["steps"]:
             for name, bound in bounds.items():
