@@ -468,8 +468,57 @@ def case_append_logits_processor(mp, stack):
                 ("appended to Qwen3MoeForCausalLM.generate's logits processors",))
 
 
+def case_apply_vllm_canonical(mp, stack):
+    pytest.importorskip("vllm")
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers import layernorm, linear
+    from vllm.model_executor.layers.fused_moe.router import cpu_router, gate_linear
+    from vllm.model_executor.layers.rotary_embedding import base as rope_base
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from moealign.patches.vllm.canonical import apply_canonical_forward
+
+    targets = [(layernorm.RMSNorm, "forward"), (rope_base.RotaryEmbedding, "forward"),
+               (cpu_attn.CPUAttentionBackendImpl, "forward"), (cpu_attn.CPUAttentionBackendImpl, "do_kv_cache_update"),
+               (gate_linear.GateLinear, "forward"), (cpu_router.CPURouter, "_compute_routing"),
+               (topk_topp_sampler.TopKTopPSampler, "forward_cpu"), (linear.UnquantizedLinearMethod, "apply"),
+               (parallel_state.GroupCoordinator, "_all_reduce_out_place")]
+    return Case(apply_canonical_forward, lambda: tuple(getattr(cls, name) for cls, name in targets), "process",
+                ("vLLM canonical forward",))
+
+
+def _megatron_canonical_case(stack, make):
+    _megatron_cpu_only()
+    from megatron.core.transformer import attention as mg_attention
+
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.engines import MegatronTrainEngine
+
+    engine = MegatronTrainEngine(str(embedded_model_path()), "fp32", "cpu")
+    stack.callback(engine.close)
+    return Case(lambda: make(engine), lambda: (*_instance_dicts(engine.model), mg_attention.apply_rotary_pos_emb),
+                "module", ("Megatron canonical forward", "GPTModel"))
+
+
+def case_apply_megatron_canonical(mp, stack):
+    from moealign.patches.megatron.canonical import apply_canonical_forward
+
+    return _megatron_canonical_case(stack, lambda e: apply_canonical_forward(e.model, rope_base=10000.0,
+                                                                             max_positions=512))
+
+
+def case_apply_megatron_canonical_from_hf(mp, stack):
+    from moealign.patches.megatron.canonical import apply_canonical_forward_from_hf
+
+    return _megatron_canonical_case(stack, lambda e: apply_canonical_forward_from_hf(e.model, e._hf_config))
+
+
 CASES = {
     "moealign.precision.fp8.fake_quant_fp8_": case_fake_quant_fp8_,
+    "moealign.patches.vllm.canonical.apply_canonical_forward": case_apply_vllm_canonical,
+    "moealign.patches.megatron.canonical.apply_canonical_forward": case_apply_megatron_canonical,
+    "moealign.patches.megatron.canonical.apply_canonical_forward_from_hf": case_apply_megatron_canonical_from_hf,
     "moealign.patches.hf.precision.apply_precision": case_apply_precision,
     "moealign.patches.hf.attention.apply_bi_attention": case_apply_bi_attention,
     "moealign.mismatch.faults.apply_fault": case_apply_fault,
