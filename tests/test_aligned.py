@@ -1,0 +1,199 @@
+"""`--aligned`: the canonical forward on both real engines (vLLM's CPU build rolling out, Megatron-core training) makes
+the fully aligned run bitwise equal (torch.equal on the log-probs), in bf16 and fp32, at vLLM TP = 1 and 2, and at
+every step of an RL loop through in-place refits; each canonical op left stock on the trainer is a negative control
+(a nonzero gap); what the canonical forward does not cover is refused at setup, naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from moealign._optional import probe
+from moealign.cli import main
+from moealign.precision.canonical import OPS
+
+VLLM = probe("vllm")
+needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
+
+SMALL = dict(num_prompts=6, max_new_tokens=12, device="cpu", rollout_engine="vllm", train_engine="megatron",
+             aligned=True)
+
+
+def _run(**overrides):
+    from moealign.mismatch.rollout import MismatchConfig
+    from moealign.mismatch.run import run_mismatch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_mismatch(MismatchConfig(**{**SMALL, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("aligned") / "record.safetensors"
+    report = _run(rollout_precision="bf16", save_record=str(path))
+    return report, path
+
+
+def _score(record, *, precision: str, skip=()):
+    """The trainer's log-probs of the fully aligned run (replay + the kept sets), and the record's."""
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.engines import MegatronTrainEngine
+    from moealign.mismatch.scoring import score_record
+
+    engine = MegatronTrainEngine(str(embedded_model_path()), precision, "cpu", aligned=True, aligned_skip=skip)
+    try:
+        sides = score_record(record, engine, batch_size=16, canonical_log_softmax="log_softmax" not in skip)
+    finally:
+        engine.close()
+    return sides[True].logprobs(True), torch.cat([s.logprobs.float() for s in record.samples])
+
+
+@needs_vllm
+def test_bf16_fully_aligned_run_is_bitwise_equal(bf16_run):
+    from moealign.record import RolloutRecord
+
+    report, path = bf16_run
+    aligned = report["aligned"]
+    assert aligned["bitwise_equal"] and aligned["max_abs_logp_diff"] == 0 and aligned["num_tokens"] == 6 * 12
+    assert aligned["ops"] == list(OPS) and aligned["stock_ops"] == []
+    assert (report["rollout"]["dtype"], report["train"]["dtype"]) == ("bf16", "bf16")
+    runs = {r["name"]: r["metrics"] for r in report["runs"]}
+    assert runs["routing_replay+sampling_mask"]["max_abs_logp_diff"] == 0
+    assert runs["routing_replay"]["router_flip_rate"] == 0
+    # the test's own check, not the report's: score the saved record again
+    trained, rollout = _score(RolloutRecord.load(str(path)), precision="bf16")
+    assert torch.equal(trained, rollout)
+
+
+@needs_vllm
+@pytest.mark.parametrize("op", OPS)
+def test_each_op_left_stock_on_the_trainer_leaves_a_gap(bf16_run, op):
+    """Negative controls: Megatron with one op stock (its own kernel or formula) against the canonical rollout."""
+    from moealign.record import RolloutRecord
+
+    trained, rollout = _score(RolloutRecord.load(str(bf16_run[1])), precision="bf16", skip=(op,))
+    assert not torch.equal(trained, rollout)
+    assert float((trained - rollout).abs().max()) > 0
+
+
+@needs_vllm
+def test_fp32_fully_aligned_run_is_bitwise_equal():
+    report = _run(rollout_precision="fp32", num_prompts=4)
+    assert report["aligned"]["bitwise_equal"], report["aligned"]
+    assert (report["rollout"]["dtype"], report["train"]["dtype"]) == ("fp32", "fp32")
+
+
+@needs_vllm
+def test_vllm_tp2_fully_aligned_run_is_bitwise_equal(tmp_path):
+    """Two vLLM worker processes (each runs the plugin's canonical patch) against Megatron at TP = 1."""
+    out = tmp_path / "report.json"
+    from vllm_util import child_env
+
+    cmd = [sys.executable, "-m", "moealign", "mismatch", "--aligned", "--rollout-tp", "2", "--num-prompts", "4",
+           "--max-new-tokens", "10", "--device", "cpu", "--json", str(out), "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["aligned"]["bitwise_equal"], report["aligned"]
+    assert "bitwise equal (torch.equal)" in proc.stdout
+
+
+@needs_vllm
+def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
+    from moealign.rl.config import RLCheckConfig
+    from moealign.rl.loop import run_rl_check
+    from moealign.rl.report import check_steps
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = run_rl_check(RLCheckConfig(aligned=True, steps=3, num_prompts=2, group_size=2, max_new_tokens=8,
+                                            lr=5e-3, device="cpu"))
+    (run,) = report["runs"]
+    assert [s["aligned"]["bitwise_equal"] for s in run["steps"]] == [True, True, True]
+    assert all(s["verify"]["ok"] for s in run["steps"])
+    # the weights did move: every step after the first trained on refitted weights
+    assert any(s["grad_norm"] > 0 for s in run["steps"][:-1])
+    assert all(s["refit"]["tensors"] > 0 for s in run["steps"])
+    assert check_steps(report, {}) == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rollout", "hf"], "--aligned covers --rollout vllm --train megatron"),
+    (["--train", "hf"], "--aligned covers --rollout vllm --train megatron"),
+    (["--rollout-precision", "fp32", "--train-precision", "bf16"], "one precision on both engines"),
+    (["--rollout-precision", "fp16"], "one plain precision on both sides"),
+    (["--aligned-skip", "attention,bogus"], "unknown ops ['bogus']"),
+    (["--diagnose"], "--aligned-skip OP for a negative control"),
+    (["--load-record", "{existing}"], "cannot score a --load-record"),
+])
+def test_mismatch_aligned_refusals_are_one_line(capsys, argv, words):
+    from moealign.embedded import embedded_model_path
+
+    argv = [a.format(existing=embedded_model_path() / "prompts.json") for a in argv]
+    assert main(["mismatch", "--aligned", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_aligned_skip_needs_aligned_and_rl_check_refusals(capsys):
+    assert main(["mismatch", "--aligned-skip", "attention"]) == 2
+    assert "needs --aligned" in capsys.readouterr().err
+    for argv, words in ((["--levers", "replay"], "drop --levers replay"), (["--staleness", "1"], "drop --staleness 1"),
+                        (["--compare"], "drop --compare"),
+                        (["--rollout-precision", "bf16", "--train-precision", "fp32"], "one precision")):
+        assert main(["rl-check", "--aligned", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+
+
+def test_uncovered_family_is_refused_before_any_work(tmp_path, capsys):
+    from moealign.embedded import embedded_model_path
+
+    model = tmp_path / "mixtral"
+    model.mkdir()
+    config = json.loads((embedded_model_path() / "config.json").read_text())
+    config["model_type"] = "mixtral"
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes((embedded_model_path() / "model.safetensors").read_bytes())
+    assert main(["mismatch", "--aligned", "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'mixtral' is not covered" in err and err.count("\n") == 1
+
+
+def test_megatron_canonical_forward_is_differentiable_and_undone():
+    """The trainer's side alone: the canonical forward's logits and gradients stay close to Megatron's stock ones,
+    and undo() restores the stock forward bit for bit."""
+    pytest.importorskip("megatron.core")
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.engines import MegatronTrainEngine
+    from moealign.patches.megatron.canonical import apply_canonical_forward_from_hf
+
+    engine = MegatronTrainEngine(str(embedded_model_path()), "fp32", "cpu")
+    try:
+        model = engine.model
+        ids = torch.randint(2, 2000, (2, 10), generator=torch.Generator().manual_seed(0))
+        pos = torch.arange(10)[None].expand(2, -1)
+        mask = torch.ones(10, 10, dtype=torch.bool).triu(1)[None, None]
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            logits = model(ids, pos, mask)
+            logits.float().logsumexp(-1).sum().backward()
+            grad = model.decoder.layers[0].self_attention.linear_qkv.weight.grad.clone()
+            return logits.detach(), grad
+
+        stock_logits, stock_grad = run()
+        handle = apply_canonical_forward_from_hf(model, engine._hf_config)
+        logits, grad = run()
+        assert not torch.equal(logits, stock_logits)
+        assert torch.allclose(logits, stock_logits, atol=1e-4) and torch.allclose(grad, stock_grad, atol=1e-4)
+        handle.undo()
+        assert torch.equal(run()[0], stock_logits)
+    finally:
+        engine.close()
