@@ -11,7 +11,6 @@ control (it normally differs). Each op is timed (per repeat the slowest rank, th
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -87,17 +86,13 @@ def parse_world_sizes(text: str) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _gloo_entry(rank: int, world: int, fn: Callable, args: tuple, out_dir: str) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        # a rendezvous file in this run's own directory: no TCP port to pick, so concurrent runs (pytest -n)
+        # never meet in one another's world
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=120))
         try:
             result = fn(rank, world, *args)
         finally:
@@ -116,9 +111,8 @@ def run_gloo(world_size: int, fn: Callable, args: tuple = (), *, timeout: float 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="moealign-gloo-") as out_dir:
-        procs = [ctx.Process(target=_gloo_entry, args=(rank, world_size, port, fn, args, out_dir), daemon=True)
+        procs = [ctx.Process(target=_gloo_entry, args=(rank, world_size, fn, args, out_dir), daemon=True)
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()

@@ -213,7 +213,7 @@ def test_fully_aligned_bf16_run_is_exactly_zero():
     def aligned(attention):
         report = run_mismatch(MismatchConfig(rollout_precision="bf16", train_precision="bf16", batch_invariant=True,
                                              attention=attention, num_prompts=16, max_new_tokens=32,
-                                             batch_size=16))
+                                             batch_size=16, device="cpu"))
         assert report["rollout"]["attention"] == report["train"]["attention"] == (attention or "bi")
         return {r["name"]: r["metrics"] for r in report["runs"]}["routing_replay+sampling_mask"]
 
@@ -224,6 +224,6 @@ def test_fully_aligned_bf16_run_is_exactly_zero():
     # rollout stays bf16) must show a gap: bf16 rounding of every layer cannot vanish. (Stock eager attention
     # left a gap on the developers' machine and none on another, so it is not a control.)
     report = run_mismatch(MismatchConfig(rollout_precision="bf16", train_precision="fp32", batch_invariant=True,
-                                         num_prompts=16, max_new_tokens=32, batch_size=16))
+                                         num_prompts=16, max_new_tokens=32, batch_size=16, device="cpu"))
     fp32 = {r["name"]: r["metrics"] for r in report["runs"]}["routing_replay+sampling_mask"]
     assert fp32["max_abs_logp_diff"] > 0.0

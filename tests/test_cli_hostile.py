@@ -20,7 +20,8 @@ from moealign.mismatch import MismatchConfig, parse_fail_above  # noqa: E402
 from moealign.mismatch.report import HIGHER_IS_BETTER, LOWER_IS_BETTER, TWO_SIDED, judged_run  # noqa: E402
 from moealign.record import RolloutRecord  # noqa: E402
 
-TINY = ["--rollout", "hf", "--train", "hf", "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2", "-q"]
+TINY = ["--rollout", "hf", "--train", "hf", "--num-prompts", "2", "--max-new-tokens", "6", "--batch-size", "2", "-q",
+        "--device", "cpu"]
 
 
 def _one_line_exit_2(argv, capsys) -> str:
@@ -65,7 +66,8 @@ def test_api_refuses_rollout_options_with_load_record(record_path):
 
 def test_load_record_reports_the_records_sampling(record_path, tmp_path):
     out = tmp_path / "r.json"
-    assert main(["mismatch", "-q", "--train", "hf", "--load-record", str(record_path), "--batch-size", "2", "--json", str(out)]) == 0
+    assert main(["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record", str(record_path),
+                 "--batch-size", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.8, "min_p": 0.0}
     record = RolloutRecord.load(record_path)
@@ -81,7 +83,8 @@ def test_record_without_kept_sets_gives_a_table_and_json(record_path, tmp_path, 
     bare = tmp_path / "bare.safetensors"
     record.save(bare)
     out = tmp_path / "bare.json"
-    rc = main(["mismatch", "-q", "--train", "hf", "--load-record", str(bare), "--batch-size", "2", "--json", str(out),
+    rc = main(["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record",
+               str(bare), "--batch-size", "2", "--json", str(out),
                "--fail-above", "router_flip_rate=0"])
     assert rc == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
@@ -110,7 +113,8 @@ def test_every_metric_has_one_direction():
 
 
 def test_fail_below_gates_the_judged_run(record_path, capsys):
-    base = ["mismatch", "-q", "--train", "hf", "--load-record", str(record_path), "--batch-size", "2"]
+    base = ["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record", str(record_path),
+            "--batch-size", "2"]
     assert main(base + ["--fail-below", "pearson_prob=0.5"]) == 0
     assert main(base + ["--fail-below", "pearson_prob=1.5"]) == 3
     assert "pearson_prob" in capsys.readouterr().err
@@ -246,7 +250,8 @@ def test_json_write_is_atomic_and_leaves_no_temporary(record_path, tmp_path, mon
         raise KeyboardInterrupt
 
     monkeypatch.setattr(json, "dump", broken_dump)
-    assert main(["mismatch", "-q", "--train", "hf", "--load-record", str(record_path), "--batch-size", "2", "--json", str(out)]) == 130
+    assert main(["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record", str(record_path),
+                 "--batch-size", "2", "--json", str(out)]) == 130
     assert out.read_text() == '{"old": true}'
     assert os.listdir(tmp_path) == ["r.json"]
 

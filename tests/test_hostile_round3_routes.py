@@ -25,7 +25,7 @@ from round3_util import run_cli
 from moealign.record import RolloutRecord
 from moealign.routing_replay.flips import FOREIGN_FLIP_RATE, foreign_routes
 
-SMALL = ["--num-prompts", "2", "--max-new-tokens", "8"]
+SMALL = ["--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,8 @@ def score(record, tmp_path, capsys, *extra):
     out = tmp_path / "report.json"
     from moealign.cli import main
 
-    assert main(["mismatch", "-q", "--load-record", str(record), "--train", "hf", "--json", str(out), *extra]) == 0
+    assert main(["mismatch", "-q", "--device", "cpu", "--load-record", str(record), "--train", "hf", "--json", str(out),
+                 *extra]) == 0
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return json.loads(out.read_text()), err

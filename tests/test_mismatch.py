@@ -19,7 +19,7 @@ from moealign.mismatch import (  # noqa: E402
 )
 from moealign.record import RecordMismatchError, RolloutRecord  # noqa: E402
 
-SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q"]
+SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q", "--device", "cpu"]
 HF = ["--rollout", "hf", "--train", "hf"]
 
 
@@ -69,7 +69,8 @@ def test_levers_are_exact(small_report):
 
 def test_fp32_both_sides_shrinks_the_gap(small_report):
     report, _ = small_report
-    r32 = run_mismatch(MismatchConfig(num_prompts=8, max_new_tokens=24, batch_size=8, rollout_dtype="fp32"))
+    r32 = run_mismatch(MismatchConfig(num_prompts=8, max_new_tokens=24, batch_size=8, rollout_dtype="fp32",
+                                      device="cpu"))
     bf16 = {r["name"]: r["metrics"] for r in report["runs"]}
     fp32 = {r["name"]: r["metrics"] for r in r32["runs"]}
     aligned = "routing_replay+sampling_mask"
@@ -80,7 +81,8 @@ def test_fp32_both_sides_shrinks_the_gap(small_report):
 def test_load_record_reproduces(small_report, tmp_path):
     report, record = small_report
     again = tmp_path / "again.json"
-    assert main(["mismatch", "-q", "--train", "hf", "--load-record", str(record), "--batch-size", "8", "--json", str(again)]) == 0
+    assert main(["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record", str(record),
+                 "--batch-size", "8", "--json", str(again)]) == 0
     rerun = json.loads(again.read_text())
     assert [r["metrics"] for r in rerun["runs"]] == [r["metrics"] for r in report["runs"]]
 
@@ -97,7 +99,7 @@ def test_record_of_other_model_is_refused(small_report, tmp_path):
 
 def test_fail_above_exit_codes(small_report, tmp_path, capsys):
     _, record = small_report
-    base = ["mismatch", "-q", "--train", "hf", "--load-record", str(record), "--batch-size", "8"]
+    base = ["mismatch", "-q", "--device", "cpu", "--train", "hf", "--load-record", str(record), "--batch-size", "8"]
     assert main(base + ["--fail-above", "router_flip_rate=0", "--fail-above", "support_mismatch_rate=0"]) == 0
     assert main(base + ["--fail-above", "kl_k3=-1"]) == 3
     assert "kl_k3" in capsys.readouterr().err
@@ -205,7 +207,7 @@ def test_run_mismatch_closes_both_engines(monkeypatch, fail):
     monkeypatch.setitem(engines.TRAIN_ENGINES, "counting",
                         lambda *a, **k: _Counting(engines.HFTrainEngine(*a, **k), closed, fail=fail))
     cfg = MismatchConfig(rollout_engine="counting", train_engine="counting", num_prompts=2, max_new_tokens=4,
-                         batch_size=2)
+                         batch_size=2, device="cpu")
     if fail:
         with pytest.raises(RuntimeError, match="on purpose"):
             run_mismatch(cfg)

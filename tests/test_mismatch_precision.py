@@ -18,7 +18,7 @@ from moealign.mismatch.engines import HFRolloutEngine  # noqa: E402
 from moealign.mismatch.run import format_sweep, run_sweep  # noqa: E402
 from moealign.patches.hf.precision import module_roles  # noqa: E402
 
-SMALL = dict(num_prompts=6, max_new_tokens=16, batch_size=6)
+SMALL = dict(num_prompts=6, max_new_tokens=16, batch_size=6, device="cpu")     # claims made on CPU kernels
 ALIGNED = "routing_replay+sampling_mask"
 
 
@@ -71,8 +71,8 @@ def test_levers_without_batch_invariance_stay_small(fp32_reports):
 
 def test_policy_options_reach_the_engines_and_the_json(tmp_path):
     out = tmp_path / "r.json"
-    argv = ["mismatch", "-q", "--rollout", "hf", "--train", "hf", "--num-prompts", "2", "--max-new-tokens", "6",
-            "--batch-size", "2", "--rollout-precision", "fp16-fp32-router-head", "--train-precision", "bf16", "--json", str(out)]
+    argv = ["mismatch", "-q", "--device", "cpu", "--rollout", "hf", "--train", "hf", "--num-prompts", "2",
+            "--max-new-tokens", "6", "--batch-size", "2", "--rollout-precision", "fp16-fp32-router-head", "--train-precision", "bf16", "--json", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     rollout = {k: v for k, v in report["rollout"].items() if k != "engine_version"}
