@@ -100,7 +100,7 @@ def _exp64(x: torch.Tensor) -> torch.Tensor:
     """exp of a float64 tensor from elementwise ops only (range reduction, Horner, 2**n built from bits)."""
     neg_inf = x == float("-inf")
     x = x.clamp(-746.0, 710.0)
-    n = torch.round(x * _INV_LN2)
+    n = torch.floor(x * _INV_LN2 + 0.5)       # any integer near x / ln 2 serves (|r| <= 0.35); floor is cheap
     r = (x - n * _LN2_HI) - n * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[-1])
     for c in reversed(_EXP_COEFFS[:-1]):
@@ -252,37 +252,78 @@ def _compact(keep: torch.Tensor) -> torch.Tensor:
     return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
 
 
-def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
-                max_elements: int = 1 << 24) -> torch.Tensor:
-    """Attention of each query row over its own kept keys.
-
-    ``q [Q, H, d]``; ``k, v [Q, L, H, d]`` (each row's keys, heads already expanded for GQA; an ``expand``ed view
-    costs nothing); ``keep [Q, L]`` bool. Kept keys are compacted to the front (stable), so the trees see the same
-    leading values whatever the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in
-    ``q.dtype``. Queries are processed in chunks bounded by ``max_elements`` products (no effect on the bits).
-    """
+def _attention_forward(q, k, v, keep, max_elements):
     Q, H, d = q.shape
     L = k.shape[1]
     k, v = k.expand(Q, -1, -1, -1), v.expand(Q, -1, -1, -1)          # views: a shared key set costs nothing
+    acc = _float_out(q)
     scale = 1.0 / math.sqrt(d)
+    prefix = bool((keep[:, 1:] <= keep[:, :-1]).all()) if L > 1 else True     # kept keys already in front
     out = []
     step = max(1, max_elements // max(1, L * H * d))
     for start in range(0, Q, step):
         sl = slice(start, min(Q, start + step))
-        order = _compact(keep[sl])
-        kept = torch.gather(keep[sl], 1, order)
-        idx = order[:, :, None, None].expand(-1, -1, H, d)
-        acc = _float_out(q)
-        ks = torch.gather(k[sl], 1, idx).to(acc)
-        vs = torch.gather(v[sl], 1, idx).to(acc)
-        qf = q[sl].to(acc)
-        scores = fixed_tree_sum(qf[:, None] * ks, -1) * scale                      # [q, L, H]
+        if prefix:
+            kept, ks, vs = keep[sl], k[sl].to(acc), v[sl].to(acc)
+        else:
+            order = _compact(keep[sl])
+            kept = torch.gather(keep[sl], 1, order)
+            idx = order[:, :, None, None].expand(-1, -1, H, d)
+            ks, vs = torch.gather(k[sl], 1, idx).to(acc), torch.gather(v[sl], 1, idx).to(acc)
+        scores = fixed_tree_sum(q[sl].to(acc)[:, None] * ks, -1) * scale           # [q, L, H]
         scores = scores.masked_fill(~kept[:, :, None], float("-inf"))
         p = c_exp(scores - scores.amax(dim=1, keepdim=True))
         denom = fixed_tree_sum(p, 1)                                                # [q, H]
         o = fixed_tree_sum(p[..., None] * vs, 1)                                    # [q, H, d]
         out.append((o / denom[..., None]).to(q.dtype))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+class _Attention(torch.autograd.Function):
+    """The canonical forward; the backward is the stock softmax-attention gradient (einsums in the compute dtype):
+    a gradient need not have the forward's bits, and the elementwise graph would hold ``Q x L x H x d`` products."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, max_elements):
+        ctx.save_for_backward(q, k, v, keep)
+        return _attention_forward(q, k, v, keep, max_elements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, keep = ctx.saved_tensors
+        acc = _float_out(q)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        shared = k.shape[0] == 1
+        kk, vv = (k[0].to(acc), v[0].to(acc)) if shared else (k.to(acc), v.to(acc))
+        qf, g = q.to(acc), grad.to(acc)
+        kpat, dpat = ("lhd", "lhd") if shared else ("qlhd", "qlhd")
+        s = torch.einsum(f"qhd,{kpat}->qlh", qf, kk) * scale
+        p = torch.softmax(s.masked_fill(~keep[:, :, None], float("-inf")), dim=1)
+        o = torch.einsum(f"qlh,{kpat}->qhd", p, vv)
+        dp = torch.einsum(f"qhd,{kpat}->qlh", g, vv)
+        ds = p * (dp - (g * o).sum(-1)[:, None, :])
+        dq = torch.einsum(f"qlh,{kpat}->qhd", ds, kk) * scale
+        dk = torch.einsum(f"qlh,qhd->{dpat}", ds, qf) * scale
+        dv = torch.einsum(f"qlh,qhd->{dpat}", p, g)
+        if shared:
+            dk, dv = dk[None], dv[None]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                max_elements: int = 1 << 24) -> torch.Tensor:
+    """Attention of each query row over its own kept keys.
+
+    ``q [Q, H, d]``; ``k, v [Q, L, H, d]`` or ``[1, L, H, d]`` (one key set shared by every query; heads already
+    expanded for GQA); ``keep [Q, L]`` bool. Kept keys are compacted to the front (stable; skipped when they already
+    are, which costs one host read of a bool on the keep mask), so the trees see the same leading values whatever
+    the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in ``q.dtype``. Queries are
+    processed in chunks bounded by ``max_elements`` products (no effect on the bits). Differentiable (the
+    backward is the stock attention gradient).
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, keep, max_elements)
+    return _attention_forward(q, k, v, keep, max_elements)
 
 
 def c_topk(logits: torch.Tensor, k: int) -> torch.Tensor:

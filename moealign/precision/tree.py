@@ -204,24 +204,8 @@ def tree_matmul(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFA
     return tree.root()
 
 
-def tree_linear(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFAULT_LEAF_WIDTH,
-                node_dtype: torch.dtype | None = None, max_elements: int = 1 << 22) -> torch.Tensor:
-    """``x @ weight.T`` (``F.linear`` layout) from element-wise products and element-wise adds only: each
-    output element is :func:`tree_sum` of its K products (node dtype), so its bits depend on nothing but its
-    own row of ``x`` and row of ``weight``: not on the TP size (a K shard gives its subtree root, an N shard
-    the same columns), nor on the batch size, the thread count or the BLAS library, by construction.
-
-    :func:`tree_matmul` leaves use a stock matmul per leaf, which is fast but whose bits may change with the
-    thread count (measured here: MKL, 1 vs 2 threads); this op is the slower one without that caveat. Output
-    columns are computed in chunks of at most ``max_elements`` products (chunking changes no bits).
-    """
-    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise TreeReductionError(f"tree_linear needs x [..., K] and weight [N, K] with the same K, got "
-                                 f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise InputTypeError(f"tree_linear: x is {x.dtype} but weight is {weight.dtype}")
-    check_positive_int(max_elements, "max_elements", TreeReductionError, noun="integer")
-    nd = _resolve_node_dtype(x.dtype, node_dtype)
+def _tree_linear_forward(x: torch.Tensor, weight: torch.Tensor, leaf_width: int, nd: torch.dtype,
+                         max_elements: int) -> torch.Tensor:
     lead = x.shape[:-1]
     xn = x.reshape(-1, x.shape[-1]).to(nd)
     wn = weight.to(nd)
@@ -231,6 +215,52 @@ def tree_linear(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFA
             for start in range(0, weight.shape[0], step)]
     out = cols[0] if len(cols) == 1 else torch.cat(cols, dim=-1)
     return out.reshape(*lead, weight.shape[0])
+
+
+class _TreeLinear(torch.autograd.Function):
+    """The tree's forward; the backward is the stock one (two matmuls in the node dtype): a gradient need not have
+    the forward's bits, and the elementwise-product graph would cost ``rows x N x K`` memory per layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, leaf_width, nd, max_elements):
+        ctx.save_for_backward(x, weight)
+        return _tree_linear_forward(x, weight, leaf_width, nd, max_elements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.to(g.dtype)).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def tree_linear(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = DEFAULT_LEAF_WIDTH,
+                node_dtype: torch.dtype | None = None, max_elements: int = 1 << 22) -> torch.Tensor:
+    """``x @ weight.T`` (``F.linear`` layout) from element-wise products and element-wise adds only: each
+    output element is :func:`tree_sum` of its K products (node dtype), so its bits depend on nothing but its
+    own row of ``x`` and row of ``weight``: not on the TP size (a K shard gives its subtree root, an N shard
+    the same columns), nor on the batch size, the thread count or the BLAS library, by construction.
+
+    :func:`tree_matmul` leaves use a stock matmul per leaf, which is fast but whose bits may change with the
+    thread count (measured here: MKL, 1 vs 2 threads); this op is the slower one without that caveat. Output
+    columns are computed in chunks of at most ``max_elements`` products (chunking changes no bits). Differentiable;
+    the backward is the stock one (two matmuls), not the tree.
+    """
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise TreeReductionError(f"tree_linear needs x [..., K] and weight [N, K] with the same K, got "
+                                 f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise InputTypeError(f"tree_linear: x is {x.dtype} but weight is {weight.dtype}")
+    check_positive_int(max_elements, "max_elements", TreeReductionError, noun="integer")
+    _num_leaves(x.shape[-1], leaf_width, "the K axis")
+    nd = _resolve_node_dtype(x.dtype, node_dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _TreeLinear.apply(x, weight, leaf_width, nd, max_elements)
+    return _tree_linear_forward(x, weight, leaf_width, nd, max_elements)
 
 
 # --------------------------------------------------------------------------------------------------
