@@ -131,6 +131,8 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
     (["--aligned-skip", "attention,bogus"], "unknown ops ['bogus']"),
     (["--diagnose"], "--aligned-skip OP for a negative control"),
     (["--load-record", "{existing}"], "cannot score a --load-record"),
+    (["--rollout-tp", "3"], "power-of-two TP sizes"),
+    (["--rollout-tp", "4"], "moe_intermediate_size 64 does not split into whole 32-wide tree leaves"),
 ])
 def test_mismatch_aligned_refusals_are_one_line(capsys, argv, words):
     from moealign.embedded import embedded_model_path

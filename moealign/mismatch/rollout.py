@@ -255,9 +255,11 @@ class MismatchConfig:
         if self.resolved_device() != "cpu":
             raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
                               "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")
-        from ..precision.canonical import check_canonical_model
+        from ..precision.canonical import check_canonical_model, check_canonical_tp
 
-        check_canonical_model(read_model_config(self.model_path()))
+        config = read_model_config(self.model_path())
+        check_canonical_model(config)
+        check_canonical_tp(config, self.rollout_tp or 1, "--rollout-tp")
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the

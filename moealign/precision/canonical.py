@@ -76,6 +76,7 @@ __all__ = [
     "log_softmax_mode",
     "COVERED_FAMILIES",
     "check_canonical_model",
+    "check_canonical_tp",
 ]
 
 #: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree).
@@ -411,6 +412,22 @@ def check_canonical_model(config: dict) -> None:
         problems.append("shared experts")
     if problems:
         raise CanonicalError(f"--aligned does not cover this {family} checkpoint: " + ", ".join(problems))
+
+
+def check_canonical_tp(config: dict, tp: int, flag: str = "tp") -> None:
+    """Refuse a tensor-parallel size the canonical trees cannot cut: a power of two whose shards of every reduced
+    axis (hidden size, attention output, expert intermediate size) are whole multiples of :data:`LEAF_WIDTH`."""
+    if tp < 1 or tp & (tp - 1):
+        raise CanonicalError(f"{flag} {tp}: the canonical forward cuts its trees at power-of-two TP sizes")
+    heads = config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
+    for what, size in (("hidden_size", config.get("hidden_size", 0)), ("attention output", heads * head_dim),
+                       ("moe_intermediate_size", config.get("moe_intermediate_size", 0))):
+        if size % (tp * LEAF_WIDTH):
+            raise CanonicalError(f"{flag} {tp}: the {what} {size} does not split into whole {LEAF_WIDTH}-wide tree "
+                                 f"leaves per rank")
+    if config.get("num_key_value_heads", heads) % tp and tp % config.get("num_key_value_heads", heads):
+        raise CanonicalError(f"{flag} {tp}: {config.get('num_key_value_heads')} KV heads do not split over {tp} ranks")
 
 
 # --------------------------------------------------------------------------------------------------------
