@@ -68,7 +68,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         report = run_mismatch(cfg, progress=progress, log=log)
     table = format_sweep(sweep) if args.sweep else format_table(report)
     if not args.sweep and "aligned" in report:
-        from .mismatch.run import format_aligned
+        from .mismatch.aligned import format_aligned
 
         table += "\n" + format_aligned(report["aligned"])
     if not args.sweep and "diagnosis" in report:

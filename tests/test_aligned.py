@@ -129,7 +129,7 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
     (["--rollout-precision", "fp32", "--train-precision", "bf16"], "one precision on both engines"),
     (["--rollout-precision", "fp16"], "one plain precision on both sides"),
     (["--aligned-skip", "attention,bogus"], "unknown ops ['bogus']"),
-    (["--diagnose"], "--aligned-skip OP for a negative control"),
+    (["--report", "{tmp}"], "--aligned --diagnose names the op"),
     (["--load-record", "{existing}"], "cannot score a --load-record"),
     (["--rollout-tp", "3"], "power-of-two TP sizes"),
     (["--rollout-tp", "4"], "moe_intermediate_size 64 does not split into whole 32-wide tree leaves"),
@@ -137,7 +137,7 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
 def test_mismatch_aligned_refusals_are_one_line(capsys, argv, words):
     from moealign.embedded import embedded_model_path
 
-    argv = [a.format(existing=embedded_model_path() / "prompts.json") for a in argv]
+    argv = [a.format(existing=embedded_model_path() / "prompts.json", tmp="aligned-report-dir") for a in argv]
     assert main(["mismatch", "--aligned", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1

@@ -308,7 +308,9 @@ class VLLMRolloutEngine:
         """The execution contract of the loaded vLLM engine (:mod:`moealign.contract`)."""
         from ..patches.vllm.contract import contract_of
 
-        return contract_of(self.llm, resolve_precision(self.precision), sampling=_sampling_dict(sampling))
+        canonical_router = self.aligned is not None and "router" in self.aligned.ops   # its logits stay fp32
+        return contract_of(self.llm, resolve_precision(self.precision), sampling=_sampling_dict(sampling),
+                           router_compute=torch.float32 if canonical_router else None)
 
     def close(self) -> None:
         self.llm = None
@@ -501,6 +503,14 @@ class MegatronTrainEngine:
 
     def meta(self) -> RecordMeta:
         return self._meta
+
+    def set_canonical_ops(self, ops) -> None:
+        """Run these canonical ops (the others stock) from now on: the ``--aligned --diagnose`` levers."""
+        from ..patches.megatron.canonical import apply_canonical_forward_from_hf
+
+        if self.aligned is not None:
+            self.aligned.undo()
+        self.aligned = apply_canonical_forward_from_hf(self.model, self._hf_config, ops=ops)
 
     def forward(self, record: RolloutRecord, indices, *, replay: bool, grad: bool = False,
                 capture: bool = True) -> TrainForward:

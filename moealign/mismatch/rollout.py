@@ -249,9 +249,9 @@ class MismatchConfig:
                               f"{self.rollout_precision} / train {self.train_precision}")
         if self.batch_invariant or self.attention is not None:
             raise ConfigError("--aligned is the canonical forward; --batch-invariant / --attention select other ops")
-        if self.diagnose or self.inject_fault is not None:
-            raise ConfigError("--aligned with --diagnose / --report / --inject-fault: use --aligned-skip OP for a "
-                              "negative control (that op left stock)")
+        if self.report_dir is not None or self.inject_fault is not None:
+            raise ConfigError("--aligned with --report / --inject-fault: --aligned --diagnose names the op a residual "
+                              "comes from; --aligned-skip OP leaves an op stock (a negative control)")
         if self.resolved_device() != "cpu":
             raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
                               "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")

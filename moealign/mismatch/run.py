@@ -126,9 +126,13 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
                              canonical_log_softmax=cfg.aligned and "log_softmax" not in cfg.aligned_skip)
         train_desc = describe_engine(trainer)
         extra = {}
-        if cfg.diagnose:
+        if cfg.aligned:
+            from .aligned import aligned_section
+
+            extra = {"aligned": aligned_section(cfg, record, sides, trainer if cfg.diagnose else None, log=log)}
+        elif cfg.diagnose:
             extra = diagnosis_sections(cfg, record, trainer, rollout_contract=rollout_contract,
-                                       pad_token_id=pad_token_id, log=log)
+                                       pad_token_id=pad_token_id, log=log, sides=sides)
         warned = weights_warnings(rollout_contract, trainer, (extra.get("contract") or {}).get("train"))
     finally:
         trainer.close()
@@ -138,8 +142,6 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
                           train=train_desc, sampling=record_sampling(record), batch_invariant=cfg.batch_invariant,
                           device=device, started=t0)
     report.update(extra)
-    if cfg.aligned:
-        report["aligned"] = aligned_section(cfg, record, sides)
     report["warnings"] = route_warnings(sides) + warned
     if fault is not None:
         report["injected_fault"] = fault.describe()
@@ -150,31 +152,6 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
     return report
-
-
-def aligned_section(cfg: MismatchConfig, record, sides: dict) -> dict:
-    """``--aligned``: the ops the canonical forward ran on both engines, those left stock, and whether the fully
-    aligned run (routing replay + the sampling mask) reproduced the rollout's log-probs bit for bit
-    (``torch.equal``)."""
-    from ..precision.canonical import OPS
-
-    rollout_lp = torch.cat([s.logprobs.float() for s in record.samples])
-    trained = sides[True].logprobs(record.has_kept_sets)
-    diff = (trained.double() - rollout_lp.double()).abs()
-    return {"ops": [op for op in OPS if op not in cfg.aligned_skip], "stock_ops": list(cfg.aligned_skip),
-            "run": "routing_replay+sampling_mask" if record.has_kept_sets else "routing_replay",
-            "bitwise_equal": bool(torch.equal(trained, rollout_lp)), "num_tokens": int(rollout_lp.numel()),
-            "tokens_differing": int((diff > 0).sum()), "max_abs_logp_diff": float(diff.max()) if diff.numel() else 0.0}
-
-
-def format_aligned(section: dict) -> str:
-    """The report's ``aligned`` section as one line."""
-    stock = f"; left stock: {', '.join(section['stock_ops'])}" if section["stock_ops"] else ""
-    verdict = ("bitwise equal (torch.equal)" if section["bitwise_equal"] else
-               f"NOT bitwise equal: {section['tokens_differing']} of {section['num_tokens']} tokens differ, "
-               f"max |dlogp| {section['max_abs_logp_diff']:.3g}")
-    return (f"aligned: the canonical forward on both engines ({', '.join(section['ops'])}{stock}); "
-            f"{section['run']}: {section['num_tokens']} log-probs {verdict}")
 
 
 def route_warnings(sides: dict) -> list[str]:
@@ -219,10 +196,12 @@ def _shown_runs(runner: LeverRunner) -> dict:
 
 
 def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract: dict | None = None,
-                       pad_token_id: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+                       pad_token_id: int | None = None, log: Callable[[str], None] | None = None,
+                       sides: dict | None = None) -> dict:
     """``{"levers", "attribution", "diagnosis", "contract", "plots"}`` of the report: every lever set scored
     on ``record`` (:class:`~moealign.mismatch.levers.LeverRunner`), its Shapley attribution, the diagnosis
-    (:func:`~moealign.mismatch.diagnose.diagnose`), both sides' contracts compared, the plots' numbers."""
+    (:func:`~moealign.mismatch.diagnose.diagnose`), both sides' contracts compared, the plots' numbers.
+    ``sides``: :func:`score_record`'s passes of ``trainer`` over ``record`` (reused, not run again)."""
     from ..contract import compare_contracts
     from .scoring import make_train_engine
 
@@ -242,7 +221,8 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
                          batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant, attention=cfg.attention,
                          rescorable=cfg.rollout_engine == "hf" and not cfg.load_record,
                          fault=fault if fault is not None and fault.kind == "weights" else None,
-                         pad_token_id=pad_token_id, log=log)
+                         pad_token_id=pad_token_id, max_new_tokens=None if cfg.load_record else cfg.max_new_tokens,
+                         base_sides=sides, log=log)
     try:
         t0 = time.perf_counter()
         if runner.rescorable:

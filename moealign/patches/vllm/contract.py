@@ -110,9 +110,10 @@ def _rpc_contract(worker) -> dict:
             "weights": weights}
 
 
-def contract_of(llm, policy: str | PrecisionPolicy, *, sampling: dict | None = None) -> dict:
+def contract_of(llm, policy: str | PrecisionPolicy, *, sampling: dict | None = None, router_compute=None) -> dict:
     """The contract of a loaded ``vllm.LLM`` running precision ``policy`` (see the module docstring); rank 0's
-    reading. ``sampling``: the sampling parameters this side samples with (``None``: not stated)."""
+    reading. ``sampling``: the sampling parameters this side samples with (``None``: not stated).
+    ``router_compute``: see :func:`~moealign.patches.vllm.precision.audit_vllm` (the canonical router)."""
     from .engine import vllm_version
     from .precision import audit_vllm
 
@@ -120,7 +121,7 @@ def contract_of(llm, policy: str | PrecisionPolicy, *, sampling: dict | None = N
         raise ConfigError(f"sampling must be a dict or None, got {type(sampling).__name__}")
     policy = get_policy(policy)
     part = llm.collective_rpc(_rpc_contract)[0]
-    computed = audit_vllm(llm, policy).get("computed", {})
+    computed = audit_vllm(llm, policy, router_compute=router_compute).get("computed", {})
     logits = [d for name, d in computed.items() if name.endswith("logits_processor")]
     part["dtypes"]["logits"] = (logits[0].replace("torch.", "") if logits else part["dtypes"]["lm_head"])
     patches = os.environ.get("MOEALIGN_VLLM_PATCHES", "")

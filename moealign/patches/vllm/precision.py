@@ -147,10 +147,13 @@ def _read_audit(handle: PatchHandle) -> dict:
     return {"parameters": params, "computed": dict(handle.seen)}
 
 
-def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(x):") -> dict:
+def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(x):",
+               router_compute: torch.dtype | None = None) -> dict:
     """Check the model ``llm`` runs, in every worker, against ``policy``: the parameter dtype of the routers, the
     LM head and the other linear layers, and, through one generated token, the dtype of the router logits and of the logits. Returns ``{"parameters", "computed"}``
-    (rank 0); raises :class:`~moealign.errors.PrecisionAuditError` with every deviation on any rank."""
+    (rank 0); raises :class:`~moealign.errors.PrecisionAuditError` with every deviation on any rank.
+    ``router_compute``: the dtype the router logits are computed in when it is not the policy's (the canonical
+    forward keeps them in fp32 from the policy's parameters)."""
     from vllm import SamplingParams
 
     policy = get_policy(policy)
@@ -174,8 +177,9 @@ def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(
             deviations.append(f"rank {rank}: no router or logits output was seen in the audited forward")
         for name, dtype in sorted(computed.items()):
             role = "lm_head" if name.endswith("logits_processor") else "router"
-            if _short(dtype) != want[role]:
-                deviations.append(f"rank {rank}: {name} computed {dtype}, policy: {want[role]}")
+            expected = dtype_name(router_compute) if role == "router" and router_compute is not None else want[role]
+            if _short(dtype) != expected:
+                deviations.append(f"rank {rank}: {name} computed {dtype}, policy: {expected}")
     if deviations:
         raise PrecisionAuditError(policy.name, deviations)
     return per_rank[0]
