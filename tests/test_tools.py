@@ -126,3 +126,17 @@ def test_bench_rl_check_smoke(tmp_path):
     assert result["samples"] == 4 and result["verify_digests"] > 0 and result["probe"] > 0
     assert 0 <= result["moealign_share"] < 1 and 0 < result["verification_s"]
     assert result["recording_ratio"] > 0 and result["replay_ratio"] > 0 and result["refit_ratio_vs_vllm_reload"] > 0
+
+
+def test_bench_aligned_smoke(tmp_path):
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_aligned.py"), "--no-vllm", "--batch", "2",
+                           "--seq", "8", "--repeats", "1", "--json", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "forward stock" in proc.stdout
+    m = json.loads(out.read_text())["megatron_embedded"]
+    assert m["tokens"] == 16 and m["forward_ratio"] > 0 and m["train_ratio"] > 0
