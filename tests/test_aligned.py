@@ -92,6 +92,24 @@ def test_bf16_fully_aligned_run_is_bitwise_equal():
 
 
 @needs_vllm
+def test_diagnose_names_the_op_left_stock():
+    """--aligned-skip attention: vLLM's CPU attention kernel against Megatron's; the diagnosis names attention, and
+    every op canonical on both, switched to stock on the trainer, opens a gap."""
+    from moealign.mismatch.aligned import format_aligned
+
+    report = _run(rollout_precision="fp32", num_prompts=4, max_new_tokens=8, aligned_skip=("attention",),
+                  diagnose=True)
+    section = report["aligned"]
+    assert not section["bitwise_equal"] and section["stock_ops"] == ["attention"]
+    assert section["diagnosis"]["residual_ops"] == ["attention"]
+    assert "comes from attention" in section["diagnosis"]["headline"]
+    levers = {lv["op"]: lv for lv in section["levers"]}
+    assert set(levers) == set(OPS) and levers["attention"]["both"] == "stock"
+    assert all(not lv["bitwise_equal"] for lv in levers.values())
+    assert "canonical: attention" in format_aligned(section)
+
+
+@needs_vllm
 def test_vllm_tp2_fully_aligned_run_is_bitwise_equal(tmp_path):
     """Two vLLM worker processes (each runs the plugin's canonical patch) against Megatron at TP = 1."""
     out = tmp_path / "report.json"
@@ -114,13 +132,14 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = run_rl_check(RLCheckConfig(aligned=True, steps=3, num_prompts=2, group_size=2, max_new_tokens=8,
-                                            lr=5e-3, device="cpu"))
+        report = run_rl_check(RLCheckConfig(aligned=True, steps=2, num_prompts=4, group_size=2, max_new_tokens=12,
+                                            lr=2e-3, device="cpu"))
     (run,) = report["runs"]
-    assert [s["aligned"]["bitwise_equal"] for s in run["steps"]] == [True, True, True]
+    assert [s["aligned"]["bitwise_equal"] for s in run["steps"]] == [True, True]
     assert all(s["verify"]["ok"] for s in run["steps"])
-    # the weights did move: every step after the first trained on refitted weights
-    assert any(s["grad_norm"] > 0 for s in run["steps"][:-1])
+    # the weights did move (a nonzero gradient at step 0, deterministic for this seed): step 1 rolled out and
+    # trained on refitted, changed weights
+    assert run["steps"][0]["grad_norm"] > 0
     assert all(s["refit"]["tensors"] > 0 for s in run["steps"])
     assert check_steps(report, {}) == []
 

@@ -19,6 +19,7 @@ A residual with every op canonical names no op: the section says so (an engine p
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -61,15 +62,9 @@ def _score_aligned(record, trainer, skip, batch_size: int) -> torch.Tensor:
     for start in range(0, len(record), batch_size):
         indices = list(range(start, min(start + batch_size, len(record))))
         fwd = trainer.forward(record, indices, replay=True, capture=False)
-        with (log_softmax_mode() if "log_softmax" not in skip else _null()):
+        with (log_softmax_mode() if "log_softmax" not in skip else contextlib.nullcontext()):
             score_batch(record, indices, fwd, side)
     return side.logprobs(record.has_kept_sets)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def canonical_levers(record, trainer, skip, batch_size: int, *, log: Callable[[str], None] | None = None) -> list:

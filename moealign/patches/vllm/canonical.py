@@ -267,6 +267,30 @@ _COVERED = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "QKVParallelLinear": "
             "ReplicatedLinear": "linear", "GateLinear": "router", "ParallelLMHead": "lm_head"}
 
 
+def _attention_problems(layer) -> list[str]:
+    """What in a vLLM attention layer the canonical attention does not cover."""
+    import math
+
+    impl = getattr(layer, "impl", None)
+    problems = []
+    if type(impl).__name__ != "CPUAttentionBackendImpl":
+        problems.append(f"backend {type(impl).__name__} (the canonical attention serves the CPU backend)")
+        return problems
+    if not math.isclose(impl.scale, 1.0 / math.sqrt(impl.head_size), rel_tol=1e-12):
+        problems.append(f"scale {impl.scale} (the canonical attention scales by 1 / sqrt(head_size))")
+    if impl.logits_soft_cap:
+        problems.append(f"logit soft cap {impl.logits_soft_cap}")
+    if impl.alibi_slopes is not None:
+        problems.append("ALiBi")
+    if impl.sliding_window not in (None, -1):
+        problems.append(f"sliding window {impl.sliding_window}")
+    if impl.sinks is not None:
+        problems.append("attention sinks")
+    if impl.attn_type != "decoder" or impl.kv_cache_dtype not in ("auto", None):
+        problems.append(f"attention type {impl.attn_type} / KV cache {impl.kv_cache_dtype}")
+    return problems
+
+
 def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> list[str]:
     """The modules of a loaded vLLM model the canonical forward does not cover (``"name (Class)"``), given the
     ops installed: every module must be passive (no arithmetic of its own) or of a class an installed op covers;
@@ -281,10 +305,14 @@ def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> 
         router = getattr(module, "router", None)
         if router is not None and "router" in ops and router_problems(router):
             escaped.append(f"{name}.router ({type(router).__name__}: {', '.join(router_problems(router))})")
+        if cls == "LogitsProcessor" and (getattr(module, "scale", 1.0) != 1.0 or getattr(module, "soft_cap", None)):
+            escaped.append(f"{name} ({cls}: logit scale {module.scale} / soft cap {module.soft_cap})")
         op = counted.get(cls) or _COVERED.get(cls)
         if op is not None:
             if op not in ops:
                 continue                                  # left stock on purpose (--aligned-skip)
+            if cls == "Attention":
+                escaped += [f"{name} ({cls}: {what})" for what in _attention_problems(module)]
             if cls == "RotaryEmbedding" and not module.is_neox_style:
                 escaped.append(f"{name} ({cls}, GPT-J style)")
             if cls in counted:

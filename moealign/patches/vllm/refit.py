@@ -421,6 +421,9 @@ def _rpc_held(worker) -> dict:
             kernel = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             packed = cpu_experts is not None and isinstance(kernel, cpu_experts) and not getattr(
                 kernel, "_use_zentorch", False)
+            tree = getattr(module, "_moealign_tree_weights", None)
+            if tree is not None:            # the tree / canonical forward reads its own unpacked copy: verify that
+                param, packed = tree[0] if leaf == "w13_weight" else tree[1], False
             if packed:
                 isa = kernel.isa
             moe = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
