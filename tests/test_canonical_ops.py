@@ -168,7 +168,7 @@ def test_router_topk_gates_and_experts():
     x = torch.randn(6, 64, generator=_gen(16))
     w13 = torch.randn(16, 64, 64, generator=_gen(17)) * 0.1
     w2 = torch.randn(16, 64, 32, generator=_gen(18)) * 0.1
-    out = C.c_combine(C.c_experts(x, ids, lambda e: (w13[e], w2[e]), num_experts=16), gates, x.dtype)
+    out = C.c_combine(C.c_experts(x, ids, w13, w2), gates, x.dtype)
     ref = torch.zeros(6, 64)
     for t in range(6):
         for j, e in enumerate(ids[t].tolist()):
@@ -176,8 +176,25 @@ def test_router_topk_gates_and_experts():
             ref[t] += gates[t, j] * ((torch.nn.functional.silu(g) * u) @ w2[e].T)
     assert (out - ref).abs().max() < 1e-5
     # a token's output does not depend on its batch mates
-    one = C.c_combine(C.c_experts(x[2:3], ids[2:3], lambda e: (w13[e], w2[e]), num_experts=16), gates[2:3], x.dtype)
+    one = C.c_combine(C.c_experts(x[2:3], ids[2:3], w13, w2), gates[2:3], x.dtype)
     assert torch.equal(one, out[2:3])
+    # each (token, expert) pair has c_linear's bits
+    g_u = C.c_linear(x[2:3], w13[ids[2, 1]], out_dtype=torch.float32)
+    act = (C.c_silu(g_u[:, :32]) * g_u[:, 32:]).to(x.dtype)
+    pair = C.c_experts(x[2:3], ids[2:3], w13, w2)[0, 1]
+    assert torch.equal(pair, C.c_linear(act, w2[ids[2, 1]], out_dtype=torch.float32)[0])
+    # gradients through the gathered trees: the stock ones
+    xg, w13g, w2g = (t.double().requires_grad_() for t in (x, w13, w2))
+    C.c_experts(xg, ids, w13g, w2g).pow(2).sum().backward()
+    xr, w13r, w2r = (t.double().requires_grad_() for t in (x, w13, w2))
+    ref = torch.zeros(6, 4, 64, dtype=torch.float64)
+    for t in range(6):
+        for j, e in enumerate(ids[t].tolist()):
+            g, u = (xr[t] @ w13r[e].T).chunk(2)
+            ref[t, j] = (torch.nn.functional.silu(g) * u) @ w2r[e].T
+    ref.pow(2).sum().backward()
+    for a, b in ((xg, xr), (w13g, w13r), (w2g, w2r)):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12)
 
 
 def test_gradients_match_the_stock_ops():

@@ -54,7 +54,7 @@ import torch
 
 from ..errors import CanonicalError
 from .batch_invariant import fixed_tree_sum
-from .tree import tree_linear
+from .tree import node_dtype_for, tree_linear, tree_sum
 
 __all__ = [
     "LEAF_WIDTH",
@@ -347,27 +347,67 @@ def c_gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> to
     return torch.gather(full, 1, ids)
 
 
-def c_experts(x: torch.Tensor, ids: torch.Tensor, expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *,
-              num_experts: int, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+def _gathered_tree_forward(rows: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, leaf_width: int,
+                           max_elements: int) -> torch.Tensor:
+    """``out[r] = tree_linear(rows[r], weights[idx[r]])`` for every row at once (chunks of rows bounded by
+    ``max_elements`` products): the same products and the same trees as :func:`c_linear`, so the same bits."""
+    n, k = weights.shape[1:]
+    out = []
+    step = max(1, max_elements // max(1, n * k))
+    for start in range(0, rows.shape[0], step):
+        sl = slice(start, start + step)
+        nd = node_dtype_for(rows.dtype)
+        prods = rows[sl].to(nd)[:, None, :] * weights[idx[sl]].to(nd)
+        out.append(tree_sum(prods, dim=-1, leaf_width=leaf_width))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+class _GatheredTree(torch.autograd.Function):
+    """The gathered tree's forward; the stock backward (einsums per chunk, the weight gradient index-added)."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, idx, leaf_width, max_elements):
+        ctx.save_for_backward(rows, weights, idx)
+        ctx.max_elements = max_elements
+        return _gathered_tree_forward(rows, weights, idx, leaf_width, max_elements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, idx = ctx.saved_tensors
+        n, k = weights.shape[1:]
+        step = max(1, ctx.max_elements // max(1, n * k))
+        grad_rows = torch.empty(rows.shape, dtype=grad.dtype, device=grad.device)
+        grad_w = torch.zeros(weights.shape, dtype=grad.dtype, device=grad.device)
+        for start in range(0, rows.shape[0], step):
+            sl = slice(start, start + step)
+            w = weights[idx[sl]].to(grad.dtype)
+            grad_rows[sl] = torch.einsum("cn,cnk->ck", grad[sl], w)
+            grad_w.index_add_(0, idx[sl], torch.einsum("cn,ck->cnk", grad[sl], rows[sl].to(grad.dtype)))
+        return grad_rows.to(rows.dtype), grad_w.to(weights.dtype), None, None, None
+
+
+def _gathered_tree(rows, weights, idx, leaf_width: int, max_elements: int = 1 << 22) -> torch.Tensor:
+    if torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad):
+        return _GatheredTree.apply(rows, weights, idx, leaf_width, max_elements)
+    return _gathered_tree_forward(rows, weights, idx, leaf_width, max_elements)
+
+
+def c_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+              leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
     """Each (token, slot)'s expert output ``[T, k, H]`` fp32 (the down projection's root: on a TP shard of the
     expert's intermediate axis, that shard's subtree root, to be tree-all-reduced).
 
-    ``expert(e)`` gives expert ``e``'s ``(w_gate_up [2I, H], w_down [H, I])`` (gate rows first), in ``x``'s dtype.
+    ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]``: every expert's weights, stacked, in ``x``'s dtype.
+    All (token, slot) pairs are computed at once (each gathers its expert's weights), so the bits are those of
+    :func:`c_linear` per pair, without a Python loop over experts or a host sync.
     """
     T, k = ids.shape
     flat = ids.reshape(-1)
-    out = torch.zeros(T * k, x.shape[-1], dtype=torch.float32, device=x.device)
-    for e in range(num_experts):
-        rows = (flat == e).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            continue
-        w13, w2 = expert(e)
-        inter = w13.shape[0] // 2
-        xe = x.index_select(0, torch.div(rows, k, rounding_mode="floor"))
-        gate_up = c_linear(xe, w13, out_dtype=torch.float32, leaf_width=leaf_width)
-        act = (c_silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        out = out.index_copy(0, rows, c_linear(act, w2, out_dtype=torch.float32, leaf_width=leaf_width))
-    return out.view(T, k, -1)
+    inter = w13.shape[1] // 2
+    xe = x.repeat_interleave(k, dim=0)
+    gate_up = _gathered_tree(xe, w13, flat, leaf_width)
+    act = (c_silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+    return _gathered_tree(act, w2, flat, leaf_width).view(T, k, -1)
 
 
 def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -138,10 +138,6 @@ def _moe_forward(module):
     experts = module.experts.local_experts
     num_experts = len(experts)
 
-    def expert(e):
-        mlp = experts[e]
-        return mlp.linear_fc1.weight, mlp.linear_fc2.weight
-
     def forward(hidden_states, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
             raise CanonicalError("the canonical MoE layer does not cover partial (CUDA-graph) MoE forwards")
@@ -155,7 +151,9 @@ def _moe_forward(module):
         k = module.router.topk
         ids = torch.arange(num_experts, device=x.device).expand(T, num_experts)[routing_map].view(T, k)
         gates = torch.gather(probs.reshape(T, -1), 1, ids)
-        out = C.c_combine(C.c_experts(x, ids, expert, num_experts=num_experts), gates, x.dtype)
+        w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts])      # autograd reaches each expert's weight
+        w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts])
+        out = C.c_combine(C.c_experts(x, ids, w13, w2), gates, x.dtype)
         return out.view(s, b, hidden), None
     return forward
 

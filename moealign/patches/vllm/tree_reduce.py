@@ -215,7 +215,7 @@ def _tree_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     w13, w2 = weights
     ids, order = topk_ids.to(torch.int64).sort(dim=1)
     gates = torch.gather(topk_weights, 1, order)
-    partial = c_experts(x, ids, lambda e: (w13[e], w2[e]), num_experts=w13.shape[0], leaf_width=leaf_width)
+    partial = c_experts(x, ids, w13, w2, leaf_width=leaf_width)
     full = tree_all_reduce(partial, _tp_group()) if tp_size > 1 else partial
     return c_combine(full, gates, x.dtype)
 
