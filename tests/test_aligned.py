@@ -220,3 +220,17 @@ def test_megatron_canonical_forward_is_differentiable_and_undone():
         assert torch.equal(run()[0], stock_logits)
     finally:
         engine.close()
+
+
+def test_plugin_spec_for_the_canonical_patch(monkeypatch):
+    from moealign.errors import ConfigError
+    from moealign.patches.vllm import plugin
+
+    spec = plugin.spec_for(canonical=True, canonical_skip=("attention", "rope"))
+    assert spec == "canonical:skip=attention+rope"
+    assert plugin.parse_spec(spec) == [("canonical", {"skip": "attention+rope"})]
+    assert plugin.parse_spec(plugin.spec_for(canonical=True)) == [("canonical", {})]
+    monkeypatch.setenv(plugin.ENV, "canonical:skip=attention+warp")
+    with pytest.raises(ConfigError, match=r"unknown ops \['warp'\]"):
+        plugin.load()
+    assert "canonical" not in plugin.loaded()
