@@ -42,53 +42,52 @@ def fp32_run(tmp_path_factory):
     return report, path
 
 
-def _score(record, *, precision: str, skip=()):
-    """The trainer's log-probs of the fully aligned run (replay + the kept sets), and the record's."""
+@pytest.fixture(scope="class")
+def fp32_trainer():
+    """One aligned Megatron engine for the re-scores (its canonical ops switched per test)."""
     from moealign.embedded import embedded_model_path
     from moealign.mismatch.engines import MegatronTrainEngine
-    from moealign.mismatch.scoring import score_record
 
-    engine = MegatronTrainEngine(str(embedded_model_path()), precision, "cpu", aligned=True, aligned_skip=skip)
-    try:
-        sides = score_record(record, engine, batch_size=16, canonical_log_softmax="log_softmax" not in skip)
-    finally:
-        engine.close()
-    return sides[True].logprobs(True), torch.cat([s.logprobs.float() for s in record.samples])
+    engine = MegatronTrainEngine(str(embedded_model_path()), "fp32", "cpu", aligned=True)
+    yield engine
+    engine.close()
 
 
-@needs_vllm
-def test_fp32_fully_aligned_run_is_bitwise_equal(fp32_run):
-    from moealign.record import RolloutRecord
+def _score(record, trainer, skip=()):
+    """The trainer's log-probs of the fully aligned run (replay + the kept sets), and the record's."""
+    from moealign.mismatch.aligned import score_fully_aligned
 
-    report, path = fp32_run
-    aligned = report["aligned"]
-    assert aligned["bitwise_equal"] and aligned["max_abs_logp_diff"] == 0 and aligned["num_tokens"] == 6 * 12
-    assert aligned["ops"] == list(OPS) and aligned["stock_ops"] == []
-    assert (report["rollout"]["dtype"], report["train"]["dtype"]) == ("fp32", "fp32")
-    runs = {r["name"]: r["metrics"] for r in report["runs"]}
-    assert runs["routing_replay+sampling_mask"]["max_abs_logp_diff"] == 0
-    assert runs["routing_replay"]["router_flip_rate"] == 0
-    # the test's own check, not the report's: score the saved record again
-    trained, rollout = _score(RolloutRecord.load(str(path)), precision="fp32")
-    assert torch.equal(trained, rollout)
+    return score_fully_aligned(record, trainer, skip), torch.cat([s.logprobs.float() for s in record.samples])
 
 
 @needs_vllm
-@pytest.mark.parametrize("op", OPS)
-def test_each_op_left_stock_on_the_trainer_leaves_a_gap(fp32_run, op):
-    """Negative controls: Megatron with one op stock (its own kernel or formula) against the canonical rollout."""
-    from moealign.record import RolloutRecord
+class TestFullyAlignedFp32:
+    """The fp32 record re-scored by one aligned Megatron engine (closed after this class: one Megatron world at a
+    time)."""
 
-    trained, rollout = _score(RolloutRecord.load(str(fp32_run[1])), precision="fp32", skip=(op,))
-    assert not torch.equal(trained, rollout)
-    assert float((trained - rollout).abs().max()) > 0
+    def test_bitwise_equal(self, fp32_run, fp32_trainer):
+        from moealign.record import RolloutRecord
 
+        report, path = fp32_run
+        aligned = report["aligned"]
+        assert aligned["bitwise_equal"] and aligned["max_abs_logp_diff"] == 0 and aligned["num_tokens"] == 6 * 12
+        assert aligned["ops"] == list(OPS) and aligned["stock_ops"] == []
+        assert (report["rollout"]["dtype"], report["train"]["dtype"]) == ("fp32", "fp32")
+        runs = {r["name"]: r["metrics"] for r in report["runs"]}
+        assert runs["routing_replay+sampling_mask"]["max_abs_logp_diff"] == 0
+        assert runs["routing_replay"]["router_flip_rate"] == 0
+        # the test's own check, not the report's: score the saved record again
+        trained, rollout = _score(RolloutRecord.load(str(path)), fp32_trainer)
+        assert torch.equal(trained, rollout)
 
-@needs_vllm
-def test_bf16_fully_aligned_run_is_bitwise_equal():
-    report = _run(rollout_precision="bf16", num_prompts=4)
-    assert report["aligned"]["bitwise_equal"], report["aligned"]
-    assert (report["rollout"]["dtype"], report["train"]["dtype"]) == ("bf16", "bf16")
+    @pytest.mark.parametrize("op", OPS)
+    def test_each_op_left_stock_on_the_trainer_leaves_a_gap(self, fp32_run, fp32_trainer, op):
+        """Negative controls: Megatron with one op stock (its own kernel or formula) against the canonical rollout."""
+        from moealign.record import RolloutRecord
+
+        trained, rollout = _score(RolloutRecord.load(str(fp32_run[1])), fp32_trainer, skip=(op,))
+        assert not torch.equal(trained, rollout)
+        assert float((trained - rollout).abs().max()) > 0
 
 
 @needs_vllm
@@ -126,6 +125,7 @@ def test_vllm_tp2_fully_aligned_run_is_bitwise_equal(tmp_path):
 
 @needs_vllm
 def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
+    """bf16 on both sides at vLLM TP = 1 (rl-check's default precision under --aligned), two steps."""
     from moealign.rl.config import RLCheckConfig
     from moealign.rl.loop import run_rl_check
     from moealign.rl.report import check_steps
@@ -135,6 +135,7 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
         report = run_rl_check(RLCheckConfig(aligned=True, steps=2, num_prompts=4, group_size=2, max_new_tokens=12,
                                             lr=2e-3, device="cpu"))
     (run,) = report["runs"]
+    assert report["config"]["rollout_precision"] == report["config"]["train_precision"] == "bf16"
     assert [s["aligned"]["bitwise_equal"] for s in run["steps"]] == [True, True]
     assert all(s["verify"]["ok"] for s in run["steps"])
     # the weights did move (a nonzero gradient at step 0, deterministic for this seed): step 1 rolled out and

@@ -26,7 +26,7 @@ import torch
 
 from ..precision.canonical import OPS, log_softmax_mode
 
-__all__ = ["aligned_section", "canonical_levers", "format_aligned"]
+__all__ = ["aligned_section", "canonical_levers", "format_aligned", "score_fully_aligned"]
 
 
 def _gap(trained: torch.Tensor, rollout: torch.Tensor) -> dict:
@@ -53,7 +53,7 @@ def aligned_section(cfg, record, sides: dict, trainer=None, *, log: Callable[[st
     return section
 
 
-def _score_aligned(record, trainer, skip, batch_size: int) -> torch.Tensor:
+def score_fully_aligned(record, trainer, skip=(), batch_size: int = 16) -> torch.Tensor:
     """The trainer's fully aligned run (replay + the kept sets) with the canonical ops but ``skip``."""
     from .scoring import SideScores, score_batch
 
@@ -78,7 +78,7 @@ def canonical_levers(record, trainer, skip, batch_size: int, *, log: Callable[[s
             both_canonical = op not in skip
             switched = set(skip) | {op} if both_canonical else set(skip) - {op}
             log(f"canonical lever {op}: trainer {'stock' if both_canonical else 'canonical'}")
-            gap = _gap(_score_aligned(record, trainer, switched, batch_size), rollout_lp)
+            gap = _gap(score_fully_aligned(record, trainer, switched, batch_size), rollout_lp)
             levers.append({"op": op, "both": "canonical" if both_canonical else "stock",
                            "trainer_switched_to": "stock" if both_canonical else "canonical", **gap})
     finally:
