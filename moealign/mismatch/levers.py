@@ -51,6 +51,14 @@ __all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner",
            "lever_label"]
 
 REGIONS = ("router", "attention", "experts", "lm_head", "other")
+#: The most bytes of ``[N, V]`` float32 logits the lever runs keep per side for :meth:`LeverRunner.full_vocab_kl`
+#: (the no-lever and every-lever sets); above it those forwards run again.
+KEEP_LOGITS_BYTES = 256 << 20
+#: Share forwards between lever sets (the LM head's precision variants in one decode, the mismatch test's own
+#: trainer passes, the logits full_vocab_kl needs kept). False: every lever set evaluated on its own, the
+#: straightforward way. Off by default: on a 4-prompt, batch-2 case the shared evaluation's lever runs did not all
+#: equal the straightforward ones bitwise (cause not yet found; batch 1 agreed), so the attribution would change.
+SHARE_FORWARDS = False
 #: The cause each lever removes (the attribution's names).
 CAUSES = {
     "sampling_mask": "sampling truncation",
@@ -131,8 +139,8 @@ class LeverRunner:
     def __init__(self, *, record: RolloutRecord, trainer, trainer_factory: Callable[[bool], object],
                  model_path: str, device: str, rollout_policy: str, train_policy: str, batch_size: int,
                  batch_invariant: bool = False, attention: str | None = None, rescorable: bool = False,
-                 fault: Fault | None = None, pad_token_id: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 fault: Fault | None = None, pad_token_id: int | None = None, max_new_tokens: int | None = None,
+                 base_sides: dict | None = None, log: Callable[[str], None] | None = None):
         self.record = record
         self.model_path, self.device = model_path, device
         self.rollout_policy, self.train_policy = get_policy(rollout_policy), get_policy(train_policy)
@@ -141,13 +149,19 @@ class LeverRunner:
         self.attention = attention
         self.fault = fault
         self.pad_token_id = pad_token_id
+        self.max_new_tokens = max_new_tokens
         self.log = log or (lambda msg: None)
         self._trainers = {self.base_bi: trainer}
         self._own_trainers: list = []
         self._trainer_factory = trainer_factory
         self._models: dict = {}
+        self._head_weights: dict = {}               # bi -> the LM head's float32 (weight, bias) as loaded
         self._rollout_cache: dict = {}
         self._train_cache: dict = {}
+        self._logits: dict = {}                     # what full_vocab_kl needs, kept when it fits KEEP_LOGITS_BYTES
+        # the base trainer passes the mismatch test already ran (score_record: same trainer, batches, record)
+        self.share = SHARE_FORWARDS
+        self._base_sides = dict(base_sides) if base_sides and self.share else {}
         self._runs: dict = {}
         self.notes: list[str] = []
         self.batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
@@ -206,7 +220,11 @@ class LeverRunner:
         from ..patches.hf.loading import load_model
 
         if bi not in self._models:
-            self._models[bi] = load_model(self.model_path, "fp32", self.device, "bi" if bi else self.attention)[0]
+            model = load_model(self.model_path, "fp32", self.device, "bi" if bi else self.attention)[0]
+            self._models[bi] = model
+            head = model.get_output_embeddings()
+            if type(head) is torch.nn.Linear:      # a plain linear head: its precision variants share the trunk
+                self._head_weights[bi] = (head.weight.detach(), None if head.bias is None else head.bias.detach())
         return self._models[bi]
 
     @contextlib.contextmanager
@@ -224,30 +242,92 @@ class LeverRunner:
             stack.enter_context(batch_invariant_mode(setup.batch_invariant))
             yield model
 
+    def _head_partner(self, setup: _RolloutSetup) -> _RolloutSetup | None:
+        """``setup`` with the LM head's precision lever flipped, when that is a precision region here: the two differ
+        in the LM head alone, so one decode gives both (the head applied once per variant on the same input)."""
+        if not self.share or "precision:lm_head" not in self.regions:
+            return None
+        return dataclasses.replace(setup, aligned=setup.aligned ^ {"lm_head"})
+
+    def _head_variant(self, partner: _RolloutSetup) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The LM head's ``(weight, bias)`` in ``partner``'s precision (as :func:`apply_precision` casts it from the
+        float32 values), or None when the head is not a plain linear layer."""
+        weights = self._head_weights.get(partner.batch_invariant)
+        if weights is None:
+            return None
+        dtype = region_dtypes(mixed_policy(self.rollout_policy, self.train_policy, partner.aligned))["lm_head"]
+        return tuple(None if t is None else t.to(dtype) for t in weights)
+
     def _rollout(self, setup: _RolloutSetup) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kept-set log-probs [N], routes [rows, L, k])`` of the rollout side in ``setup``."""
+        """``(kept-set log-probs [N], routes [rows, L, k])`` of the rollout side in ``setup``.
+
+        One decode per setup, shared: the setup that differs only in the LM head's precision is scored in the same
+        decode (:func:`~moealign.patches.hf.rollout.rescore_decode_all`'s head variants), and cached too. The
+        log-probs are computed on the model's device (where the rollout computed the record's)."""
         if not self.rescorable:
             return self.recorded_lp, self.recorded_routes
         if setup in self._rollout_cache:
             return self._rollout_cache[setup]
-        from ..patches.hf.rollout import rescore_decode
+        from ..patches.hf.rollout import rescore_decode_all
 
-        lps, routes = [], []
+        partner = self._head_partner(setup)
+        if partner is not None and partner in self._rollout_cache:
+            partner = None
+        keep = {s for s in (setup, partner) if s is not None and s in self._kl_setups() and self._fits()}
+        targets = [s for s in (setup, partner) if s is not None]
+        lps = {s: [] for s in targets}
+        logits_kept = {s: [] for s in keep}
+        routes = []
         with self._rollout_model(setup) as model:
+            if partner is not None:
+                variant = self._head_variant(partner)
+                if variant is None:
+                    partner, targets = None, [setup]
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
-                logits, rts = rescore_decode(model, samples, pad_token_id=self.pad_token_id)
+                out = rescore_decode_all(model, samples, pad_token_id=self.pad_token_id,
+                                         max_new_tokens=self.max_new_tokens, logits_device=None,
+                                         head_variants={"partner": variant} if partner is not None else None)
                 tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples])
                 T = samples[0].sampling.temperature
-                if self.record.has_kept_sets:
-                    offsets, ids = concat_kept_sets(samples)
-                    lps.append(kept_logprob(torch.cat(logits), tokens, offsets, ids, temperature=T))
-                else:
-                    lps.append(full_logprob(torch.cat(logits), tokens, temperature=T))
-                routes += [r.to(torch.int64) for r in rts]
-        out = (torch.cat(lps), torch.cat(routes))
-        self._rollout_cache[setup] = out
-        return out
+                per_setup = {setup: out.logits}
+                if partner is not None:
+                    per_setup[partner] = out.head_variants["partner"]
+                for s, logits in per_setup.items():
+                    logits = torch.cat(logits)
+                    if self.record.has_kept_sets:
+                        offsets, ids = concat_kept_sets(samples)
+                        lp = kept_logprob(logits, tokens.to(logits.device), offsets.to(logits.device),
+                                          ids.to(logits.device), temperature=T)
+                    else:
+                        lp = full_logprob(logits, tokens.to(logits.device), temperature=T)
+                    lps[s].append(lp.cpu())
+                    if s in logits_kept:
+                        logits_kept[s].append(logits.cpu())
+                routes += [r.to(torch.int64) for r in out.routes]
+                del out, per_setup
+        routes = torch.cat(routes)
+        for s in targets:
+            self._rollout_cache[s] = (torch.cat(lps[s]), routes)
+        for s, chunks in logits_kept.items():
+            self._logits[("rollout", s)] = chunks
+        return self._rollout_cache[setup]
+
+    def _kl_setups(self) -> set:
+        """The rollout setups :meth:`full_vocab_kl` is asked for by the report (no lever, every lever)."""
+        return {self._setup(frozenset()), self._setup(frozenset(self.players))}
+
+    def _kl_train_keys(self) -> set:
+        return {self._train_key(frozenset()), self._train_key(frozenset(self.players))}
+
+    def _train_key(self, levers: frozenset):
+        return (self.base_bi or "batch_invariant" in levers,
+                self._setup(levers) if "routing_replay" in levers else None)
+
+    def _fits(self) -> bool:
+        """Whether one lever set's full logits (``[N, V]`` float32, kept on the host for :meth:`full_vocab_kl`)
+        fit :data:`KEEP_LOGITS_BYTES`."""
+        return self.share and self.tokens.numel() * self.record.meta.vocab_size * 4 <= KEEP_LOGITS_BYTES
 
     def check_base(self) -> bool:
         """Re-score the record with nothing changed; ``True`` when that reproduces its log-probs and routes
@@ -263,6 +343,7 @@ class LeverRunner:
                               f"{diff:.3g}): rollout-side levers not run")
             self.rescorable = False
             self._rollout_cache.clear()
+            self._logits.clear()
             self.groups = self._players()
         return ok
 
@@ -279,18 +360,41 @@ class LeverRunner:
         key = (bi, replay_setup)
         if key in self._train_cache:
             return self._train_cache[key]
-        trainer = self._trainer(bi)
         record = self.record
         if replay_setup is not None and self.rescorable:
             _, routes = self._rollout(replay_setup)
             record = _with_routes(self.record, routes)
+        base = self._base_side(bi, replay_setup, record)
+        if base is not None:
+            self._train_cache[key] = base
+            return base
+        trainer = self._trainer(bi)
+        keep = key in self._kl_train_keys() and self._fits()
+        logits = []
         side = SideScores()
         for indices in self.batches:
             fwd = trainer.forward(record, indices, replay=replay_setup is not None)
             with batch_invariant_mode(bi):
                 score_batch(record, indices, fwd, side)
+            if keep:
+                logits.append(fwd.logits.float().cpu())
+            del fwd
+        if keep:
+            self._logits[("train", key)] = logits
         self._train_cache[key] = side
         return side
+
+    def _base_side(self, bi: bool, replay_setup: _RolloutSetup | None, record: RolloutRecord) -> SideScores | None:
+        """The mismatch test's own pass of the base trainer (``base_sides``, :func:`score_record`: the same trainer,
+        micro-batches and log-prob arithmetic) where it is this pass: without replay, or replaying routes equal to
+        the record's in every row (the re-scored base reproduces them)."""
+        replay = replay_setup is not None
+        if bi != self.base_bi or replay not in self._base_sides:
+            return None
+        if replay and record is not self.record and not all(
+                torch.equal(a.routes, b.routes) for a, b in zip(record.samples, self.record.samples)):
+            return None
+        return self._base_sides[replay]
 
     # ---------------------------------------------------------------------------------------------- runs
     def run(self, levers) -> LeverRun:
@@ -325,7 +429,9 @@ class LeverRunner:
         """``[N]`` KL(rollout || trainer) over the whole vocabulary per response token, with ``levers`` on (the
         rollout's full next-token distribution vs the trainer's, both at the sampling temperature, before any
         truncation); ``None`` when the rollout side cannot be re-scored. Memory: one micro-batch of logits per
-        side at a time (:func:`moealign.correction.vocab_kl.full_vocab_kl` works in row chunks)."""
+        side at a time (:func:`moealign.correction.vocab_kl.full_vocab_kl` works in row chunks), unless the lever
+        runs kept this set's logits (no lever, every lever: when ``[N, V]`` float32 fits
+        :data:`KEEP_LOGITS_BYTES`), which are used instead of running the forwards again (the same bits)."""
         from ..correction.vocab_kl import full_vocab_kl
         from ..patches.hf.rollout import rescore_decode
 
@@ -333,18 +439,30 @@ class LeverRunner:
             return None
         levers = frozenset(levers)
         setup = self._setup(levers)
-        trainer = self._trainer(self.base_bi or "batch_invariant" in levers)
-        replay = "routing_replay" in levers
-        record = _with_routes(self.record, self._rollout(setup)[1]) if replay else self.record
+        bi, replay_setup = self._train_key(levers)
+        replay = replay_setup is not None
+        kept_rollout = self._logits.get(("rollout", setup))
+        kept_train = self._logits.get(("train", (bi, replay_setup)))
+        trainer = self._trainer(bi) if kept_train is None else None
+        record = _with_routes(self.record, self._rollout(setup)[1]) if replay and kept_train is None else self.record
         out = []
-        for indices in self.batches:
+        for b, indices in enumerate(self.batches):
             samples = [record.samples[i] for i in indices]
-            with self._rollout_model(setup) as model:
-                logits, _ = rescore_decode(model, samples, pad_token_id=self.pad_token_id, record_routes=False)
-            fwd = trainer.forward(record, indices, replay=replay)
+            if kept_rollout is not None:
+                logits = kept_rollout[b]
+            else:
+                with self._rollout_model(setup) as model:
+                    logits = torch.cat(rescore_decode(model, samples, pad_token_id=self.pad_token_id,
+                                                      max_new_tokens=self.max_new_tokens, record_routes=False)[0])
+            if kept_train is not None:
+                train_logits = kept_train[b]
+            else:
+                fwd = trainer.forward(record, indices, replay=replay)
+                train_logits = fwd.logits.float().cpu()
+                del fwd
             T = samples[0].sampling.temperature
-            out.append(full_vocab_kl(torch.cat(logits), fwd.logits.float().cpu(), temperature=T))
-            del logits, fwd
+            out.append(full_vocab_kl(logits, train_logits, temperature=T))
+            del logits, train_logits
         return torch.cat(out)
 
     @property
@@ -379,6 +497,7 @@ class LeverRunner:
         self._models.clear()
         self._rollout_cache.clear()
         self._train_cache.clear()
+        self._logits.clear()
 
 
 def _with_routes(record: RolloutRecord, routes: torch.Tensor) -> RolloutRecord:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -465,32 +466,93 @@ def generate_with_record(
 
 
 class _ForceTokens:
-    """The last logits processor of a teacher-forced ``generate()``: every row's scores become 0 at the
-    recorded token of this step and -inf elsewhere, so greedy decoding emits the record's tokens."""
+    """The only logits processor of a teacher-forced ``generate()``: it keeps the raw logits it is handed (the
+    float32 copy ``generate()`` makes of the model's last-position logits, before any processor) and makes every
+    row's scores 0 at the recorded token of this step and -inf elsewhere, so greedy decoding emits the record's
+    tokens."""
 
     def __init__(self, prompt_width: int, forced: torch.Tensor):
         self.prompt_width = prompt_width
-        self.forced = forced                     # [B, steps]
+        self.forced = forced                     # [B, max_new_tokens]
+        self.logits: list[torch.Tensor] = []     # per step [B, V] float32
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
+        self.logits.append(scores)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, self.forced[:, step:step + 1].to(scores.device), 0.0)
 
 
+class _HeadVariants:
+    """A forward pre-hook on the LM head (registered first, so it sees the head's input before any precision
+    cast): for each variant ``(weight, bias)``, the logits the head would give holding that weight, its input cast
+    to the weight's dtype as :func:`~moealign.patches.hf.precision.apply_precision`'s input cast does
+    (``x.to(dtype)`` when the dtypes differ), then the float32 copy of the last position ``generate()`` takes.
+    One entry per forward (prefill, then each decode step)."""
+
+    def __init__(self, variants: Mapping[Any, tuple[torch.Tensor, torch.Tensor | None]]):
+        self.variants = dict(variants)
+        self.logits: dict[Any, list[torch.Tensor]] = {k: [] for k in self.variants}
+
+    def __call__(self, module, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        for key, (weight, bias) in self.variants.items():
+            xin = x.to(weight.dtype) if x.is_floating_point() and x.dtype != weight.dtype else x
+            out = torch.nn.functional.linear(xin, weight, bias)
+            self.logits[key].append(out[:, -1].to(copy=True, dtype=torch.float32))
+        return None
+
+
+@dataclasses.dataclass
+class Rescored:
+    """What :func:`rescore_decode_all` returns: per sample ``[response_len, V]`` float32 logits (``logits``),
+    ``[rows, n_layers, k]`` routes in record row order (``routes``; None without ``record_routes``) and, per
+    head variant key, per sample logits (``head_variants``)."""
+
+    logits: list[torch.Tensor]
+    routes: list[torch.Tensor] | None
+    head_variants: dict = dataclasses.field(default_factory=dict)
+
+
 def rescore_decode(model: torch.nn.Module, samples: Sequence[Sample], *, pad_token_id: int | None = None,
-                   eos_token_id: int | Sequence[int] | None = None,
-                   record_routes: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                   eos_token_id: int | Sequence[int] | None = None, record_routes: bool = True,
+                   max_new_tokens: int | None = None, logits_device: str | torch.device | None = "cpu",
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The logits and routes ``model`` computes for ``samples``' responses along the rollout's own path: one
     ``generate()`` call over the batch (prompts left-padded as a rollout batch is, prefill then one decode step
     per token with the KV cache), forced to emit each sample's recorded tokens.
 
     Returns ``(logits, routes)``: per sample ``[response_len, V]`` float32 raw logits (the scores ``generate()``
-    hands its logits processors) and ``[rows, n_layers, k]`` routes in record row order (``None`` without
-    ``record_routes``). With the model, precision and batch the record was sampled with, ``kept_logprob`` of
-    these logits reproduces the record's log-probs and these routes its routes, bitwise: that is how the lever
-    runs of :mod:`moealign.mismatch.levers` change one thing on the rollout side and keep the rest of its path.
-    A response that ends before ``max_new_tokens`` ends with an EOS token (the model's ``eos_token_id``)."""
+    hands its logits processors) on ``logits_device`` (None: the model's device) and ``[rows, n_layers, k]``
+    routes in record row order (``None`` without ``record_routes``). With the model, precision and batch the
+    record was sampled with, ``kept_logprob`` of these logits (on the device the rollout computed its log-probs
+    on) reproduces the record's log-probs and these routes its routes, bitwise: that is how the lever runs of
+    :mod:`moealign.mismatch.levers` change one thing on the rollout side and keep the rest of its path.
+    A response that ends before ``max_new_tokens`` ends with an EOS token (the model's ``eos_token_id``).
+    ``max_new_tokens``: the rollout's (default: the longest response), so that ``generate()`` is called with the
+    same lengths as the rollout was. See :func:`rescore_decode_all` for what the call mirrors."""
+    out = rescore_decode_all(model, samples, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                             record_routes=record_routes, max_new_tokens=max_new_tokens, logits_device=logits_device)
+    return out.logits, out.routes
+
+
+def rescore_decode_all(model: torch.nn.Module, samples: Sequence[Sample], *, pad_token_id: int | None = None,
+                       eos_token_id: int | Sequence[int] | None = None, record_routes: bool = True,
+                       max_new_tokens: int | None = None, logits_device: str | torch.device | None = "cpu",
+                       head_variants: Mapping[Any, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                       ) -> Rescored:
+    """:func:`rescore_decode`, and with ``head_variants`` (``{key: (weight, bias)}``) also the logits of the same
+    path with the LM head holding another weight (another precision of it): the rest of the network is the same
+    for those, so it runs once (the head's input is shared, the head is applied once per variant per step, on
+    exactly the tensor the model's own head gets).
+
+    The call mirrors the rollout's ``generate()`` (:func:`generate_with_record`): the same batch, left-padded
+    to its longest prompt with ``pad_token_id`` (the rollout tokenizer's), the same attention mask (hence the
+    same position ids and cache positions ``generate()`` derives from it), a fresh generation config from
+    :func:`_rollout_generation_config` (the same cache class, ``use_cache``, ``max_new_tokens`` when given,
+    ``return_dict_in_generate=False``), so the prefill covers exactly the prompts and each decode step one token
+    per row, finished rows fed ``pad_token_id`` as ``generate()`` feeds them; only the token choice differs
+    (greedy over scores forced to the recorded token instead of sampling, which runs after the logits)."""
     info = describe_model(model)
     if not samples:
         raise ConfigError("rescore_decode: no samples")
@@ -504,32 +566,50 @@ def rescore_decode(model: torch.nn.Module, samples: Sequence[Sample], *, pad_tok
     S0 = max(s.prompt_len for s in samples)
     lens = [s.response_len for s in samples]
     steps = max(lens)
+    if max_new_tokens is None:
+        max_new_tokens = steps
+    check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
+    if max_new_tokens < steps:
+        raise ConfigError(f"rescore_decode: max_new_tokens {max_new_tokens} is shorter than the longest response "
+                          f"({steps} tokens)")
     B = len(samples)
     input_ids = torch.full((B, S0), pad_token_id, dtype=torch.long)
     am = torch.zeros(B, S0, dtype=torch.long)
-    forced = torch.full((B, steps), pad_token_id, dtype=torch.long)
+    forced = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long)
     for b, s in enumerate(samples):
         input_ids[b, S0 - s.prompt_len:] = s.token_ids[:s.prompt_len]
         am[b, S0 - s.prompt_len:] = 1
         forced[b, :s.response_len] = s.token_ids[s.prompt_len:]
-    config = _rollout_generation_config(model, SamplingParams(), steps, eos_ids, pad_token_id, {})
+    config = _rollout_generation_config(model, SamplingParams(), max_new_tokens, eos_ids, pad_token_id, {})
     config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
-    config.output_logits = True
-    config.return_dict_in_generate = True
+    force = _ForceTokens(S0, forced)
+    heads = _HeadVariants(head_variants) if head_variants else None
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
-        stack.enter_context(_append_logits_processor(model, _ForceTokens(S0, forced)))
+        # the only processor (none built before it): it is handed generate()'s raw float32 logits
+        stack.enter_context(_append_logits_processor(model, force, frozenset()))
         swap = stack.enter_context(PatchHandle("the re-scoring generation config", "instance"))
         swap.set_attr(model, "generation_config", config)
+        if heads is not None:
+            hook = stack.enter_context(PatchHandle("LM-head variants of the re-scoring", "instance"))
+            hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True,
+                                                                                   prepend=True), "LM head")
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device), generation_config=config)
-    generated = out.sequences[:, S0:].cpu()
+            sequences = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device),
+                                       generation_config=config)
+    generated = sequences[:, S0:].cpu()
     if generated.shape[1] != steps or not all(torch.equal(generated[b, :n], forced[b, :n]) for b, n in enumerate(lens)):
         raise ReplayError("the teacher-forced generate() did not reproduce the recorded responses (a response that "
                           "stops early without EOS, or an EOS inside a response)")
-    logits = torch.stack([x.float() for x in out.logits], dim=1)          # [B, steps, V]
-    per_logits = [logits[b, :n].cpu() for b, n in enumerate(lens)]
-    if capture is None:
-        return per_logits, None
-    routes_bt = _generated_routes(capture, B, S0, steps, info)
-    return per_logits, [_sample_routes(routes_bt, b, am, n) for b, n in enumerate(lens)]
+    target = device if logits_device is None else torch.device(logits_device)
+
+    def per_sample(steps_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        logits = torch.stack(steps_logits[:steps], dim=1)                   # [B, steps, V]
+        return [logits[b, :n].to(target) for b, n in enumerate(lens)]
+
+    out = Rescored(per_sample(force.logits), None,
+                   {k: per_sample(v) for k, v in heads.logits.items()} if heads is not None else {})
+    if capture is not None:
+        routes_bt = _generated_routes(capture, B, S0, steps, info)
+        out.routes = [_sample_routes(routes_bt, b, am, n) for b, n in enumerate(lens)]
+    return out

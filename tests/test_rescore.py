@@ -1,0 +1,94 @@
+"""Re-scoring a record along the rollout's own decode path (moealign.patches.hf.rollout.rescore_decode): the
+record's log-probs and routes reproduced bitwise on a ragged batch with early EOS, and the LM-head variants
+(one trunk decode, the head applied per variant) equal to a full re-scoring with that head's precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moealign.embedded import default_prompts, embedded_model_path
+from moealign.mismatch.levers import mixed_policy
+from moealign.patches.hf import generate_with_record
+from moealign.patches.hf.loading import load_model, load_tokenizer
+from moealign.patches.hf.precision import apply_precision
+from moealign.patches.hf.rollout import rescore_decode, rescore_decode_all
+from moealign.precision.policy import get_policy
+from moealign.record import SamplingParams, concat_kept_sets
+from moealign.routing_replay.sampling_mask import kept_logprob
+
+MAX_NEW = 12
+SAMPLING = SamplingParams(temperature=0.9, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A bf16 rollout (an fp32 model under the bf16 policy, as the lever runs hold it) of 5 prompts of different
+    lengths; the EOS id is a token row 0 samples at step 3 of an EOS-free run, so the batch has responses that end
+    early with EOS (at different steps) next to ones that run to ``MAX_NEW``."""
+    path = embedded_model_path()
+    model = load_model(path, "fp32", "cpu")[0]
+    tok = load_tokenizer(path)
+    # the default prompts tokenize to one length: cut them to five lengths (left padding in the batch)
+    prompts = [p[:n] for p, n in zip(default_prompts(None), (12, 30, 50, 80, 400))]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    policy = get_policy("bf16")
+    with apply_precision(model, policy, keep_original=True):
+        kw = dict(sampling=SAMPLING, max_new_tokens=MAX_NEW, seed=3, pad_token_id=tok.pad_token_id)
+        free = generate_with_record(model, enc["input_ids"], enc["attention_mask"], eos_token_id=[], **kw)
+        eos = int(free.samples[0].token_ids[free.samples[0].prompt_len + 3])
+        record = generate_with_record(model, enc["input_ids"], enc["attention_mask"], eos_token_id=eos, **kw)
+    lens = [s.response_len for s in record.samples]
+    prompt_lens = [s.prompt_len for s in record.samples]
+    assert len(set(prompt_lens)) > 1, prompt_lens                       # ragged prompts (left padding)
+    assert min(lens) <= 4 and max(lens) == MAX_NEW and len(set(lens)) > 1, lens   # early EOS and full length
+    return dict(model=model, tok=tok, record=record, eos=eos, policy=policy)
+
+
+def _logprobs(record, logits):
+    offsets, ids = concat_kept_sets(record.samples)
+    tokens = torch.cat([s.token_ids[s.prompt_len:] for s in record.samples])
+    return kept_logprob(torch.cat(logits), tokens, offsets, ids, temperature=SAMPLING.temperature)
+
+
+def test_rescore_reproduces_the_record_bitwise(setup):
+    record, model = setup["record"], setup["model"]
+    recorded_lp = torch.cat([s.logprobs for s in record.samples])
+    recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+    with apply_precision(model, setup["policy"], keep_original=True):
+        for max_new in (None, MAX_NEW):             # the longest response, or the rollout's max_new_tokens
+            logits, routes = rescore_decode(model, record.samples, pad_token_id=setup["tok"].pad_token_id,
+                                            eos_token_id=setup["eos"], max_new_tokens=max_new)
+            assert torch.equal(_logprobs(record, logits), recorded_lp)
+            assert torch.equal(torch.cat(routes).to(torch.int64), recorded_routes)
+    # negative control: the same path with the router in fp32 (one region changed) does not reproduce it
+    with apply_precision(model, mixed_policy(setup["policy"], get_policy("fp32"), {"router"}), keep_original=True):
+        logits, routes = rescore_decode(model, record.samples, pad_token_id=setup["tok"].pad_token_id,
+                                        eos_token_id=setup["eos"])
+    assert not torch.equal(_logprobs(record, logits), recorded_lp)
+
+
+def test_lm_head_variants_equal_full_rescorings(setup):
+    """The head variants of one decode equal separate decodes with the head in that precision (both directions:
+    a bf16 trunk with an fp32 head, an fp32-head trunk with a bf16 head), bitwise; routes shared."""
+    record, model, pad, eos = setup["record"], setup["model"], setup["tok"].pad_token_id, setup["eos"]
+    head = model.get_output_embeddings()
+    w32 = head.weight.detach()
+    bf16, fp32 = setup["policy"], get_policy("fp32")
+    full = {}
+    for aligned in (frozenset(), frozenset({"lm_head"})):
+        with apply_precision(model, mixed_policy(bf16, fp32, aligned), keep_original=True):
+            full[aligned] = rescore_decode(model, record.samples, pad_token_id=pad, eos_token_id=eos)
+    assert not torch.equal(torch.cat(full[frozenset()][0]), torch.cat(full[frozenset({"lm_head"})][0]))
+    for aligned, other in ((frozenset(), frozenset({"lm_head"})), (frozenset({"lm_head"}), frozenset())):
+        dtype = torch.float32 if other else torch.bfloat16
+        with apply_precision(model, mixed_policy(bf16, fp32, aligned), keep_original=True):
+            out = rescore_decode_all(model, record.samples, pad_token_id=pad, eos_token_id=eos,
+                                     head_variants={"v": (w32.to(dtype), None)})
+        for got, want in zip(out.logits, full[aligned][0]):
+            assert torch.equal(got, want)
+        for got, want in zip(out.head_variants["v"], full[other][0]):
+            assert torch.equal(got, want)
+        for got, want in zip(out.routes, full[other][1]):
+            assert torch.equal(got, want)
+
