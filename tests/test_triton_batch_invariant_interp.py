@@ -65,8 +65,12 @@ def _interpreter_breaks_on_this_numpy() -> str | None:
     import triton
     from packaging.version import Version
 
+    import warnings
+
     try:
-        int(numpy.zeros(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)      # NumPy 1.25-2.3 only warn
+            int(numpy.zeros(1))
         return None
     except TypeError:
         pass
