@@ -239,3 +239,34 @@ def test_check_canonical_model_refuses_what_it_does_not_cover(change, match):
     with pytest.raises(CanonicalError, match=match) as info:
         C.check_canonical_model(config)
     assert isinstance(info.value, MoealignError)
+
+
+@pytest.mark.parametrize("shape", [(37, 50, 128, 32), (5, 7, 96, 32), (3, 33, 64, 16), (2, 300, 1024, 64)])
+def test_fused_tree_kernel_has_the_torch_trees_bits(shape, monkeypatch):
+    """The fused CPU kernel (built on first use) against the torch tree it replaces, bit for bit; a tree of another
+    shape (negative control) gives other bits."""
+    from moealign.precision import _tree_kernel
+    from moealign.precision.tree import tree_sum
+
+    if _tree_kernel.tree_kernel() is None:
+        pytest.skip("the fused tree kernel cannot be built here (the torch path runs)")
+    M, N, K, leaf = shape
+    g = _gen(21)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+        ref = tree_sum(x.float()[:, None, :] * w.float()[None], dim=-1, leaf_width=leaf)
+        assert torch.equal(_tree_kernel.leaf_tree_linear(x.float(), w.float(), leaf), ref)
+        monkeypatch.setenv("MOEALIGN_TREE_KERNEL", "0")               # the torch path through tree_linear
+        torch_path = tree_linear(x, w, leaf_width=leaf)
+        monkeypatch.setenv("MOEALIGN_TREE_KERNEL", "1")
+        assert torch.equal(tree_linear(x, w, leaf_width=leaf), torch_path)
+    # negative control by construction: [1, e, e, e, 0, ...] (e = 2**-24) is 1 + 2**-23 in the tree, 1 in a chain
+    crafted = torch.zeros(1, K)
+    crafted[0, :4] = torch.tensor([1.0, 2.0 ** -24, 2.0 ** -24, 2.0 ** -24])
+    fused = _tree_kernel.leaf_tree_linear(crafted, torch.ones(1, K), leaf)
+    assert fused.item() == 1.0 + 2.0 ** -23 and fused.item() != sum(crafted[0].tolist())
+    W = torch.randn(8, N, K, generator=g)
+    idx = torch.randint(0, 8, (M,), generator=g)
+    xs = torch.randn(M, K, generator=g)
+    assert torch.equal(_tree_kernel.leaf_tree_linear(xs, W, leaf, idx),
+                       tree_sum(xs[:, None, :] * W[idx], dim=-1, leaf_width=leaf))

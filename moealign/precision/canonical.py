@@ -54,6 +54,7 @@ import torch
 
 from ..errors import CanonicalError
 from .batch_invariant import fixed_tree_sum
+from ._tree_kernel import leaf_tree_linear
 from .tree import node_dtype_for, tree_linear, tree_sum
 
 __all__ = [
@@ -352,11 +353,14 @@ def _gathered_tree_forward(rows: torch.Tensor, weights: torch.Tensor, idx: torch
     """``out[r] = tree_linear(rows[r], weights[idx[r]])`` for every row at once (chunks of rows bounded by
     ``max_elements`` products): the same products and the same trees as :func:`c_linear`, so the same bits."""
     n, k = weights.shape[1:]
+    nd = node_dtype_for(rows.dtype)
+    fused = leaf_tree_linear(rows.to(nd), weights.to(nd), leaf_width, idx)    # the same bits, or None
+    if fused is not None:
+        return fused
     out = []
     step = max(1, max_elements // max(1, n * k))
     for start in range(0, rows.shape[0], step):
         sl = slice(start, start + step)
-        nd = node_dtype_for(rows.dtype)
         prods = rows[sl].to(nd)[:, None, :] * weights[idx[sl]].to(nd)
         out.append(tree_sum(prods, dim=-1, leaf_width=leaf_width))
     return torch.cat(out) if len(out) > 1 else out[0]

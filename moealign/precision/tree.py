@@ -209,6 +209,11 @@ def _tree_linear_forward(x: torch.Tensor, weight: torch.Tensor, leaf_width: int,
     lead = x.shape[:-1]
     xn = x.reshape(-1, x.shape[-1]).to(nd)
     wn = weight.to(nd)
+    from ._tree_kernel import leaf_tree_linear
+
+    fused = leaf_tree_linear(xn, wn, leaf_width)          # the same bits (a fused CPU kernel), or None
+    if fused is not None:
+        return fused.reshape(*lead, weight.shape[0])
     rows, k = xn.shape
     step = max(1, max_elements // max(1, rows * k))
     cols = [tree_sum(xn[:, None, :] * wn[None, start:start + step, :], dim=-1, leaf_width=leaf_width)
