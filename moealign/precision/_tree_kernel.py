@@ -102,10 +102,13 @@ def tree_kernel():
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                # one build per torch version: the cache is keyed by the name, and a build for another torch's ABI
+                # must not be loaded
+                tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _STATE["module"] = load_inline(
-                        name="moealign_leaf_tree_v2", cpp_sources=[_SOURCE], functions=["leaf_tree_linear"],
+                        name=f"moealign_leaf_tree_v2_{tag}", cpp_sources=[_SOURCE], functions=["leaf_tree_linear"],
                         extra_cflags=["-O3", "-ffp-contract=off", "-fno-fast-math"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler / ninja / headers: the torch path runs instead
                 warnings.warn(f"moealign: the fused tree kernel could not be built ({type(exc).__name__}); the torch "
