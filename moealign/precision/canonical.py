@@ -70,6 +70,7 @@ __all__ = [
     "rope_cos_sin",
     "c_rope",
     "c_attention",
+    "kept_first",
     "c_topk",
     "c_gates",
     "c_experts",
@@ -249,18 +250,18 @@ def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.to(x.dtype)
 
 
-def _compact(keep: torch.Tensor) -> torch.Tensor:
-    """For a bool key mask ``[Q, L]`` (True: attend), the key order with the kept keys first, in key order."""
+def kept_first(keep: torch.Tensor) -> torch.Tensor:
+    """For a bool mask ``[..., L]``, the indices with the True entries first, each group in index order (a stable
+    sort on the device: no host sync). ``kept_first(routing_map)[:, :k]``: the chosen experts, ascending."""
     return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
 
 
-def _attention_forward(q, k, v, keep, max_elements):
+def _attention_forward(q, k, v, keep, max_elements, prefix):
     Q, H, d = q.shape
     L = k.shape[1]
     k, v = k.expand(Q, -1, -1, -1), v.expand(Q, -1, -1, -1)          # views: a shared key set costs nothing
     acc = _float_out(q)
     scale = 1.0 / math.sqrt(d)
-    prefix = bool((keep[:, 1:] <= keep[:, :-1]).all()) if L > 1 else True     # kept keys already in front
     out = []
     step = max(1, max_elements // max(1, L * H * d))
     for start in range(0, Q, step):
@@ -268,7 +269,7 @@ def _attention_forward(q, k, v, keep, max_elements):
         if prefix:
             kept, ks, vs = keep[sl], k[sl].to(acc), v[sl].to(acc)
         else:
-            order = _compact(keep[sl])
+            order = kept_first(keep[sl])
             kept = torch.gather(keep[sl], 1, order)
             idx = order[:, :, None, None].expand(-1, -1, H, d)
             ks, vs = torch.gather(k[sl], 1, idx).to(acc), torch.gather(v[sl], 1, idx).to(acc)
@@ -286,9 +287,9 @@ class _Attention(torch.autograd.Function):
     a gradient need not have the forward's bits, and the elementwise graph would hold ``Q x L x H x d`` products."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, max_elements):
+    def forward(ctx, q, k, v, keep, max_elements, prefix):
         ctx.save_for_backward(q, k, v, keep)
-        return _attention_forward(q, k, v, keep, max_elements)
+        return _attention_forward(q, k, v, keep, max_elements, prefix)
 
     @staticmethod
     def backward(ctx, grad):
@@ -309,23 +310,23 @@ class _Attention(torch.autograd.Function):
         dv = torch.einsum(f"qlh,qhd->{dpat}", p, g)
         if shared:
             dk, dv = dk[None], dv[None]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
-                max_elements: int = 1 << 24) -> torch.Tensor:
+                max_elements: int = 1 << 24, prefix: bool = False) -> torch.Tensor:
     """Attention of each query row over its own kept keys.
 
     ``q [Q, H, d]``; ``k, v [Q, L, H, d]`` or ``[1, L, H, d]`` (one key set shared by every query; heads already
-    expanded for GQA); ``keep [Q, L]`` bool. Kept keys are compacted to the front (stable; skipped when they already
-    are, which costs one host read of a bool on the keep mask), so the trees see the same leading values whatever
-    the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in ``q.dtype``. Queries are
+    expanded for GQA); ``keep [Q, L]`` bool. Kept keys are compacted to the front (a stable device sort, no host
+    sync; ``prefix=True``: the caller's keys already lead by construction, and the compaction, an identity then,
+    is skipped), so the trees see the same leading values whatever the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in ``q.dtype``. Queries are
     processed in chunks bounded by ``max_elements`` products (no effect on the bits). Differentiable (the
     backward is the stock attention gradient).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Attention.apply(q, k, v, keep, max_elements)
-    return _attention_forward(q, k, v, keep, max_elements)
+        return _Attention.apply(q, k, v, keep, max_elements, prefix)
+    return _attention_forward(q, k, v, keep, max_elements, prefix)
 
 
 def c_topk(logits: torch.Tensor, k: int) -> torch.Tensor:

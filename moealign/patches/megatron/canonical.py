@@ -127,7 +127,7 @@ def _router_routing(module, original, renormalize: bool):
         probs, routing_map = original(logits, padding_mask=padding_mask)
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
         T, E = flat.shape
-        ids = torch.arange(E, device=flat.device).expand(T, E)[routing_map].view(T, module.topk)
+        ids = C.kept_first(routing_map.reshape(T, E))[:, :module.topk]      # ascending, no host sync
         gates = C.c_gates(flat, ids, renormalize=renormalize)
         dense = torch.zeros_like(flat).scatter(1, ids, gates)
         return dense + (probs - probs.detach()).to(dense.dtype) * 0, routing_map   # keeps Megatron's aux-loss hooks
@@ -149,7 +149,7 @@ def _moe_forward(module):
         x = hidden_states.reshape(-1, hidden)
         T = x.shape[0]
         k = module.router.topk
-        ids = torch.arange(num_experts, device=x.device).expand(T, num_experts)[routing_map].view(T, k)
+        ids = C.kept_first(routing_map.reshape(T, -1))[:, :k]                # ascending, no host sync
         gates = torch.gather(probs.reshape(T, -1), 1, ids)
         w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts])      # autograd reaches each expert's weight
         w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts])

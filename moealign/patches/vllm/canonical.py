@@ -139,7 +139,7 @@ def _attention_forward(original):
         k = shadow_k[slots][:, :, head_map]
         v = shadow_v[slots][:, :, head_map]
         q = query[:n].reshape(n, heads, -1)
-        out = C.c_attention(q, k, v, keep)
+        out = C.c_attention(q, k, v, keep, prefix=True)        # keys 0 .. position: leading by construction
         output[:n].copy_(out.reshape(output[:n].shape))
         return output
     return forward
