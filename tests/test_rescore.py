@@ -68,20 +68,24 @@ def test_rescore_reproduces_the_record_bitwise(setup):
     assert not torch.equal(_logprobs(record, logits), recorded_lp)
 
 
-def test_lm_head_variants_equal_full_rescorings(setup):
+@pytest.mark.parametrize("trunk", [frozenset(), frozenset({"other"})], ids=["bf16-trunk", "fp32-trunk"])
+def test_lm_head_variants_equal_full_rescorings(setup, trunk):
     """The head variants of one decode equal separate decodes with the head in that precision (both directions:
-    a bf16 trunk with an fp32 head, an fp32-head trunk with a bf16 head), bitwise; routes shared."""
+    an fp32 head beside a bf16 one), bitwise; routes shared. With an fp32 trunk the fp32 head's input is the
+    prefill's non-contiguous last-position view, uncast: aten's matmul rounds it differently for a weight that
+    does not require grad (a detached copy) than for the head's parameter, which the variant must follow."""
     record, model, pad, eos = setup["record"], setup["model"], setup["tok"].pad_token_id, setup["eos"]
     head = model.get_output_embeddings()
     w32 = head.weight.detach()
+    assert not w32.requires_grad and head.weight.requires_grad
     bf16, fp32 = setup["policy"], get_policy("fp32")
     full = {}
-    for aligned in (frozenset(), frozenset({"lm_head"})):
+    for aligned in (trunk, trunk | {"lm_head"}):
         with apply_precision(model, mixed_policy(bf16, fp32, aligned), keep_original=True):
             full[aligned] = rescore_decode(model, record.samples, pad_token_id=pad, eos_token_id=eos)
-    assert not torch.equal(torch.cat(full[frozenset()][0]), torch.cat(full[frozenset({"lm_head"})][0]))
-    for aligned, other in ((frozenset(), frozenset({"lm_head"})), (frozenset({"lm_head"}), frozenset())):
-        dtype = torch.float32 if other else torch.bfloat16
+    assert not torch.equal(torch.cat(full[trunk][0]), torch.cat(full[trunk | {"lm_head"}][0]))
+    for aligned, other in ((trunk, trunk | {"lm_head"}), (trunk | {"lm_head"}, trunk)):
+        dtype = torch.float32 if "lm_head" in other else torch.bfloat16
         with apply_precision(model, mixed_policy(bf16, fp32, aligned), keep_original=True):
             out = rescore_decode_all(model, record.samples, pad_token_id=pad, eos_token_id=eos,
                                      head_variants={"v": (w32.to(dtype), None)})
@@ -91,4 +95,3 @@ def test_lm_head_variants_equal_full_rescorings(setup):
             assert torch.equal(got, want)
         for got, want in zip(out.routes, full[other][1]):
             assert torch.equal(got, want)
-

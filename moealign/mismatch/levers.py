@@ -56,9 +56,9 @@ REGIONS = ("router", "attention", "experts", "lm_head", "other")
 KEEP_LOGITS_BYTES = 256 << 20
 #: Share forwards between lever sets (the LM head's precision variants in one decode, the mismatch test's own
 #: trainer passes, the logits full_vocab_kl needs kept). False: every lever set evaluated on its own, the
-#: straightforward way. Off by default: on a 4-prompt, batch-2 case the shared evaluation's lever runs did not all
-#: equal the straightforward ones bitwise (cause not yet found; batch 1 agreed), so the attribution would change.
-SHARE_FORWARDS = False
+#: straightforward way (the reference the shared evaluation is tested bitwise against,
+#: ``tests/test_diagnosis.py::test_shared_forwards_give_the_same_attribution``).
+SHARE_FORWARDS = True
 #: The cause each lever removes (the attribution's names).
 CAUSES = {
     "sampling_mask": "sampling truncation",

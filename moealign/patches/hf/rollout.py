@@ -496,8 +496,16 @@ class _HeadVariants:
 
     def __call__(self, module, args, kwargs):
         x = args[0] if args else kwargs["input"]
+        grad = module.weight.requires_grad
         for key, (weight, bias) in self.variants.items():
             xin = x.to(weight.dtype) if x.is_floating_point() and x.dtype != weight.dtype else x
+            # the weight's requires_grad as the head's own: aten's matmul folds a non-contiguous 3-D input (the
+            # prefill's last-position view) into one mm only when the weight does not require grad, and the two
+            # paths round differently, so a detached copy would not give the head's bits
+            if weight.requires_grad != grad:
+                weight = weight.detach().requires_grad_(grad)
+                bias = None if bias is None else bias.detach().requires_grad_(grad)
+                self.variants[key] = (weight, bias)
             out = torch.nn.functional.linear(xin, weight, bias)
             self.logits[key].append(out[:, -1].to(copy=True, dtype=torch.float32))
         return None
