@@ -155,12 +155,16 @@ def test_one_sided_fp32_lm_head_is_named_first():
 
 
 def test_routing_replay_switched_off_is_named_first():
-    report = _report(inject_fault="replay-off", top_p=1.0)
+    # the router's precision differs (an fp32 router on the trainer): routes flip by construction, and the game
+    # has one precision region (8 lever sets, not the default pair's 47)
+    pair = dict(top_p=1.0, rollout_precision="bf16", train_precision="bf16-fp32-router")
+    report = _report(inject_fault="replay-off", **pair)
+    assert report["levers"]["regions"] == ["precision:router"]
     assert _first(report) == "routing replay switched off"
     replay = next(r for r in report["runs"] if r["name"] == "routing_replay")
     assert replay["metrics"]["router_flip_rate"] > 0
     # control: with the replay working, nothing flips under it and no such finding
-    clean = _report(top_p=1.0)
+    clean = _report(**pair)
     assert next(r for r in clean["runs"] if r["name"] == "routing_replay")["metrics"]["router_flip_rate"] == 0
     assert _first(clean) != "routing replay switched off"
 
