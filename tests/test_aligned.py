@@ -17,6 +17,8 @@ from moealign._optional import probe
 from moealign.cli import main
 from moealign.precision.canonical import OPS
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
 

@@ -9,6 +9,8 @@ from moealign import __version__, _optional
 from moealign.cli import main
 from moealign.info import collect_info, format_info, nvml_gpus
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moealign", *args], capture_output=True, text=True, timeout=120)
@@ -20,8 +22,14 @@ def test_version_flag():
     assert out.stdout.strip() == f"moealign {__version__}"
 
 
-def test_info_text_and_json():
-    out = run_cli("info")
+@pytest.fixture(scope="module")
+def info_text():
+    """One ``moealign info`` run (it imports every engine: seconds), read by the tests below."""
+    return run_cli("info")
+
+
+def test_info_text_and_json(info_text):
+    out = info_text
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     assert f"torch    {torch.__version__}" in out.stdout
@@ -36,10 +44,10 @@ def test_info_text_and_json():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_info_without_driver_prints_clean_line():
+def test_info_without_driver_prints_clean_line(info_text):
     nv = nvml_gpus()
     assert "error" in nv and "gpus" not in nv
-    out = run_cli("info")
+    out = info_text
     gpu_line = [line for line in out.stdout.splitlines() if line.startswith("gpus:")]
     assert len(gpu_line) == 1
     assert "NVIDIA" in gpu_line[0] or "NVML" in gpu_line[0]

@@ -32,6 +32,8 @@ from moealign.patches.hf.contract import contract_of  # noqa: E402
 from moealign.patches.hf.loading import load_model  # noqa: E402
 from moealign.precision.policy import get_policy  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 PATH = str(embedded_model_path())
 NUM_LAYERS = 4
 

@@ -21,6 +21,8 @@ import torch
 from moealign.mismatch import MismatchConfig, run_mismatch
 from moealign.mismatch.levers import CAUSES
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 #: Absolute tolerance on each cause's fraction of the mean |delta log p| gap across seeds 0, 1, 2.
 SHARE_TOLERANCE = 0.10
 

@@ -12,7 +12,8 @@ from moealign._optional import probe
 from moealign.cli import main
 
 VLLM = probe("vllm")
-pytestmark = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ import torch
 from moealign.errors import ReplayError
 from moealign.routing_replay.verify import ReplayVerifier, expected_ids, expected_map
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 # --------------------------------------------------------------------------------------------------
 # the verifier alone
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from moealign.rl import RLCheckConfig, balanced_brackets, group_advantages, rewa
 
 from vllm_util import child_env
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 VLLM, MEGATRON = probe("vllm"), probe("megatron.core")
 needs_engines = pytest.mark.skipif(not (VLLM.available and MEGATRON.available),
                                    reason=f"vLLM / Megatron-core not installed: {VLLM.error or MEGATRON.error}")

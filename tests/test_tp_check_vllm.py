@@ -20,6 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash tools/setup.sh i
 
 from moealign.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="vLLM on CUDA needs 2 GPUs for TP=2")

@@ -40,7 +40,8 @@ from moealign.errors import (
 from moealign.record import RecordMeta, RolloutRecord, SamplingParams
 
 VLLM = probe("vllm")
-pytestmark = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")]
 
 ROUND_TRIP_SAMPLING = SamplingParams(temperature=0.9, top_p=0.9, top_k=50)
 

@@ -17,6 +17,8 @@ import pytest
 
 from moealign._optional import probe
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
 SCRIPT = pathlib.Path(__file__).with_name("vllm_replay_child.py")

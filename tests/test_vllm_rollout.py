@@ -21,6 +21,8 @@ from moealign._optional import probe
 from moealign.errors import ConfigError, InputTypeError, RecordError
 from moealign.record import SamplingParams
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
 SCRIPT = pathlib.Path(__file__).with_name("vllm_record.py")

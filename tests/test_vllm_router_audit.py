@@ -13,6 +13,8 @@ from moealign._optional import probe
 from moealign.precision.router_audit import STAGES, check_router_audit
 from vllm_util import run_child
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 VLLM = probe("vllm")
 needs_vllm = pytest.mark.skipif(not VLLM.available, reason=f"vLLM is not installed: {VLLM.error}")
 
