@@ -1,7 +1,8 @@
 """Test-run ordering: the files marked ``pytestmark = pytest.mark.heavy`` (engines, CLI runs, whole mismatch runs:
 tens of seconds a test) run first, each file's tests in their own order. Under pytest-xdist's ``--dist loadfile`` (the
-test command's) the workers then end on the many short files and finish together, instead of one worker running a
-long vLLM file alone at the end."""
+test command's, with ``--no-loadscope-reorder``: xdist would otherwise order the files by their number of tests,
+which puts the few-test vLLM files last) the workers then end on the many short files and finish together, instead
+of one worker running a long vLLM file alone at the end."""
 
 from __future__ import annotations
 

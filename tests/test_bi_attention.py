@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from moealign.precision.batch_invariant import BatchInvariantError
 from moealign.precision.bi_attention import bi_attention
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 H, HKV, D = 4, 2, 32            # the embedded model's heads / kv heads / head_dim (GQA)
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -9,6 +9,8 @@ from moealign.correction import (
     compute_rollout_correction_and_rejection_mask,
 )
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 
 def _inputs(B=37, T=129, seed=0):
     g = torch.Generator().manual_seed(seed)

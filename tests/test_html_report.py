@@ -30,6 +30,8 @@ from moealign.mismatch import html_report
 from moealign.mismatch.html_report import PLOT_IDS, render_html, report_json, write_report_dir
 from moealign.mismatch.plots import IS_GRID
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"

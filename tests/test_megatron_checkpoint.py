@@ -17,6 +17,8 @@ from moealign.patches import hf as hfp  # noqa: E402
 from moealign.patches import megatron as mg  # noqa: E402
 from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 LOGIT_TOL = 1e-4      # fp32; measured ~1e-5 (printed by the tests)
 
 

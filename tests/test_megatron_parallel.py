@@ -19,6 +19,8 @@ import megatron_util as mu  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 
 def _allow_sp_torch_norm():
     import copy

@@ -19,6 +19,8 @@ from moealign.mismatch import (  # noqa: E402
 )
 from moealign.record import RecordMismatchError, RolloutRecord  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 SMALL = ["--num-prompts", "8", "--max-new-tokens", "24", "--batch-size", "8", "-q", "--device", "cpu"]
 HF = ["--rollout", "hf", "--train", "hf"]
 

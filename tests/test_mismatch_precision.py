@@ -18,6 +18,8 @@ from moealign.mismatch.engines import HFRolloutEngine  # noqa: E402
 from moealign.mismatch.run import format_sweep, run_sweep  # noqa: E402
 from moealign.patches.hf.precision import module_roles  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 SMALL = dict(num_prompts=6, max_new_tokens=16, batch_size=6, device="cpu")     # claims made on CPU kernels
 ALIGNED = "routing_replay+sampling_mask"
 

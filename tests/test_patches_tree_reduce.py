@@ -26,6 +26,8 @@ from moealign.precision.tree import (  # noqa: E402
 )
 from moealign.tp_check import run_gloo  # noqa: E402
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 K, N, V = 512, 32, 8192
 
 

@@ -28,6 +28,8 @@ from moealign.routing_replay.vocab_parallel import (
     vocab_parallel_kept_logprob,
 )
 
+pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
+
 N, V, TEMP = 24, 96, 0.8
 
 

@@ -67,7 +67,8 @@ case "$job" in
       fi
     fi
     # one pytest-xdist worker per core, at most 4 (files stay whole on one worker: their module fixtures are built
-    # once); MOEALIGN_TEST_WORKERS=0 runs serially, and a later -n in the arguments wins
+    # once; long files first, in tests/conftest.py's order, not by test count); MOEALIGN_TEST_WORKERS=0 runs
+    # serially, and a later -n in the arguments wins
     workers="${MOEALIGN_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
     case "$workers" in
       ''|*[!0-9]*) echo "MOEALIGN_TEST_WORKERS must be a whole number, got '$workers'" >&2; exit 2 ;;
@@ -75,7 +76,7 @@ case "$job" in
     [ "$workers" -gt 4 ] && workers=4
     xdist=()
     if [ "$workers" -gt 1 ] && "$VPY" -c "import xdist" >/dev/null 2>&1; then
-      xdist=(-n "$workers" --dist loadfile)
+      xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
       # one compute thread per worker unless told otherwise: two workers of two OpenMP threads each on two cores
       # spin at every parallel region's barrier (the diagnosis' tests ran 6x slower that way)
       export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
