@@ -288,19 +288,19 @@ class LeverRunner:
                 out = rescore_decode_all(model, samples, pad_token_id=self.pad_token_id,
                                          max_new_tokens=self.max_new_tokens, logits_device=None,
                                          head_variants={"partner": variant} if partner is not None else None)
-                tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples])
+                dev = out.logits[0].device
+                tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
+                kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
                 T = samples[0].sampling.temperature
                 per_setup = {setup: out.logits}
                 if partner is not None:
                     per_setup[partner] = out.head_variants["partner"]
                 for s, logits in per_setup.items():
                     logits = torch.cat(logits)
-                    if self.record.has_kept_sets:
-                        offsets, ids = concat_kept_sets(samples)
-                        lp = kept_logprob(logits, tokens.to(logits.device), offsets.to(logits.device),
-                                          ids.to(logits.device), temperature=T)
+                    if kept is not None:
+                        lp = kept_logprob(logits, tokens, kept[0], kept[1], temperature=T)
                     else:
-                        lp = full_logprob(logits, tokens.to(logits.device), temperature=T)
+                        lp = full_logprob(logits, tokens, temperature=T)
                     lps[s].append(lp.cpu())
                     if s in logits_kept:
                         logits_kept[s].append(logits.cpu())
@@ -350,7 +350,7 @@ class LeverRunner:
     # ---------------------------------------------------------------------------------------------- train side
     def _trainer(self, bi: bool):
         if bi not in self._trainers:
-            self.log(f"levers: opening a batch-invariant training engine")
+            self.log("levers: opening a batch-invariant training engine")
             engine = self._trainer_factory(True)
             self._trainers[bi] = engine
             self._own_trainers.append(engine)
@@ -406,8 +406,7 @@ class LeverRunner:
             return self._runs[levers]
         setup = self._setup(levers)
         rollout_lp, rollout_routes = self._rollout(setup)
-        bi = self.base_bi or "batch_invariant" in levers
-        side = self._train(bi, setup if "routing_replay" in levers else None)
+        side = self._train(*self._train_key(levers))
         masked = "sampling_mask" in levers
         train_lp = side.logprobs(masked and self.record.has_kept_sets)
         used = torch.cat(side.routes).to(torch.int64)[self.routed]

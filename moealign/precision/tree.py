@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._tree_kernel import leaf_tree_linear
+
 from .._validate import check_positive_int
 from ..errors import EngineError, InputError, InputTypeError, TreeReductionError
 from ..handle import PatchHandle
@@ -209,8 +211,6 @@ def _tree_linear_forward(x: torch.Tensor, weight: torch.Tensor, leaf_width: int,
     lead = x.shape[:-1]
     xn = x.reshape(-1, x.shape[-1]).to(nd)
     wn = weight.to(nd)
-    from ._tree_kernel import leaf_tree_linear
-
     fused = leaf_tree_linear(xn, wn, leaf_width)          # the same bits (a fused CPU kernel), or None
     if fused is not None:
         return fused.reshape(*lead, weight.shape[0])
