@@ -27,6 +27,17 @@ cfg = (16, 16, 16, 1, 1)
 assert T.matmul_config(4096, 4096, torch.bfloat16) == T._NARROW_CONFIGS[torch.bfloat16]
 assert T.matmul_config(16384, 4096, torch.bfloat16) == T.MATMUL_CONFIGS[torch.bfloat16]
 assert "M" not in T.matmul_config.__code__.co_varnames
+# Hopper (compute capability 9.x) uses the measured configuration for 16-bit dtypes at every N, others do not
+real_capability = torch.cuda.get_device_capability
+try:
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    for n in (4096, 16384):
+        assert T.matmul_config(n, 4096, torch.bfloat16, torch.device("cuda")) == T.HOPPER_CONFIGS[torch.bfloat16]
+    assert T.matmul_config(4096, 4096, torch.float32, torch.device("cuda")) == T._NARROW_CONFIGS[torch.float32]
+    torch.cuda.get_device_capability = lambda device=None: (8, 0)
+    assert T.matmul_config(4096, 4096, torch.bfloat16, torch.device("cuda")) == T._NARROW_CONFIGS[torch.bfloat16]
+finally:
+    torch.cuda.get_device_capability = real_capability
 for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
     for k, n in ((48, 32), (40, 36)):                      # K a multiple of BLOCK_K or not; N ragged
         a = torch.randn(37, k).to(dtype)
@@ -88,3 +99,19 @@ def test_matmul_kernel_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and "RESULT ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_tile_sweep_dry_run_under_the_interpreter():
+    """tools/sweep_bi_matmul.py (the data behind HOPPER_CONFIGS) compiles each configuration with the persistent loop
+    flattened and not, and checks each variant's row invariance: its dry run lists every variant as invariant."""
+    pytest.importorskip("triton")
+    reason = _interpreter_breaks_on_this_numpy()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "tools/sweep_bi_matmul.py", "--device", "cpu", "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    variants = [ln for ln in proc.stdout.splitlines() if ln.startswith("flatten=")]
+    assert len(variants) == 4 and all("invariant True" in ln for ln in variants), proc.stdout
+    assert {ln.split()[0] for ln in variants} == {"flatten=True", "flatten=False"}

@@ -11,9 +11,12 @@ Every kernel fixes the reduction order of an output element independently of the
   by ``BLOCK_K`` alone. A bias is added to the fp32 accumulator before the single cast. For speed (issue 24,
   item 3): rows / columns past the edge are clamped instead of masked (the loads stay unmasked and
   vectorised, the store is masked), the K mask is compiled out when ``BLOCK_K`` divides ``K``, offsets are
-  int32 unless the operands need int64, the persistent loop is flattened (Triton pipelines the next tile's
-  loads behind this tile's epilogue), and ``BLOCK_N`` is chosen from ``N`` so that a small batch still
-  spreads over enough SMs (``M`` small is memory-bound: the whole of ``b`` is streamed once).
+  int32 unless the operands need int64, and ``BLOCK_N`` is chosen from ``N`` so that a small batch still
+  spreads over enough SMs (``M`` small is memory-bound: the whole of ``b`` is streamed once). The persistent
+  loop is *not* flattened (``tl.range(..., flatten=True)``): on an H200 (Triton 3.6, bf16, K = N = 4096 and
+  N = 12288) the flattened loop cost 1.5x to 5x in every configuration tried (``tools/sweep_bi_matmul.py``).
+  On Hopper (compute capability 9.x) the 16-bit dtypes use one measured configuration for every ``N``
+  (:data:`HOPPER_CONFIGS`).
 * :func:`log_softmax`, :func:`mean`, :func:`rms_norm` - one program per row; the row is read in
   ``BLOCK``-wide chunks into a ``BLOCK``-lane fp32 accumulator (lane ``j`` sums elements ``j, j + BLOCK,
   ...`` in order), and the lanes are combined by one ``tl.sum`` whose tree depends only on ``BLOCK``.
@@ -29,7 +32,7 @@ import triton.language as tl
 
 from ..errors import InputError
 
-__all__ = ["matmul", "matmul_config", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS"]
+__all__ = ["matmul", "matmul_config", "log_softmax", "mean", "rms_norm", "MATMUL_CONFIGS", "HOPPER_CONFIGS"]
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) per dtype for wide outputs (``N`` of at least
 #: ``64 * 128`` columns: enough tiles across ``N`` alone to fill an H100 / H200 at any ``M``).
@@ -45,6 +48,14 @@ _NARROW_CONFIGS = {
     torch.float16: (128, 64, 64, 5, 4),
     torch.float32: (128, 64, 32, 4, 4),
 }
+#: compute capability 9.x (H100 / H200), 16-bit dtypes, every ``N``: the best of the sweep at m >= 1024 among the
+#: configurations that stay within ~2.9x at m = 1 (H200, bf16, ``tools/sweep_bi_matmul.py``: K = N = 4096 2.86x,
+#: 2.46x, 1.25x, 1.27x at m = 1, 64, 1024, 4096; N = 12288 2.54x, 1.87x, 1.25x, 1.28x; 192 KiB of shared memory
+#: for the 3 stages, which Hopper has). fp32 keeps the portable configurations above.
+HOPPER_CONFIGS = {
+    torch.bfloat16: (128, 128, 128, 3, 8),
+    torch.float16: (128, 128, 128, 3, 8),
+}
 _WIDE_TILES_N = 64
 _GROUP_M = 8
 _ROW_BLOCK = 1024
@@ -53,15 +64,25 @@ _INT32_MAX = 2 ** 31 - 1
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def matmul_config(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+def matmul_config(n: int, k: int, dtype: torch.dtype,
+                  device: torch.device | None = None) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps)`` for an ``[M, k] @ [k, n]`` product: a function of
-    ``(n, k, dtype)`` only (never of ``M``: a row's result cannot depend on the batch it is in)."""
+    ``(n, k, dtype)`` and the device's generation only (never of ``M``: a row's result cannot depend on the batch
+    it is in)."""
     if dtype not in MATMUL_CONFIGS:
         raise InputError(f"matmul supports {list(MATMUL_CONFIGS)}, got {dtype}")
+    if dtype in HOPPER_CONFIGS and _capability_major(device) == 9:
+        return HOPPER_CONFIGS[dtype]
     wide = MATMUL_CONFIGS[dtype]
     if triton.cdiv(int(n), wide[1]) >= _WIDE_TILES_N:
         return wide
     return _NARROW_CONFIGS[dtype]
+
+
+def _capability_major(device: torch.device | None) -> int | None:
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)[0]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -77,7 +98,7 @@ def _persistent_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     num_tiles = tiles_m * tiles_n
     tiles_per_group = GROUP_M * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True):
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS):
         # Grouped tile order (for L2 reuse): a schedule only, it does not change any element's K order.
         group = tile // tiles_per_group
         first_m = group * GROUP_M
@@ -147,7 +168,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
         return c
     if k == 0:
         return c.zero_() if bias is None else c.copy_(bias.to(c.dtype).expand(m, n))
-    block_m, block_n, block_k, stages, warps = config or matmul_config(n, k, a.dtype)
+    block_m, block_n, block_k, stages, warps = config or matmul_config(n, k, a.dtype, a.device)
     # the grid depends on M (a schedule: which program runs which tile), never a tile's arithmetic
     programs = min(_num_programs(a.device), triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
     _persistent_matmul_kernel[(programs,)](
