@@ -16,6 +16,7 @@ import torch
 from moealign._optional import probe
 from moealign.cli import main
 from moealign.precision.canonical import OPS
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -118,7 +119,7 @@ def test_vllm_tp2_fully_aligned_run_is_bitwise_equal(tmp_path):
 
     cmd = [sys.executable, "-m", "moealign", "mismatch", "--aligned", "--rollout-tp", "2", "--num-prompts", "4",
            "--max-new-tokens", "10", "--device", "cpu", "--json", str(out), "-q"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
+    proc = warm.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["aligned"]["bitwise_equal"], report["aligned"]

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+import warm
 import torch.nn.functional as F
 
 from moealign.precision.batch_invariant import (
@@ -560,7 +561,7 @@ def test_bench_batch_invariant_smoke(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(root / "tools" / "bench_batch_invariant.py"), "--m", "1,40", "--k", "64", "--n", "48",
          "--reductions", "--vocab", "300", "--hidden", "32", "--repeats", "2", "--threads", "1",
          "--json", str(out)],

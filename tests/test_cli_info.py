@@ -8,12 +8,13 @@ import torch
 from moealign import __version__, _optional
 from moealign.cli import main
 from moealign.info import collect_info, format_info, nvml_gpus
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "moealign", *args], capture_output=True, text=True, timeout=120)
+    return warm.run([sys.executable, "-m", "moealign", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_version_flag():

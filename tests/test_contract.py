@@ -31,6 +31,7 @@ from moealign.embedded import embedded_model_path  # noqa: E402
 from moealign.patches.hf.contract import contract_of  # noqa: E402
 from moealign.patches.hf.loading import load_model  # noqa: E402
 from moealign.precision.policy import get_policy  # noqa: E402
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -318,7 +319,7 @@ def test_record_refuses_a_malformed_contract_at_save(tmp_path):
 # --- the CLI -------------------------------------------------------------------------------------------------------
 
 def _cli(*argv, timeout=600):
-    return subprocess.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--device", "cpu", *argv],
+    return warm.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--device", "cpu", *argv],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -383,7 +384,7 @@ def test_cli_default_engines_vllm_megatron_bf16_exits_0(tmp_path):
     from vllm_util import child_env
 
     out = tmp_path / "c.json"
-    p = subprocess.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--rollout-precision",
+    p = warm.run([sys.executable, "-m", "moealign", "mismatch", "--contract", "-q", "--rollout-precision",
                         "bf16", "--train-precision", "bf16", "--json", str(out)], capture_output=True, text=True,
                        timeout=600, env=child_env())
     assert p.returncode == 0, p.stderr[-3000:]

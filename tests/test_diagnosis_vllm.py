@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -25,7 +26,7 @@ def test_tp2_stock_reductions_on_the_vllm_side_are_named_first(tmp_path):
     cmd = [sys.executable, "-m", "moealign", "mismatch", "--rollout", "vllm", "--rollout-tp", "2", "--train", "hf",
            "--rollout-precision", "bf16", "--train-precision", "bf16", "--num-prompts", "6", "--max-new-tokens", "16",
            "--diagnose", "--json", str(out), "-q"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = warm.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     diagnosis = report["diagnosis"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -138,7 +139,7 @@ def test_build_info_matches_weights():
 def test_build_script_quick(tmp_path):
     out = tmp_path / "tiny"
     # the timeout only guards against a hang: under pytest -n on a loaded 2-core machine the quick build took > 120 s
-    proc = subprocess.run([sys.executable, str(BUILD), "--quick", "--out", str(out)],
+    proc = warm.run([sys.executable, str(BUILD), "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "weights sha256" in proc.stdout

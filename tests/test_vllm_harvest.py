@@ -38,6 +38,7 @@ from moealign.errors import (
     RouteError,
 )
 from moealign.record import RecordMeta, RolloutRecord, SamplingParams
+import warm
 
 VLLM = probe("vllm")
 pytestmark = [pytest.mark.heavy,
@@ -497,7 +498,7 @@ def recorded(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(vllm_environment())           # set before the child imports vLLM (this file's probe does)
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1])
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=600, env=env)
+    proc = warm.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "RESULT ok" in proc.stdout, proc.stderr[-3000:]
     record = RolloutRecord.load(out / "record.safetensors")
     with open(out / "outputs.pkl", "rb") as fh:

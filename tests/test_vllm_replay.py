@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from moealign._optional import probe
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -27,7 +28,7 @@ SCRIPT = pathlib.Path(__file__).with_name("vllm_replay_child.py")
 @pytest.fixture(scope="module")
 def result() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=600, env=env)
+    proc = warm.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -20,6 +20,7 @@ import torch
 from moealign._optional import probe
 from moealign.errors import ConfigError, InputTypeError, RecordError
 from moealign.record import SamplingParams
+import warm
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -30,7 +31,7 @@ SCRIPT = pathlib.Path(__file__).with_name("vllm_record.py")
 
 def _record(path: pathlib.Path, mode: str) -> tuple[pathlib.Path, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(path), "fp32", mode], capture_output=True, text=True,
+    proc = warm.run([sys.executable, str(SCRIPT), str(path), "fp32", mode], capture_output=True, text=True,
                           timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -171,7 +172,7 @@ def test_record_at_tp2_in_worker_processes_equals_tp1_under_the_tree_forward(tmp
     records, scored = {}, {}
     for tp in (1, 2):
         path = tmp_path / f"tp{tp}.safetensors"
-        proc = subprocess.run([sys.executable, str(script), str(path), str(tp)], capture_output=True, text=True,
+        proc = warm.run([sys.executable, str(script), str(path), str(tp)], capture_output=True, text=True,
                               timeout=600, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, proc.stderr[-3000:]

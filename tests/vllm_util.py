@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
+
+import warm
 
 HERE = pathlib.Path(__file__).parent
 
@@ -21,8 +22,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_child(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
     """Run ``tests/<script>`` with ``args``; assert it succeeded and printed a ``RESULT`` line; return its JSON."""
-    proc = subprocess.run([sys.executable, str(HERE / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=child_env() if env is None else env)
+    proc = warm.run([sys.executable, str(HERE / script), *map(str, args)], capture_output=True, text=True,
+                    timeout=timeout, env=child_env() if env is None else env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

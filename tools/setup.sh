@@ -98,7 +98,8 @@ case "$job" in
     exec "$VENV/bin/moealign" mismatch "$@"
     ;;
   run)
-    PATH="$PWD/$VENV/bin:$PATH" exec "$@"
+    case "$VENV" in /*) venv_bin="$VENV/bin" ;; *) venv_bin="$PWD/$VENV/bin" ;; esac     # MOEALIGN_VENV may be absolute
+    PATH="$venv_bin:$PATH" exec "$@"
     ;;
   *)
     echo "unknown job '$job' (expected: test, main, run)" >&2

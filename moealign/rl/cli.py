@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -28,7 +29,10 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
     if args.quiet:
         # vLLM logs on stdout, around the table; -q keeps its errors only (its refit-time "RotaryEmbedding: Failed
         # to load weights" warning is expected: rotary embeddings hold no checkpoint tensor)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        if "VLLM_LOGGING_LEVEL" not in os.environ:
+            os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"      # read when vLLM is imported, and by its workers
+            if "vllm" in sys.modules:                       # imported already (by a caller): its loggers are set up
+                logging.getLogger("vllm").setLevel(logging.ERROR)
     report = run_rl_check(cfg, log=log)
     failures = check_steps(report, bounds)
     if cfg.report_dir:
