@@ -199,11 +199,18 @@ def _serve(sock_path: str) -> None:
         for name in PRELOAD:
             try:
                 importlib.import_module(name)
-            except Exception as e:      # noqa: BLE001 - a library missing here: the tests run cold
+            except ModuleNotFoundError:         # not installed here (vLLM on a GPU machine): its children import it
+                continue
+            except Exception as e:      # noqa: BLE001 - a library that fails to import: the tests run cold
                 print(f"cannot import {name}: {type(e).__name__}", flush=True)
                 return
     finally:
         os._Environ.__getitem__ = original
+    import torch
+
+    if torch.cuda.is_initialized():             # a forked child could not use CUDA
+        print("CUDA was initialised by the imports: forking is unsafe", flush=True)
+        return
     if threading.active_count() != 1:
         print(f"{threading.active_count()} threads after the imports: forking is unsafe", flush=True)
         return
