@@ -66,33 +66,7 @@ case "$job" in
         echo "warning: /usr/bin/chromium is missing and cannot be installed here (needs root and apt-get): the HTML report's browser test will fail" >&2
       fi
     fi
-    # one pytest-xdist worker per core, at most 4 (files stay whole on one worker: their module fixtures are built
-    # once; long files first, in tests/conftest.py's order, not by test count); MOEALIGN_TEST_WORKERS=0 runs
-    # serially, and a later -n in the arguments wins
-    workers="${MOEALIGN_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
-    case "$workers" in
-      ''|*[!0-9]*) echo "MOEALIGN_TEST_WORKERS must be a whole number, got '$workers'" >&2; exit 2 ;;
-    esac
-    [ "$workers" -gt 4 ] && workers=4
-    xdist=()
-    if [ "$workers" -gt 1 ] && "$VPY" -c "import xdist" >/dev/null 2>&1; then
-      xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
-      # one compute thread per worker unless told otherwise: two workers of two OpenMP threads each on two cores
-      # spin at every parallel region's barrier (the diagnosis' tests ran 6x slower that way)
-      export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    fi
-    # moealign's own modules byte-compiled once (an editable install: with PYTHONDONTWRITEBYTECODE every test
-    # process and engine child would compile them again); stale files are recompiled, unchanged ones skipped
-    "$VPY" -m compileall -qq -j 0 moealign >/dev/null 2>&1 || true
-    set +e
-    "$VPY" -m pytest -q "${xdist[@]}" "$@"
-    rc=$?
-    set -e
-    if [ "$rc" = 5 ]; then
-      echo "pytest collected no tests (exit 5): treated as success, but nothing was checked" >&2
-      rc=0
-    fi
-    exit "$rc"
+    exec bash tools/run_tests.sh "$VPY" "$@"
     ;;
   main)
     exec "$VENV/bin/moealign" mismatch "$@"
