@@ -95,3 +95,16 @@ def test_the_lazily_read_variables_keep_the_server_and_others_start_a_new_one(mo
     w, c = _both([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert warm._SERVER is not server and w.stdout.startswith("True")
     assert w.stdout.split()[1] == c.stdout.split()[1]
+
+
+@needs_warm
+def test_a_dead_server_means_a_cold_child_not_a_failure(monkeypatch):
+    monkeypatch.setattr(warm, "_STARTS", 0)
+    warm.run([sys.executable, "-c", "pass"], capture_output=True, timeout=60)
+    server = warm._SERVER
+    os.kill(server.proc.pid, 9)
+    server.proc.wait()
+    monkeypatch.setattr(warm, "_STARTS", warm.MAX_STARTS)            # no new server: the child must run cold
+    p = warm.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True, text=True,
+                 timeout=60)
+    assert p.returncode == 0 and p.stdout == "False\n"

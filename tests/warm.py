@@ -59,7 +59,11 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", self.sock],
                                      env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, cwd=self.dir)
-        line = self.proc.stdout.readline().strip()      # after the imports: READY {what they set}, or why not
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
+        line = self.proc.stdout.readline().strip() if ready else f"no answer within {START_TIMEOUT} s"
+        # ^ after the imports: READY {what they set and read}, or why not
         self.ok = line.startswith("READY ")
         self.why = line
         ready = json.loads(line[len("READY "):]) if self.ok else {"added": {}, "read": []}
@@ -91,6 +95,7 @@ _STARTS = 0
 #: servers started per test process at most: an in-process vLLM engine sets variables its children then inherit
 #: (LD_PRELOAD, TORCHINDUCTOR_CPP_DYNAMIC_THREADS, ...), after which a server started with them serves the rest
 MAX_STARTS = 4
+START_TIMEOUT = 180                 # seconds for a server's imports; past it, the children run cold
 _COLD_RUN = subprocess.run          # the fallback, also while a test has monkeypatched subprocess.run to run()
 
 
@@ -147,10 +152,19 @@ def run(cmd, *, capture_output: bool = False, text: bool = False, timeout: float
         request = {"kind": kind, "target": target, "argv": argv, "env": child_env, "added": sorted(server.added),
                    "cwd": os.path.abspath(str(cwd)) if cwd is not None else os.getcwd(), "out": out, "err": err}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(server.sock)
-        conn.sendall(json.dumps(request).encode() + b"\n")
-        reader = conn.makefile("r")
-        pid = int(reader.readline())
+        try:
+            conn.connect(server.sock)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reader = conn.makefile("r")
+            first = reader.readline()
+        except OSError:
+            first = ""
+        if not first.strip():                   # the server is gone before forking: this command runs cold
+            conn.close()
+            server.close()
+            return _COLD_RUN(cmd, capture_output=capture_output, text=text, timeout=timeout, env=env, cwd=cwd,
+                             check=check, **kwargs)
+        pid = int(first)
         conn.settimeout(timeout)
         try:
             line = reader.readline()
@@ -162,6 +176,9 @@ def run(cmd, *, capture_output: bool = False, text: bool = False, timeout: float
             conn.close()
             raise subprocess.TimeoutExpired(cmd, timeout, output=_read(out, text), stderr=_read(err, text)) from None
         conn.close()
+        if not line.strip():
+            raise RuntimeError(f"the warm-child server died while running {cmd[:3]} (tests/warm.py; "
+                               "MOEALIGN_TEST_WARM=0 runs the children cold)")
         returncode = int(line)
         proc = subprocess.CompletedProcess(cmd, returncode, _read(out, text), _read(err, text))
     if check:
