@@ -4,6 +4,7 @@ launcher falls back to a cold interpreter whenever a warm child could differ."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -89,7 +90,9 @@ def test_the_lazily_read_variables_keep_the_server_and_others_start_a_new_one(mo
                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
                              MOEALIGN_VLLM_PATCHES="tree"))
     assert warm._SERVER is server and lazy.stdout.startswith("True") and first.stdout.startswith("True")
-    assert "VLLM_CPU_KVCACHE_SPACE" not in server.vllm_read and "VLLM_LOGGING_LEVEL" in server.vllm_read
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server.vllm_read
+    if importlib.util.find_spec("vllm") is not None:             # preloaded: its logging read its variables
+        assert "VLLM_LOGGING_LEVEL" in server.vllm_read
     # PYTHONHASHSEED is read when the interpreter starts: a child of the running server would hash differently
     env = dict(os.environ, PYTHONHASHSEED="123")
     w, c = _both([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
