@@ -28,16 +28,17 @@ assert T.matmul_config(4096, 4096, torch.bfloat16) == T._NARROW_CONFIGS[torch.bf
 assert T.matmul_config(16384, 4096, torch.bfloat16) == T.MATMUL_CONFIGS[torch.bfloat16]
 assert "M" not in T.matmul_config.__code__.co_varnames
 # Hopper (compute capability 9.x) uses the measured configuration for 16-bit dtypes at every N, others do not
-real_capability = torch.cuda.get_device_capability
+# (the device's facts, read once per device, stand in for a GPU: (capability major, SM count))
+real_facts = T._cuda_facts
 try:
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    T._cuda_facts = lambda index: (9, 132)
     for n in (4096, 16384):
-        assert T.matmul_config(n, 4096, torch.bfloat16, torch.device("cuda")) == T.HOPPER_CONFIGS[torch.bfloat16]
-    assert T.matmul_config(4096, 4096, torch.float32, torch.device("cuda")) == T._NARROW_CONFIGS[torch.float32]
-    torch.cuda.get_device_capability = lambda device=None: (8, 0)
-    assert T.matmul_config(4096, 4096, torch.bfloat16, torch.device("cuda")) == T._NARROW_CONFIGS[torch.bfloat16]
+        assert T.matmul_config(n, 4096, torch.bfloat16, torch.device("cuda", 0)) == T.HOPPER_CONFIGS[torch.bfloat16]
+    assert T.matmul_config(4096, 4096, torch.float32, torch.device("cuda", 0)) == T._NARROW_CONFIGS[torch.float32]
+    T._cuda_facts = lambda index: (8, 108)
+    assert T.matmul_config(4096, 4096, torch.bfloat16, torch.device("cuda", 0)) == T._NARROW_CONFIGS[torch.bfloat16]
 finally:
-    torch.cuda.get_device_capability = real_capability
+    T._cuda_facts = real_facts
 for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
     for k, n in ((48, 32), (40, 36)):                      # K a multiple of BLOCK_K or not; N ragged
         a = torch.randn(37, k).to(dtype)

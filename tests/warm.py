@@ -35,14 +35,17 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PRELOAD = ("torch", "transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe", "safetensors.torch",
            "megatron.core", "megatron.core.models.gpt", "vllm", "vllm.entrypoints.llm")
+
+
 def _base_env(env: dict[str, str]) -> dict[str, str]:
     """The variables that must match the server's but for vLLM's (:meth:`_Server._key`): all but moealign's own
     (moealign is not preloaded), Transformer Engine's attention flags (Megatron-core sets and checks them when it
@@ -59,19 +62,18 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", self.sock],
                                      env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, cwd=self.dir)
-        import select
-
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
-        line = self.proc.stdout.readline().strip() if ready else f"no answer within {START_TIMEOUT} s"
-        # ^ after the imports: READY {what they set and read}, or why not
+        # after the imports the server prints READY {what they set and read}, or why not
+        answered, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT)
+        line = self.proc.stdout.readline().strip() if answered else f"no answer within {START_TIMEOUT} s"
         self.ok = line.startswith("READY ")
         self.why = line
-        ready = json.loads(line[len("READY "):]) if self.ok else {"added": {}, "read": []}
+        facts = json.loads(line[len("READY "):]) if self.ok else {"added": {}, "read": []}
         #: variables the imports set (vLLM sets TORCHINDUCTOR_CACHE_DIR, ...): a request may hold them, these values
-        self.added = ready["added"]
+        self.added = facts["added"]
         #: the vLLM variables the imports read (its logging's): these must match; vLLM reads the others when an
         #: engine starts, in the child
-        self.vllm_read = frozenset(k for k in ready["read"] if k.startswith("VLLM_"))
+        self.vllm_read = frozenset(k for k in facts["read"] if k.startswith("VLLM_"))
+        self.own_key = self._key(self.env)
         if not self.ok:
             self.close()
 
@@ -79,11 +81,12 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def compatible(self, env: dict[str, str]) -> bool:
         if not self.ok or self.proc.poll() is not None:
             return False
-        return self._key(env) == self._key(self.env)
+        return self._key(env) == self.own_key
 
     def _key(self, env: dict[str, str]) -> dict[str, str]:
         return {k: v for k, v in _base_env(env).items() if not (k in self.added and v == self.added[k])
@@ -110,7 +113,7 @@ def _server(env: dict[str, str]) -> _Server | None:
         return None
     if _SERVER is not None:
         if os.environ.get("MOEALIGN_TEST_WARM_LOG"):
-            mine, theirs = _SERVER._key(env), _SERVER._key(_SERVER.env)
+            mine, theirs = _SERVER._key(env), _SERVER.own_key
             with open(os.environ["MOEALIGN_TEST_WARM_LOG"], "a") as f:
                 f.write(f"new server: {sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))}\n")
         _SERVER.close()
@@ -137,6 +140,10 @@ def _how(cmd) -> tuple[str, str, list[str]] | None:
 def run(cmd, *, capture_output: bool = False, text: bool = False, timeout: float | None = None,
         env: dict[str, str] | None = None, cwd=None, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, ...)``, through a warm child when it would be the same run (module docstring)."""
+    def cold():
+        return _COLD_RUN(cmd, capture_output=capture_output, text=text, timeout=timeout, env=env, cwd=cwd,
+                         check=check, **kwargs)
+
     how = _how(cmd)
     child_env = dict(os.environ if env is None else env)
     server = _server(child_env) if how is not None and capture_output and not kwargs else None
@@ -144,8 +151,7 @@ def run(cmd, *, capture_output: bool = False, text: bool = False, timeout: float
         if how is not None and capture_output and os.environ.get("MOEALIGN_TEST_WARM_LOG"):
             with open(os.environ["MOEALIGN_TEST_WARM_LOG"], "a") as f:    # why a child ran cold (developers)
                 f.write(f"cold: {' '.join(map(str, cmd[:3]))}\n")
-        return _COLD_RUN(cmd, capture_output=capture_output, text=text, timeout=timeout, env=env, cwd=cwd,
-                         check=check, **kwargs)
+        return cold()
     kind, target, argv = how
     with tempfile.TemporaryDirectory(prefix="moealign-warm-run-") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
@@ -162,8 +168,7 @@ def run(cmd, *, capture_output: bool = False, text: bool = False, timeout: float
         if not first.strip():                   # the server is gone before forking: this command runs cold
             conn.close()
             server.close()
-            return _COLD_RUN(cmd, capture_output=capture_output, text=text, timeout=timeout, env=env, cwd=cwd,
-                             check=check, **kwargs)
+            return cold()
         pid = int(first)
         conn.settimeout(timeout)
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import json
 import os
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _timing import write_json  # noqa: E402
 from moealign.precision import _triton_batch_invariant as tbi  # noqa: E402
 
 CONFIGS = [
@@ -115,9 +115,8 @@ def main(argv=None) -> int:
     for r in ok[:5]:
         print(f"  flatten={r['flatten']!s:5} {tuple(r['config'])}: worst {r['worst']:.2f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "k": args.k, "n": args.n, "stock_ms": stock, "bi_matmul_ms": wrapped,
-                       "kernel_ms": kernel, "rows": rows}, f, indent=1)
+        write_json(args.json, {"dtype": args.dtype, "k": args.k, "n": args.n, "stock_ms": stock,
+                               "bi_matmul_ms": wrapped, "kernel_ms": kernel, "rows": rows})
     return 0
 
 

@@ -26,6 +26,8 @@ These kernels are batch-invariant among themselves; they do not reproduce the to
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,7 +84,18 @@ def matmul_config(n: int, k: int, dtype: torch.dtype,
 def _capability_major(device: torch.device | None) -> int | None:
     if device is None or torch.device(device).type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)[0]
+    return _cuda_facts(_cuda_index(torch.device(device)))[0]
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_facts(index: int) -> tuple[int, int]:
+    """``(compute capability major, SM count)`` of a CUDA device, read once (not on every matmul call)."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.multi_processor_count
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -144,7 +157,7 @@ def _persistent_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 
 def _num_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_facts(_cuda_index(device))[1]
     return 4  # Triton's CPU interpreter (TRITON_INTERPRET=1): any fixed number works
 
 
