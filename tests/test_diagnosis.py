@@ -100,21 +100,26 @@ def _top_share(report: dict) -> str:
 
 def test_shared_forwards_give_the_same_attribution(monkeypatch):
     """The diagnosis with forwards shared between lever sets (LM-head variants in one decode, the mismatch test's
-    own trainer passes, the kept logits of the full-vocabulary KL) equals the straightforward evaluation (every
-    lever set on its own) bitwise: every lever run's metrics, the Shapley / Owen shares, the KL; with fewer decodes."""
+    own trainer passes, the kept logits of the full-vocabulary KL, one forward for a batch-invariant decode)
+    equals the straightforward evaluation (every lever set on its own, each rollout setup decoded) bitwise: every
+    lever run's metrics, the Shapley / Owen shares, the KL; with fewer decodes."""
     import json
 
     from moealign.mismatch import MismatchConfig, levers, run_mismatch
     from moealign.patches.hf import rollout
 
     calls = []
-    real = rollout.rescore_decode_all
 
-    def counting(*args, **kwargs):
-        calls.append(bool(kwargs.get("head_variants")))
-        return real(*args, **kwargs)
+    def counting(name):
+        real = getattr(rollout, name)
 
-    monkeypatch.setattr(rollout, "rescore_decode_all", counting)
+        def call(*args, **kwargs):
+            calls.append((name, bool(kwargs.get("head_variants"))))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("rescore_decode_all", "rescore_forward"):
+        monkeypatch.setattr(rollout, name, counting(name))
     cfg = dict(rollout_engine="hf", train_engine="hf", num_prompts=4, max_new_tokens=4, batch_size=2, device="cpu",
                diagnose=True)
     out = {}
@@ -122,17 +127,19 @@ def test_shared_forwards_give_the_same_attribution(monkeypatch):
         monkeypatch.setattr(levers, "SHARE_FORWARDS", share)
         calls.clear()
         report = run_mismatch(MismatchConfig(**cfg))
-        out[share] = (report, len(calls), sum(calls))
-    (shared, n_shared, with_heads), (plain, n_plain, _) = out[True], out[False]
+        out[share] = (report, [n for n, _ in calls].count("rescore_decode_all"),
+                      [n for n, _ in calls].count("rescore_forward"), sum(h for _, h in calls))
+    (shared, n_shared, n_forward, with_heads), (plain, n_plain, n_plain_forward, _) = out[True], out[False]
     assert len(shared["levers"]["regions"]) == 5 and len(shared["levers"]["runs"]) == 47
     dump = lambda x: json.dumps(x, sort_keys=True)                     # noqa: E731 - repr: exact floats
     assert dump(shared["levers"]["runs"]) == dump(plain["levers"]["runs"])
     assert dump(shared["attribution"]) == dump(plain["attribution"])
     assert dump(shared["plots"]["full_vocab_kl"]) == dump(plain["plots"]["full_vocab_kl"])
     assert shared["attribution"]["metrics"]["mean_abs_logp_diff"]["levers"]["precision"] != 0
-    # the sharing happened: 34 rollout setups in 18 decodes of 2 micro-batches each, the KL's 2 decodes reused
-    # (straightforward: 34 + 2 decodes)
-    assert (n_shared, with_heads) == (36, 36) and n_plain == 72, (n_shared, with_heads, n_plain)
+    # the sharing happened: 34 rollout setups in 16 decodes and 2 batch-invariant forwards of 2 micro-batches
+    # each, the KL's 2 re-scorings reused (straightforward: 34 + 2 decodes)
+    assert (n_shared, n_forward, with_heads) == (32, 4, 36), (n_shared, n_forward, with_heads)
+    assert (n_plain, n_plain_forward) == (72, 0), (n_plain, n_plain_forward)
 
 
 def test_weights_of_one_layer_perturbed_on_one_side_are_named_first():

@@ -1,6 +1,7 @@
 """Re-scoring a record along the rollout's own decode path (moealign.patches.hf.rollout.rescore_decode): the
-record's log-probs and routes reproduced bitwise on a ragged batch with early EOS, and the LM-head variants
-(one trunk decode, the head applied per variant) equal to a full re-scoring with that head's precision."""
+record's log-probs and routes reproduced bitwise on a ragged batch with early EOS, the LM-head variants
+(one trunk decode, the head applied per variant) equal to a full re-scoring with that head's precision, and under
+batch-invariant ops the one-forward re-scoring (rescore_forward) equal to the decode."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from moealign.mismatch.levers import mixed_policy
 from moealign.patches.hf import generate_with_record
 from moealign.patches.hf.loading import load_model, load_tokenizer
 from moealign.patches.hf.precision import apply_precision
-from moealign.patches.hf.rollout import rescore_decode, rescore_decode_all
+from moealign.errors import ConfigError
+from moealign.patches.hf import rollout
+from moealign.patches.hf.rollout import rescore_decode, rescore_decode_all, rescore_forward
+from moealign.precision.batch_invariant import batch_invariant_mode
 from moealign.precision.policy import get_policy
 from moealign.record import SamplingParams, concat_kept_sets
 from moealign.routing_replay.sampling_mask import kept_logprob
@@ -95,3 +99,32 @@ def test_lm_head_variants_equal_full_rescorings(setup, trunk):
             assert torch.equal(got, want)
         for got, want in zip(out.routes, full[other][1]):
             assert torch.equal(got, want)
+
+
+def test_forward_equals_the_decode_under_batch_invariant_ops(setup, monkeypatch):
+    """Under batch-invariant ops and attention, one full-sequence forward over the decode's layout gives the
+    decode's logits, routes and LM-head variant bitwise, on the ragged batch with early EOS (left padding,
+    responses of different lengths), with the regions in mixed precision as the lever runs hold them. Negative
+    control: the same forward with the positions of an unpadded batch (0, 1, ... per row, not derived from the
+    mask) differs on the left-padded rows. Outside batch-invariant ops, or with stock attention, it is refused."""
+    record, pad, eos = setup["record"], setup["tok"].pad_token_id, setup["eos"]
+    model = load_model(embedded_model_path(), "fp32", "cpu", "bi")[0]
+    policy = mixed_policy(setup["policy"], get_policy("fp32"), {"attention"})
+    w16 = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    kw = dict(pad_token_id=pad, eos_token_id=eos, max_new_tokens=MAX_NEW, head_variants={"v": (w16, None)})
+    with apply_precision(model, policy, keep_original=True), batch_invariant_mode():
+        decode = rescore_decode_all(model, record.samples, **kw)
+        forward = rescore_forward(model, record.samples, **kw)
+        monkeypatch.setattr(rollout, "_decode_positions", lambda mask: torch.arange(mask.shape[1]).expand_as(mask))
+        shifted = rescore_forward(model, record.samples, **kw)
+    for name in ("logits", "routes"):
+        for got, want in zip(getattr(forward, name), getattr(decode, name)):
+            assert torch.equal(got, want), name
+    for got, want in zip(forward.head_variants["v"], decode.head_variants["v"]):
+        assert torch.equal(got, want)
+    padded = [b for b, s in enumerate(record.samples) if s.prompt_len < max(x.prompt_len for x in record.samples)]
+    assert padded and all(not torch.equal(shifted.logits[b], decode.logits[b]) for b in padded)
+    with pytest.raises(ConfigError, match="batch-invariant mode off"):
+        rescore_forward(model, record.samples, pad_token_id=pad, eos_token_id=eos)
+    with batch_invariant_mode(), pytest.raises(ConfigError, match="attention"):
+        rescore_forward(setup["model"], record.samples, pad_token_id=pad, eos_token_id=eos)

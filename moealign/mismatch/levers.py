@@ -268,7 +268,10 @@ class LeverRunner:
             return self.recorded_lp, self.recorded_routes
         if setup in self._rollout_cache:
             return self._rollout_cache[setup]
-        from ..patches.hf.rollout import rescore_decode_all
+        from ..patches.hf.rollout import rescore_decode_all, rescore_forward
+
+        # under batch-invariant ops a decode step's bits are the full forward's: one forward per batch
+        rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
 
         partner = self._head_partner(setup)
         if partner is not None and partner in self._rollout_cache:
@@ -285,9 +288,9 @@ class LeverRunner:
                     partner, targets = None, [setup]
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
-                out = rescore_decode_all(model, samples, pad_token_id=self.pad_token_id,
-                                         max_new_tokens=self.max_new_tokens, logits_device=None,
-                                         head_variants={"partner": variant} if partner is not None else None)
+                out = rescore(model, samples, pad_token_id=self.pad_token_id, max_new_tokens=self.max_new_tokens,
+                              logits_device=None,
+                              head_variants={"partner": variant} if partner is not None else None)
                 dev = out.logits[0].device
                 tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
                 kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
@@ -432,7 +435,7 @@ class LeverRunner:
         runs kept this set's logits (no lever, every lever: when ``[N, V]`` float32 fits
         :data:`KEEP_LOGITS_BYTES`), which are used instead of running the forwards again (the same bits)."""
         from ..correction.vocab_kl import full_vocab_kl
-        from ..patches.hf.rollout import rescore_decode
+        from ..patches.hf.rollout import rescore_decode_all, rescore_forward
 
         if not self.rescorable:
             return None
@@ -450,9 +453,10 @@ class LeverRunner:
             if kept_rollout is not None:
                 logits = kept_rollout[b]
             else:
+                rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
                 with self._rollout_model(setup) as model:
-                    logits = torch.cat(rescore_decode(model, samples, pad_token_id=self.pad_token_id,
-                                                      max_new_tokens=self.max_new_tokens, record_routes=False)[0])
+                    logits = torch.cat(rescore(model, samples, pad_token_id=self.pad_token_id,
+                                               max_new_tokens=self.max_new_tokens, record_routes=False).logits)
             if kept_train is not None:
                 train_logits = kept_train[b]
             else:

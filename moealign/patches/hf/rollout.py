@@ -330,18 +330,17 @@ def _token_id(value, name: str, vocab_size: int) -> int:
     return value
 
 
-def _generated_routes(capture: RouteCapture, B: int, S0: int, steps: int, info: MoEModelInfo) -> torch.Tensor:
+def _generated_routes(capture: RouteCapture, B: int, S0: int, steps: int, info: MoEModelInfo, *,
+                      calls: int | None = None) -> torch.Tensor:
     """``[B, S0 + steps - 1, n_layers, k]`` compact routes of one ``generate()`` call (prefill + one call per
-    decode step), from the router calls ``capture`` saw."""
-    if any(n != steps for n in capture.num_calls):
-        raise ReplayError(f"expected {steps} router calls per MoE layer (prefill + {steps - 1} decode steps), "
-                          f"saw {capture.num_calls}")
-    per_layer = []
-    for calls in capture.calls:
-        prefill = calls[0].reshape(B, S0, -1)
-        decode = [c.reshape(B, 1, -1) for c in calls[1:]]
-        per_layer.append(torch.cat([prefill] + decode, dim=1))   # [B, S0 + steps - 1, k]
-    return compact_routes(torch.stack(per_layer, dim=2), info.num_experts).cpu()
+    decode step: ``calls`` defaults to ``steps``) or of one full-sequence forward over the same positions
+    (``calls=1``), from the router calls ``capture`` saw."""
+    calls = steps if calls is None else calls
+    if any(n != calls for n in capture.num_calls):
+        what = f"prefill + {steps - 1} decode steps" if calls == steps else "one full-sequence forward"
+        raise ReplayError(f"expected {calls} router calls per MoE layer ({what}), saw {capture.num_calls}")
+    per_layer = [torch.cat([c.reshape(B, -1, c.shape[-1]) for c in layer], dim=1) for layer in capture.calls]
+    return compact_routes(torch.stack(per_layer, dim=2), info.num_experts).cpu()   # [B, S0 + steps - 1, L, k]
 
 
 def _sample_routes(routes_bt: torch.Tensor, b: int, am_cpu: torch.Tensor, R: int) -> torch.Tensor:
@@ -490,8 +489,9 @@ class _HeadVariants:
     (``x.to(dtype)`` when the dtypes differ), then the float32 copy of the last position ``generate()`` takes.
     One entry per forward (prefill, then each decode step)."""
 
-    def __init__(self, variants: Mapping[Any, tuple[torch.Tensor, torch.Tensor | None]]):
+    def __init__(self, variants: Mapping[Any, tuple[torch.Tensor, torch.Tensor | None]], keep: slice | None = None):
         self.variants = dict(variants)
+        self.keep = keep                         # positions kept per forward (None: the last, as generate() does)
         self.logits: dict[Any, list[torch.Tensor]] = {k: [] for k in self.variants}
 
     def __call__(self, module, args, kwargs):
@@ -507,7 +507,8 @@ class _HeadVariants:
                 bias = None if bias is None else bias.detach().requires_grad_(grad)
                 self.variants[key] = (weight, bias)
             out = torch.nn.functional.linear(xin, weight, bias)
-            self.logits[key].append(out[:, -1].to(copy=True, dtype=torch.float32))
+            kept = out[:, -1] if self.keep is None else out[:, self.keep]
+            self.logits[key].append(kept.to(copy=True, dtype=torch.float32))
         return None
 
 
@@ -561,6 +562,72 @@ def rescore_decode_all(model: torch.nn.Module, samples: Sequence[Sample], *, pad
     ``return_dict_in_generate=False``), so the prefill covers exactly the prompts and each decode step one token
     per row, finished rows fed ``pad_token_id`` as ``generate()`` feeds them; only the token choice differs
     (greedy over scores forced to the recorded token instead of sampling, which runs after the logits)."""
+    fb = _forced_batch(model, samples, pad_token_id, eos_token_id, max_new_tokens)
+    info, device, B, S0, lens, steps = fb.info, fb.device, fb.B, fb.S0, fb.lens, fb.steps
+    input_ids, am, forced, eos_ids, pad_token_id = fb.input_ids, fb.am, fb.forced, fb.eos_ids, fb.pad_token_id
+    max_new_tokens = forced.shape[1]
+    config = _rollout_generation_config(model, SamplingParams(), max_new_tokens, eos_ids, pad_token_id, {})
+    config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
+    force = _ForceTokens(S0, forced)
+    heads = _HeadVariants(head_variants) if head_variants else None
+    with contextlib.ExitStack() as stack:
+        capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
+        # the only processor (none built before it): it is handed generate()'s raw float32 logits
+        stack.enter_context(_append_logits_processor(model, force, frozenset()))
+        swap = stack.enter_context(PatchHandle("the re-scoring generation config", "instance"))
+        swap.set_attr(model, "generation_config", config)
+        if heads is not None:
+            hook = stack.enter_context(PatchHandle("LM-head variants of the re-scoring", "instance"))
+            hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True,
+                                                                                   prepend=True), "LM head")
+        # inference mode: the same kernels as no_grad (generate()'s own), less dispatch work per op
+        with torch.inference_mode():
+            sequences = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device),
+                                       generation_config=config)
+    generated = sequences[:, S0:].cpu()
+    if generated.shape[1] != steps or not all(torch.equal(generated[b, :n], forced[b, :n]) for b, n in enumerate(lens)):
+        raise ReplayError("the teacher-forced generate() did not reproduce the recorded responses (a response that "
+                          "stops early without EOS, or an EOS inside a response)")
+    return fb.rescored(torch.stack(force.logits[:steps], dim=1),
+                       {k: torch.stack(v[:steps], dim=1) for k, v in heads.logits.items()} if heads else {},
+                       _generated_routes(capture, B, S0, steps, info) if capture is not None else None, logits_device)
+
+
+@dataclasses.dataclass
+class _ForcedBatch:
+    """One re-scoring batch laid out as the rollout's ``generate()`` laid it out: ``input_ids`` / ``am`` the
+    prompts left-padded to ``S0`` and their mask, ``forced`` ``[B, max_new_tokens]`` the recorded responses
+    (``pad_token_id`` after each)."""
+
+    info: MoEModelInfo
+    device: torch.device
+    B: int
+    S0: int
+    lens: list[int]
+    steps: int
+    input_ids: torch.Tensor
+    am: torch.Tensor
+    forced: torch.Tensor
+    eos_ids: list[int]
+    pad_token_id: int
+
+    def rescored(self, logits: torch.Tensor, variants: dict, routes_bt: torch.Tensor | None,
+                 logits_device) -> Rescored:
+        """Per-sample :class:`Rescored` from ``[B, steps, V]`` float32 logits (and per head variant) and the
+        ``[B, S0 + steps - 1, L, k]`` routes."""
+        target = self.device if logits_device is None else torch.device(logits_device)
+
+        def per_sample(x: torch.Tensor) -> list[torch.Tensor]:
+            return [x[b, :n].to(target) for b, n in enumerate(self.lens)]
+
+        out = Rescored(per_sample(logits), None, {k: per_sample(v) for k, v in variants.items()})
+        if routes_bt is not None:
+            out.routes = [_sample_routes(routes_bt, b, self.am, n) for b, n in enumerate(self.lens)]
+        return out
+
+
+def _forced_batch(model: torch.nn.Module, samples: Sequence[Sample], pad_token_id: int | None,
+                  eos_token_id: int | Sequence[int] | None, max_new_tokens: int | None) -> _ForcedBatch:
     info = describe_model(model)
     if not samples:
         raise ConfigError("rescore_decode: no samples")
@@ -570,7 +637,6 @@ def rescore_decode_all(model: torch.nn.Module, samples: Sequence[Sample], *, pad
     eos_ids = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     if pad_token_id is None:
         pad_token_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    device = next(model.parameters()).device
     S0 = max(s.prompt_len for s in samples)
     lens = [s.response_len for s in samples]
     steps = max(lens)
@@ -588,36 +654,55 @@ def rescore_decode_all(model: torch.nn.Module, samples: Sequence[Sample], *, pad
         input_ids[b, S0 - s.prompt_len:] = s.token_ids[:s.prompt_len]
         am[b, S0 - s.prompt_len:] = 1
         forced[b, :s.response_len] = s.token_ids[s.prompt_len:]
-    config = _rollout_generation_config(model, SamplingParams(), max_new_tokens, eos_ids, pad_token_id, {})
-    config.do_sample, config.temperature, config.top_k, config.top_p = False, None, None, None
-    force = _ForceTokens(S0, forced)
-    heads = _HeadVariants(head_variants) if head_variants else None
+    return _ForcedBatch(info, next(model.parameters()).device, B, S0, lens, steps, input_ids, am, forced, eos_ids,
+                        pad_token_id)
+
+
+def _decode_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The position ids ``generate()`` derives from a left-padded attention mask (and extends by one per step)."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def rescore_forward(model: torch.nn.Module, samples: Sequence[Sample], *, pad_token_id: int | None = None,
+                    eos_token_id: int | Sequence[int] | None = None, record_routes: bool = True,
+                    max_new_tokens: int | None = None, logits_device: str | torch.device | None = "cpu",
+                    head_variants: Mapping[Any, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+                    ) -> Rescored:
+    """:func:`rescore_decode_all` in one full-sequence forward instead of a prefill and a decode step per token:
+    the same left-padded batch (prompts, then the forced responses, ``pad_token_id`` after each), the attention
+    mask ``generate()`` grows (the prompts' mask, then ones) and the position ids it derives from it, the
+    logits of the positions each decode step ends at (``logits_to_keep``).
+
+    Only under batch-invariant ops with the batch-invariant attention (:func:`~moealign.precision.batch_invariant.
+    batch_invariant_mode`, ``attn_implementation="moealign_bi"``): there a row's result does not depend on the
+    rows computed with it nor on the key length (every matmul in fixed row tiles, every reduction a fixed tree
+    over the compacted valid keys), so this forward gives :func:`rescore_decode_all`'s bits for a fraction of its
+    calls (``tests/test_diagnosis.py`` checks it bitwise against the decode). Anywhere else the two differ, so
+    it is refused (:class:`~moealign.errors.ConfigError`) rather than answered with other bits."""
+    from ...precision.batch_invariant import is_batch_invariant_mode_enabled
+    from .attention import BI_ATTENTION
+
+    attention = getattr(model.config, "_attn_implementation", None)
+    if not is_batch_invariant_mode_enabled() or attention != BI_ATTENTION:
+        raise ConfigError(f"rescore_forward reproduces the decode only under batch-invariant ops and attention "
+                          f"(batch-invariant mode {'on' if is_batch_invariant_mode_enabled() else 'off'}, attention "
+                          f"{attention!r}, needs {BI_ATTENTION!r}): use rescore_decode_all")
+    fb = _forced_batch(model, samples, pad_token_id, eos_token_id, max_new_tokens)
+    steps = fb.steps
+    ids = torch.cat([fb.input_ids, fb.forced[:, :steps - 1]], dim=1)          # what the decode steps were fed
+    mask = torch.cat([fb.am, torch.ones(fb.B, steps - 1, dtype=fb.am.dtype)], dim=1)
+    positions = _decode_positions(mask)
+    heads = _HeadVariants(head_variants, keep=slice(None)) if head_variants else None
     with contextlib.ExitStack() as stack:
-        capture = stack.enter_context(capture_routes(model, info=info)) if record_routes else None
-        # the only processor (none built before it): it is handed generate()'s raw float32 logits
-        stack.enter_context(_append_logits_processor(model, force, frozenset()))
-        swap = stack.enter_context(PatchHandle("the re-scoring generation config", "instance"))
-        swap.set_attr(model, "generation_config", config)
+        capture = stack.enter_context(capture_routes(model, info=fb.info)) if record_routes else None
         if heads is not None:
             hook = stack.enter_context(PatchHandle("LM-head variants of the re-scoring", "instance"))
             hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True,
                                                                                    prepend=True), "LM head")
-        with torch.no_grad():
-            sequences = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device),
-                                       generation_config=config)
-    generated = sequences[:, S0:].cpu()
-    if generated.shape[1] != steps or not all(torch.equal(generated[b, :n], forced[b, :n]) for b, n in enumerate(lens)):
-        raise ReplayError("the teacher-forced generate() did not reproduce the recorded responses (a response that "
-                          "stops early without EOS, or an EOS inside a response)")
-    target = device if logits_device is None else torch.device(logits_device)
-
-    def per_sample(steps_logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        logits = torch.stack(steps_logits[:steps], dim=1)                   # [B, steps, V]
-        return [logits[b, :n].to(target) for b, n in enumerate(lens)]
-
-    out = Rescored(per_sample(force.logits), None,
-                   {k: per_sample(v) for k, v in heads.logits.items()} if heads is not None else {})
-    if capture is not None:
-        routes_bt = _generated_routes(capture, B, S0, steps, info)
-        out.routes = [_sample_routes(routes_bt, b, am, n) for b, n in enumerate(lens)]
-    return out
+        stack.enter_context(torch.inference_mode())
+        out = model(input_ids=ids.to(fb.device), attention_mask=mask.to(fb.device),
+                    position_ids=positions.to(fb.device), use_cache=False, logits_to_keep=steps)
+    logits = out.logits.to(torch.float32)                                   # [B, steps, V], as generate() copies
+    variants = {k: v[0] for k, v in heads.logits.items()} if heads else {}
+    routes = _generated_routes(capture, fb.B, fb.S0, steps, fb.info, calls=1) if capture is not None else None
+    return fb.rescored(logits, variants, routes, logits_device)
