@@ -8,6 +8,11 @@ Measured in the same run, interleaved, minimum (and median) of N:
                  of one rollout-side re-scoring (``rescore_decode`` of one micro-batch) against one ``generate()``
                  of the same batch are printed too (the re-scoring replays the rollout's path, so it should cost
                  about one generate).
+* ``floor``:     what the diagnosis would cost if everything but its rollout-side decodes were free: the plain
+                 test plus ``decodes x micro-batches x rescore`` (the report's ``levers.work``: the rollout setups
+                 that must be decoded, since a stock decode's bits come only from the same kernels on the same
+                 shapes; batch-invariant setups are one forward each). No exact scheme built on transformers'
+                 decode gets below it.
 
     python tools/bench_diagnosis.py                       # the embedded model, CPU, transformers on both sides
     python tools/bench_diagnosis.py --num-prompts 32 --repeats 3 --json out.json
@@ -45,6 +50,7 @@ def main(argv=None) -> int:
     def diagnose():
         report = run_mismatch(MismatchConfig(**base, diagnose=True))
         counts["lever_sets"] = len(report["levers"]["runs"])
+        counts["work"] = report["levers"]["work"]
 
     times = interleaved({"mismatch": lambda: run_mismatch(MismatchConfig(**base)), "diagnose": diagnose},
                         args.repeats)
@@ -66,11 +72,18 @@ def main(argv=None) -> int:
            "diagnose_ratio": times["diagnose"] / times["mismatch"],
            "generate_s": parts["generate"], "rescore_s": parts["rescore"],
            "rescore_ratio": parts["rescore"] / parts["generate"]}
+    batches = -(-args.num_prompts // args.batch_size)
+    out["floor_s"] = times["mismatch"] + counts["work"]["rollout_decodes"] * batches * parts["rescore"]
+    out["floor_ratio"] = out["floor_s"] / times["mismatch"]
     print(f"mismatch test            {out['mismatch_s']:8.2f} s   (baseline)")
     print(f"with --diagnose          {out['diagnose_s']:8.2f} s   {out['diagnose_ratio']:.2f}x   "
           f"({counts.get('lever_sets', '?')} lever sets scored)")
     print(f"generate() one batch     {out['generate_s']:8.3f} s   (baseline)")
     print(f"rescore_decode same      {out['rescore_s']:8.3f} s   {out['rescore_ratio']:.2f}x")
+    work = counts["work"]
+    print(f"floor                    {out['floor_s']:8.2f} s   {out['floor_ratio']:.2f}x   (the plain test + "
+          f"{work['rollout_decodes']} decodes x {batches} micro-batches; also ran {work['rollout_forwards']} "
+          f"batch-invariant forwards, {work['train_passes']} trainer passes)")
     if args.json:
         write_json(args.json, out)
     return 0

@@ -171,6 +171,9 @@ class LeverRunner:
         self.recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
         self.routed = torch.cat([s.routed_rows for s in record.samples])
         self.rescorable = bool(rescorable)
+        #: what the evaluation ran: rollout setups re-scored by a decode / by one forward (batch-invariant), trainer
+        #: passes (each over every micro-batch)
+        self.work = {"rollout_decodes": 0, "rollout_forwards": 0, "train_passes": 0}
         self.regions: list[str] = []
         self.groups = self._players()
 
@@ -309,6 +312,7 @@ class LeverRunner:
                         logits_kept[s].append(logits.cpu())
                 routes += [r.to(torch.int64) for r in out.routes]
                 del out, per_setup
+        self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
         routes = torch.cat(routes)
         for s in targets:
             self._rollout_cache[s] = (torch.cat(lps[s]), routes)
@@ -384,6 +388,7 @@ class LeverRunner:
             del fwd
         if keep:
             self._logits[("train", key)] = logits
+        self.work["train_passes"] += 1
         self._train_cache[key] = side
         return side
 
@@ -447,13 +452,17 @@ class LeverRunner:
         kept_train = self._logits.get(("train", (bi, replay_setup)))
         trainer = self._trainer(bi) if kept_train is None else None
         record = _with_routes(self.record, self._rollout(setup)[1]) if replay and kept_train is None else self.record
+        rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
+        if kept_rollout is None:
+            self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
+        if kept_train is None:
+            self.work["train_passes"] += 1
         out = []
         for b, indices in enumerate(self.batches):
             samples = [record.samples[i] for i in indices]
             if kept_rollout is not None:
                 logits = kept_rollout[b]
             else:
-                rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
                 with self._rollout_model(setup) as model:
                     logits = torch.cat(rescore(model, samples, pad_token_id=self.pad_token_id,
                                                max_new_tokens=self.max_new_tokens, record_routes=False).logits)

@@ -261,7 +261,7 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
                 "summary": {k: {"mean": float(v.mean()), "max": float(v.max())} for k, v in kl.items()},
             } if kl else {},
         }
-        levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes,
+        levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes, "work": runner.work,
                   "runs": [{"label": r.label, "levers": sorted(r.levers), "metrics": r.metrics}
                            for r in runner.runs]}
         return {"levers": levers, "attribution": {"primary": ATTRIBUTED_METRICS[0], "metrics": attribution},
