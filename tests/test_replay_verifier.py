@@ -54,6 +54,63 @@ def test_sets_not_slots_and_masked_rows_ignored():
         v.check(router_calls=[1, 1])
 
 
+@pytest.mark.parametrize("num_experts", [16, 200], ids=["set-keys", "sorted-ids"])
+def test_deferred_calls_compare_in_one_pass_with_the_same_report(num_experts, monkeypatch):
+    """defer(): one forward's calls (one per router, the same rows) are compared in one batched pass, and the
+    report equals observe()'s call by call: counts, the first bad (call, row) and its sets, over two forwards with
+    mismatches planted in different routers and rows (masked rows ignored). A router's second call flushes the first;
+    a call that does not match the others (another row count) is compared on its own; reset() drops what is queued."""
+    from moealign.routing_replay import verify
+
+    passes = []
+    real = verify._bad_rows
+    monkeypatch.setattr(verify, "_bad_rows", lambda ran, *a: passes.append(ran.dim()) or real(ran, *a))
+    g = torch.Generator().manual_seed(0)
+    rows, k, n = 12, 4, 3
+    expected = [torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(rows)]) for _ in range(n)]
+    prepared = [expected_ids(e, num_experts) for e in expected]
+    sorted_ids = prepared[0].dim() == 2
+    mask = torch.ones(rows, dtype=torch.bool)
+    mask[5] = False
+    plants = {(0, 1): [7], (1, 2): [3, 9], (1, 0): [5, 11]}     # (forward, router): rows with another expert set
+    ran = {}
+    for (f, i), bad_rows in plants.items():
+        for r in bad_rows:
+            x = ran.setdefault((f, i), expected[i].clone())
+            x[r, 0] = next(e for e in range(num_experts) if e not in x[r].tolist())
+    reports = {}
+    for mode in ("observe", "defer"):
+        v = ReplayVerifier([2, 4, 6], source="unit")
+        passes.clear()
+        for f in range(2):
+            for i in range(n):
+                got = ran.get((f, i), expected[i].flip(-1))             # slot order is not part of a route
+                getattr(v, mode)(i, got, prepared[i], mask, replayed_rows=rows - 1, expected_sorted=sorted_ids)
+        reports[mode] = (v.report().to_dict(), list(passes))
+    (by_call, calls_observe), (deferred, calls_defer) = reports["observe"], reports["defer"]
+    assert deferred == by_call
+    assert calls_observe == [2] * 6 and calls_defer == [3, 3]         # one batched pass per forward
+    layers = {x["layer"]: x for x in deferred["layers"]}
+    assert layers[4]["mismatched_rows"] == 1 and layers[4]["first_mismatch"] == (0, 7)
+    assert layers[6]["mismatched_rows"] == 2 and layers[6]["first_mismatch"] == (1, 3)
+    assert layers[2]["mismatched_rows"] == 1 and layers[2]["first_mismatch"] == (1, 11)   # row 5 is masked
+    with pytest.raises(ReplayError, match="layers \\[2, 4, 6\\]"):
+        v.check()
+    # a second call of router 0 before the others: the first is flushed, calls count 0 then 1
+    v = ReplayVerifier([2, 4, 6], source="unit")
+    v.defer(0, ran[(1, 0)], prepared[0], mask, replayed_rows=rows - 1, expected_sorted=sorted_ids)
+    v.defer(0, expected[0], prepared[0], mask, replayed_rows=rows - 1, expected_sorted=sorted_ids)
+    v.defer(1, expected[1][:6], prepared[1][:6], None, expected_sorted=sorted_ids)   # other rows: on its own
+    v.defer(2, expected[2], prepared[2], mask, replayed_rows=rows - 1, expected_sorted=sorted_ids)
+    r = v.report()
+    assert [x.calls for x in r.layers] == [2, 1, 1] and r.layer(2).first_mismatch == (0, 11)
+    assert r.layer(4).rows == 6 and r.mismatched_rows == 1
+    v.reset()
+    v.defer(0, ran[(1, 0)], prepared[0], mask, replayed_rows=rows - 1, expected_sorted=sorted_ids)
+    v.reset()
+    assert v.report().calls == 0 and v.report().clean
+
+
 @pytest.mark.parametrize("num_experts", [8, 62, 63, 200])
 def test_set_keys_and_sorted_sets_agree(num_experts):
     """Bit-mask keys (<= 62 experts) and sorted sets (more) decide alike: slot order ignored; a duplicate, a

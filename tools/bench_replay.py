@@ -9,7 +9,8 @@ Each figure is a ratio against its baseline measured in the same run, interleave
                 ``set_routes(record.replay_batch(...))`` (validation, device copy), the forward (the model's
                 tokens checked against the batch's), ``check(calls=1)``, undo.
 * verify:       the same replayed step with the replay verifier on (the default: a pre-hook on each experts module
-                reads the ``top_k_index`` they receive into device counters; ``verify_report()`` once after the step)
+                queues the ``top_k_index`` they receive, the forward's routers are compared in one batched pass into
+                device counters; ``verify_report()`` once after the step)
                 vs ``verify=False`` (target: at most 1.01x). On a shared machine that ratio is within the noise, so
                 the verifier's own work is also timed alone: every router's ``observe`` on the tensors of one step
                 plus the report (the host read), as a share of the replayed step (``verify_share``).
@@ -41,6 +42,7 @@ from moealign.routing_replay.protocol import AUX_LOSS_MODES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import interleaved as _interleaved  # noqa: E402
+from _timing import sync  # noqa: E402
 from _timing import write_json  # noqa: E402
 
 
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-only", action="store_true",
                     help="record once, skip the generate() timing (the training-step and verify figures only)")
     ap.add_argument("--json", help="write the figures as JSON")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS plain and replayed training steps (torch.profiler) and print, per op, "
+                         "what a replayed step adds over a plain one (host and device time per step)")
     ap.add_argument("--prompts", help="JSON list of prompts (default: the shipped set)")
     args = ap.parse_args(argv)
 
@@ -124,6 +129,9 @@ def main(argv=None) -> int:
     train = _interleaved({"plain": step, "replay": replayed_step, "replay_noverify": lambda: replayed_step(False)},
                          args.repeats * 3, args.device)
 
+    profiled = _profile({"plain": step, "replay": replayed_step, "replay_noverify": lambda: replayed_step(False)},
+                        args.profile, args.device) if args.profile else None
+
     # the verifier's own work per step, alone: what the experts' pre-hooks queue (same shapes as in the step)
     # and the one read of the counters that check() does
     with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss).attach() as replay:
@@ -134,7 +142,7 @@ def main(argv=None) -> int:
         def verify_work():
             verifier.reset()
             for i in range(len(ran)):
-                verifier.observe(i, ran[i], expected[i], mask, replayed_rows=n, expected_sorted=True)
+                verifier.defer(i, ran[i], expected[i], mask, replayed_rows=n, expected_sorted=True)
             verifier.report()
 
         alone = _interleaved({"verify": verify_work}, args.repeats * 20, args.device)
@@ -185,9 +193,46 @@ def main(argv=None) -> int:
           f"step")
     print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
           f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
+    if profiled is not None:
+        result["profile"] = profiled
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def _profile(fns: dict, steps: int, device: str, top: int = 15) -> dict:
+    """Per op (``torch.profiler`` key averages over ``steps`` calls of each function): calls, self host and self
+    device microseconds per step; printed as what each variant adds over ``plain``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = str(device).startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    per_op = {}
+    for name, fn in fns.items():
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                fn()
+            sync(device)
+        per_op[name] = {e.key: {"calls": e.count / steps, "host_us": e.self_cpu_time_total / steps,
+                                "device_us": getattr(e, "self_device_time_total", 0.0) / steps}
+                        for e in prof.key_averages()}
+    base = per_op["plain"]
+    zero = {"calls": 0.0, "host_us": 0.0, "device_us": 0.0}
+    for name, ops in per_op.items():
+        if name == "plain":
+            continue
+        total = {k: sum(v[k] for v in ops.values()) - sum(v[k] for v in base.values()) for k in ("host_us", "device_us")}
+        print(f"profile: {name} - plain per step: host {total['host_us'] / 1e3:+.2f} ms, device "
+              f"{total['device_us'] / 1e3:+.2f} ms (self times; host includes the profiler's own cost)")
+        diff = {op: {k: v[k] - base.get(op, zero)[k] for k in v} for op, v in ops.items()}
+        key = "device_us" if cuda else "host_us"
+        for op, d in sorted(diff.items(), key=lambda kv: -abs(kv[1][key]))[:top]:
+            print(f"  {op[:60]:60s} calls {d['calls']:+8.1f}  host {d['host_us']:+9.1f} us  device "
+                  f"{d['device_us']:+9.1f} us")
+        if cuda:
+            for op, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]["host_us"]))[:top]:
+                print(f"  [host] {op[:53]:53s} calls {d['calls']:+8.1f}  host {d['host_us']:+9.1f} us")
+    return per_op
 
 
 def _record(model, ids, am, sampling, args, tok):

@@ -271,8 +271,9 @@ class RoutingReplay(PatchHandle):
             if not isinstance(ids, torch.Tensor):
                 raise ReplayError(f"layer {layer}: the experts module was called without top_k_index; the replay "
                                   f"cannot verify which experts ran")
-            self.verifier.observe(index, ids, expected[index], self._mask, replayed_rows=self._rows_replayed,
-                                  expected_sorted=True)
+            # queued: the forward's routers are compared in one batched pass (ReplayVerifier.defer)
+            self.verifier.defer(index, ids, expected[index], self._mask, replayed_rows=self._rows_replayed,
+                                expected_sorted=True)
             return None
 
         return hook
