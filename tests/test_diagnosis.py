@@ -130,15 +130,33 @@ def test_shared_forwards_give_the_same_attribution(monkeypatch):
         out[share] = (report, [n for n, _ in calls].count("rescore_decode_all"),
                       [n for n, _ in calls].count("rescore_forward"), sum(h for _, h in calls))
     (shared, n_shared, n_forward, with_heads), (plain, n_plain, n_plain_forward, _) = out[True], out[False]
+    # a forward that does not reproduce the decode (one logit of the first sample nudged) is caught on the first
+    # micro-batch: the batch-invariant setups are decoded instead, with a note, and the attribution is unchanged
+    real_forward = rollout.rescore_forward
+
+    def nudged(*args, **kwargs):
+        res = real_forward(*args, **kwargs)
+        res.logits[0][0, 0] += 1e-3
+        return res
+
+    monkeypatch.setattr(levers, "SHARE_FORWARDS", True)
+    monkeypatch.setattr(rollout, "rescore_forward", nudged)
+    caught = run_mismatch(MismatchConfig(**cfg))
+    assert any("did not reproduce the decode" in n for n in caught["levers"]["notes"])
+    assert caught["levers"]["work"]["rollout_forwards"] == 0 and caught["levers"]["work"]["forward_checks"] == 1
     assert len(shared["levers"]["regions"]) == 5 and len(shared["levers"]["runs"]) == 47
     dump = lambda x: json.dumps(x, sort_keys=True)                     # noqa: E731 - repr: exact floats
     assert dump(shared["levers"]["runs"]) == dump(plain["levers"]["runs"])
     assert dump(shared["attribution"]) == dump(plain["attribution"])
     assert dump(shared["plots"]["full_vocab_kl"]) == dump(plain["plots"]["full_vocab_kl"])
+    assert dump(caught["attribution"]) == dump(plain["attribution"])
     assert shared["attribution"]["metrics"]["mean_abs_logp_diff"]["levers"]["precision"] != 0
     # the sharing happened: 34 rollout setups in 16 decodes and 2 batch-invariant forwards of 2 micro-batches
-    # each, the KL's 2 re-scorings reused (straightforward: 34 + 2 decodes)
-    assert (n_shared, n_forward, with_heads) == (32, 4, 36), (n_shared, n_forward, with_heads)
+    # each (the first forward's micro-batch decoded too, to confirm it), the KL's 2 re-scorings reused
+    # (straightforward: 34 + 2 decodes)
+    assert (n_shared, n_forward, with_heads) == (33, 4, 37), (n_shared, n_forward, with_heads)
+    assert shared["levers"]["work"] == {"rollout_decodes": 16, "rollout_forwards": 2, "forward_checks": 1,
+                                        "train_passes": 5}, shared["levers"]["work"]
     assert (n_plain, n_plain_forward) == (72, 0), (n_plain, n_plain_forward)
 
 

@@ -173,7 +173,10 @@ class LeverRunner:
         self.rescorable = bool(rescorable)
         #: what the evaluation ran: rollout setups re-scored by a decode / by one forward (batch-invariant), trainer
         #: passes (each over every micro-batch)
-        self.work = {"rollout_decodes": 0, "rollout_forwards": 0, "train_passes": 0}
+        self.work = {"rollout_decodes": 0, "rollout_forwards": 0, "forward_checks": 0, "train_passes": 0}
+        # a batch-invariant setup re-scored by one forward: None until a micro-batch's decode confirmed it bitwise
+        # (True) or did not (False: such setups are decoded)
+        self._bi_forward: bool | None = None
         self.regions: list[str] = []
         self.groups = self._players()
 
@@ -273,8 +276,7 @@ class LeverRunner:
             return self._rollout_cache[setup]
         from ..patches.hf.rollout import rescore_decode_all, rescore_forward
 
-        # under batch-invariant ops a decode step's bits are the full forward's: one forward per batch
-        rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
+        rescore = self._rescorer(setup)
 
         partner = self._head_partner(setup)
         if partner is not None and partner in self._rollout_cache:
@@ -291,9 +293,12 @@ class LeverRunner:
                     partner, targets = None, [setup]
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
-                out = rescore(model, samples, pad_token_id=self.pad_token_id, max_new_tokens=self.max_new_tokens,
-                              logits_device=None,
-                              head_variants={"partner": variant} if partner is not None else None)
+                kw = dict(pad_token_id=self.pad_token_id, max_new_tokens=self.max_new_tokens, logits_device=None,
+                          head_variants={"partner": variant} if partner is not None else None)
+                out = rescore(model, samples, **kw)
+                if rescore is rescore_forward and self._bi_forward is None:
+                    out = self._confirm_forward(out, rescore_decode_all(model, samples, **kw))
+                    rescore = self._rescorer(setup)
                 dev = out.logits[0].device
                 tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
                 kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
@@ -319,6 +324,32 @@ class LeverRunner:
         for s, chunks in logits_kept.items():
             self._logits[("rollout", s)] = chunks
         return self._rollout_cache[setup]
+
+    def _rescorer(self, setup: _RolloutSetup, confirmed: bool = False):
+        """How ``setup`` is re-scored: along the rollout's decode (:func:`rescore_decode_all`), or, under batch-invariant
+        ops (where a decode step's bits are those of the full forward by the ops' construction), by one forward per
+        micro-batch (:func:`rescore_forward`) once a decode has confirmed that on this run's first such micro-batch."""
+        from ..patches.hf.rollout import rescore_decode_all, rescore_forward
+
+        use_forward = setup.batch_invariant and self.share and self._bi_forward in ((True,) if confirmed else (True, None))
+        return rescore_forward if use_forward else rescore_decode_all
+
+    def _confirm_forward(self, forward, decode):
+        """Compare one micro-batch's forward re-scoring with its decode, bitwise (logits, routes, LM-head variants);
+        the decode's result either way. A difference turns the forwards off for this run, with a note: the lever
+        then measures the decode path it is about."""
+        self.work["forward_checks"] += 1
+        same = (all(torch.equal(a, b) for a, b in zip(forward.logits, decode.logits))
+                and all(torch.equal(a, b) for a, b in zip(forward.routes, decode.routes))
+                and forward.head_variants.keys() == decode.head_variants.keys()
+                and all(torch.equal(a, b) for k in decode.head_variants
+                        for a, b in zip(forward.head_variants[k], decode.head_variants[k])))
+        self._bi_forward = same
+        if not same:
+            diff = max(float((a - b).abs().max()) for a, b in zip(forward.logits, decode.logits))
+            self.notes.append(f"batch_invariant: one forward did not reproduce the decode of a micro-batch under "
+                              f"batch-invariant ops (max |delta logit| {diff:.3g}): batch-invariant setups decoded")
+        return decode
 
     def _kl_setups(self) -> set:
         """The rollout setups :meth:`full_vocab_kl` is asked for by the report (no lever, every lever)."""
@@ -440,7 +471,7 @@ class LeverRunner:
         runs kept this set's logits (no lever, every lever: when ``[N, V]`` float32 fits
         :data:`KEEP_LOGITS_BYTES`), which are used instead of running the forwards again (the same bits)."""
         from ..correction.vocab_kl import full_vocab_kl
-        from ..patches.hf.rollout import rescore_decode_all, rescore_forward
+        from ..patches.hf.rollout import rescore_forward
 
         if not self.rescorable:
             return None
@@ -452,7 +483,7 @@ class LeverRunner:
         kept_train = self._logits.get(("train", (bi, replay_setup)))
         trainer = self._trainer(bi) if kept_train is None else None
         record = _with_routes(self.record, self._rollout(setup)[1]) if replay and kept_train is None else self.record
-        rescore = rescore_forward if setup.batch_invariant and self.share else rescore_decode_all
+        rescore = self._rescorer(setup, confirmed=True)
         if kept_rollout is None:
             self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
         if kept_train is None:
