@@ -564,11 +564,13 @@ def test_bench_batch_invariant_smoke(tmp_path):
     proc = warm.run(
         [sys.executable, str(root / "tools" / "bench_batch_invariant.py"), "--m", "1,40", "--k", "64", "--n", "48",
          "--reductions", "--vocab", "300", "--hidden", "32", "--repeats", "2", "--threads", "1",
+         "--attention", "--attention-shapes", "2x8,3x12",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "ratio" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [r["op"] for r in rows] == ["matmul", "matmul", "log_softmax", "rms_norm", "log_softmax", "rms_norm"]
+    assert [r["op"] for r in rows] == ["matmul", "matmul", "log_softmax", "rms_norm", "log_softmax", "rms_norm",
+                                       "bi_attn", "bi_attn@64", "bi_attn", "bi_attn@64"]
     assert all(r["stock_ms"] > 0 and r["ours_ms"] > 0 and r["ratio"] > 0 for r in rows)

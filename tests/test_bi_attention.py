@@ -153,6 +153,15 @@ def test_close_to_sdpa_with_gqa_scaling_and_masks(dtype):
 def test_query_chunking_and_empty_rows():
     q, k, v, mask = _full_right_padded(_sequences(torch.bfloat16, [40, 17]), 40)
     assert torch.equal(bi_attention(q, k, v, mask, query_chunk=3), bi_attention(q, k, v, mask))
+    # on CPU the default chunk is sized by CPU_CHUNK_BYTES: smaller than 64 queries here, the same values
+    from moealign.precision import bi_attention as module
+
+    B, H, K, D = q.shape[0], q.shape[1], k.shape[2], q.shape[3]
+    budget = 4 * B * H * K * D * 5                     # five queries' intermediates
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "CPU_CHUNK_BYTES", budget)
+        assert module._query_chunk(None, B, H, K, D, 4, torch.device("cpu")) == 5
+        assert torch.equal(bi_attention(q, k, v, mask), bi_attention(q, k, v, mask, query_chunk=64))
     mask = mask.clone()
     mask[1, 0, 5] = False                              # a row with no valid key: zeros, not NaN
     out = bi_attention(q, k, v, mask)

@@ -2,6 +2,9 @@
 
 Matmul: ``bi_matmul([M, K] x [K, N])`` vs ``torch.matmul`` for several M (the batch rows). With
 ``--reductions``, also ``bi_log_softmax`` / ``bi_rms_norm`` vs their stock forms on ``[M, V]`` / ``[M, H]``.
+With ``--attention``, ``bi_attention`` (causal, some rows left-padded, 4 query heads over 2 key/value heads of 32)
+vs stock ``scaled_dot_product_attention`` with the same mask, for ``batch x length`` shapes; the row ``bi_attn@64``
+is ``bi_attention`` with 64-query chunks (the CPU default before chunks were sized by ``CPU_CHUNK_BYTES``).
 Each pair is timed in interleaved rounds (tools/_timing.py); the ratio is ours / stock in the same run.
 
     python tools/bench_batch_invariant.py                       # CPU, fp32, K = N = 1024
@@ -85,6 +88,41 @@ def bench_reductions(args, dtype) -> list[dict]:
     return rows
 
 
+def bench_attention(args, dtype) -> list[dict]:
+    from moealign.precision.bi_attention import bi_attention
+
+    gen = torch.Generator(device=args.device).manual_seed(2)
+    H, Hkv, D = 4, 2, 32
+    rows = []
+    for B, L in args.attention_shapes:
+        q = torch.randn(B, H, L, D, device=args.device, generator=gen).to(dtype)
+        k = torch.randn(B, Hkv, L, D, device=args.device, generator=gen).to(dtype)
+        v = torch.randn(B, Hkv, L, D, device=args.device, generator=gen).to(dtype)
+        valid = torch.ones(B, L, dtype=torch.bool, device=args.device)
+        valid[::3, : L // 8] = False                                   # left padding in every third row
+        mask = (torch.ones(L, L, dtype=torch.bool, device=args.device).tril()[None] & valid[:, None, :])[:, None]
+        kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        stock = lambda: torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)  # noqa: E731
+        cases = {"bi_attn": lambda: bi_attention(q, k, v, mask),
+                 "bi_attn@64": lambda: bi_attention(q, k, v, mask, query_chunk=64)}
+        for op, ours in cases.items():
+            t = interleaved({"stock": stock, "ours": ours}, args.repeats, args.device)
+            rows.append({"op": op, "shape": f"{B}x{L}", "m": B * L, "stock_ms": t["stock"] * 1e3,
+                         "ours_ms": t["ours"] * 1e3, "ratio": t["ours"] / t["stock"],
+                         "ratio_median": t["ours_median"] / t["stock_median"]})
+    return rows
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        out = []
+    if not out or any(len(t) != 2 or min(t) < 1 for t in out):
+        raise argparse.ArgumentTypeError(f"expected BxL,BxL,..., got {text!r}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -95,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--row-tile", type=int, default=DEFAULT_ROW_TILE, help="torch path: rows per GEMM call")
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--reductions", action="store_true", help="also time log_softmax and RMSNorm")
+    ap.add_argument("--attention", action="store_true", help="also time bi_attention against stock SDPA")
+    ap.add_argument("--attention-shapes", type=_shapes, default=[(8, 64), (16, 96), (8, 300)],
+                    help="batch x length pairs for --attention (default 8x64,16x96,8x300)")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=7)
@@ -108,6 +149,8 @@ def main(argv=None) -> int:
     rows = bench_matmul(args, dtype)
     if args.reductions:
         rows += bench_reductions(args, dtype)
+    if args.attention:
+        rows += bench_attention(args, dtype)
 
     print(f"device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} row_tile={args.row_tile} "
           f"backend={args.backend} repeats={args.repeats} (min of N; ratio = ours / stock)")
