@@ -702,7 +702,9 @@ def rescore_forward(model: torch.nn.Module, samples: Sequence[Sample], *, pad_to
         stack.enter_context(torch.inference_mode())
         out = model(input_ids=ids.to(fb.device), attention_mask=mask.to(fb.device),
                     position_ids=positions.to(fb.device), use_cache=False, logits_to_keep=steps)
-    logits = out.logits.to(torch.float32)                                   # [B, steps, V], as generate() copies
-    variants = {k: v[0] for k, v in heads.logits.items()} if heads else {}
+    # [B, steps, V] float32 as generate() copies them; copied here, outside inference mode, so callers get ordinary
+    # tensors (as from the decode), not inference tensors they could not update in place
+    logits = out.logits.to(torch.float32, copy=True)
+    variants = {k: v[0].clone() for k, v in heads.logits.items()} if heads else {}
     routes = _generated_routes(capture, fb.B, fb.S0, steps, fb.info, calls=1) if capture is not None else None
     return fb.rescored(logits, variants, routes, logits_device)
