@@ -317,7 +317,7 @@ class LeverRunner:
                         logits_kept[s].append(logits.cpu())
                 routes += [r.to(torch.int64) for r in out.routes]
                 del out, per_setup
-        self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
+        self._count(rescore)
         routes = torch.cat(routes)
         for s in targets:
             self._rollout_cache[s] = (torch.cat(lps[s]), routes)
@@ -333,6 +333,12 @@ class LeverRunner:
 
         use_forward = setup.batch_invariant and self.share and self._bi_forward in ((True,) if confirmed else (True, None))
         return rescore_forward if use_forward else rescore_decode_all
+
+    def _count(self, rescore) -> None:
+        """One rollout setup re-scored by ``rescore`` (every micro-batch), in :attr:`work`."""
+        from ..patches.hf.rollout import rescore_forward
+
+        self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
 
     def _confirm_forward(self, forward, decode):
         """Compare one micro-batch's forward re-scoring with its decode, bitwise (logits, routes, LM-head variants);
@@ -471,7 +477,6 @@ class LeverRunner:
         runs kept this set's logits (no lever, every lever: when ``[N, V]`` float32 fits
         :data:`KEEP_LOGITS_BYTES`), which are used instead of running the forwards again (the same bits)."""
         from ..correction.vocab_kl import full_vocab_kl
-        from ..patches.hf.rollout import rescore_forward
 
         if not self.rescorable:
             return None
@@ -485,7 +490,7 @@ class LeverRunner:
         record = _with_routes(self.record, self._rollout(setup)[1]) if replay and kept_train is None else self.record
         rescore = self._rescorer(setup, confirmed=True)
         if kept_rollout is None:
-            self.work["rollout_forwards" if rescore is rescore_forward else "rollout_decodes"] += 1
+            self._count(rescore)
         if kept_train is None:
             self.work["train_passes"] += 1
         out = []

@@ -230,6 +230,7 @@ class ReplayVerifier:
         self._replayed_host = [0] * n
         self._last: list[tuple | None] = [None] * n
         self._pending: list[tuple | None] = [None] * n          # deferred calls, not yet compared (dropped here)
+        self._queued = 0                                          # how many entries of _pending are set
         if getattr(self, "_dev", None) is None:
             # per layer, on that layer's device: [replayed rows counted from a mask, mismatched rows, first bad code];
             # a row of the device's block [n, 3] (self._blocks) unless the layer moved device
@@ -311,15 +312,17 @@ class ReplayVerifier:
         if self._pending[index] is not None:
             self.flush()
         self._pending[index] = (ran, expected, replayed_mask, replayed_rows, expected_sorted)
-        if all(p is not None for p in self._pending):
+        self._queued += 1
+        if self._queued == len(self.layers):
             self.flush()
 
     def flush(self) -> None:
         """Compare the deferred calls (:meth:`defer`); no host sync."""
-        pending = [(i, p) for i, p in enumerate(self._pending) if p is not None]
-        if not pending:
+        if not self._queued:                          # observe()'s path: nothing queued, nothing to scan
             return
+        pending = [(i, p) for i, p in enumerate(self._pending) if p is not None]
         self._pending = [None] * len(self.layers)
+        self._queued = 0
         first_i, (ran0, exp0, mask0, rows0, sorted0) = pending[0]
         device = ran0.device
         indices = [i for i, _ in pending]

@@ -677,7 +677,7 @@ def rescore_forward(model: torch.nn.Module, samples: Sequence[Sample], *, pad_to
     batch_invariant_mode`, ``attn_implementation="moealign_bi"``): there a row's result does not depend on the
     rows computed with it nor on the key length (every matmul in fixed row tiles, every reduction a fixed tree
     over the compacted valid keys), so this forward gives :func:`rescore_decode_all`'s bits for a fraction of its
-    calls (``tests/test_diagnosis.py`` checks it bitwise against the decode). Anywhere else the two differ, so
+    calls (``tests/test_rescore.py`` checks it bitwise against the decode; the lever runs confirm it on every run). Anywhere else the two differ, so
     it is refused (:class:`~moealign.errors.ConfigError`) rather than answered with other bits."""
     from ...precision.batch_invariant import is_batch_invariant_mode_enabled
     from .attention import BI_ATTENTION
