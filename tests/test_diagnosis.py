@@ -122,6 +122,7 @@ def test_shared_forwards_give_the_same_attribution(monkeypatch):
         monkeypatch.setattr(rollout, name, counting(name))
     cfg = dict(rollout_engine="hf", train_engine="hf", num_prompts=4, max_new_tokens=4, batch_size=2, device="cpu",
                diagnose=True)
+    monkeypatch.setattr(levers, "DECODE_WORKERS", 1)         # every call counted here (the forked ones: below)
     out = {}
     for share in (True, False):
         monkeypatch.setattr(levers, "SHARE_FORWARDS", share)
@@ -158,6 +159,78 @@ def test_shared_forwards_give_the_same_attribution(monkeypatch):
     assert shared["levers"]["work"] == {"rollout_decodes": 16, "rollout_forwards": 2, "forward_checks": 1,
                                         "train_passes": 5}, shared["levers"]["work"]
     assert (n_plain, n_plain_forward) == (72, 0), (n_plain, n_plain_forward)
+
+
+def _workers_run(monkeypatch, nudge_child: str | None = None):
+    """The diagnosis of a small run with the rollout setups decoded in 2 processes (``DECODE_WORKERS = 2``, also
+    where torch has one thread): ``(report, decodes run in this process)``. ``nudge_child``: ``"logits"`` makes a
+    forked worker's decodes differ from this process's (its logits scaled by 1.001), ``"raise"`` makes them fail."""
+    import os
+
+    from moealign.mismatch import MismatchConfig, levers, run_mismatch
+    from moealign.patches.hf import rollout
+
+    parent, here = os.getpid(), []
+    real = rollout.rescore_decode_all
+
+    def decode(*args, **kwargs):
+        if os.getpid() == parent:
+            here.append(1)
+        elif nudge_child == "raise":
+            raise RuntimeError("planted worker failure")
+        res = real(*args, **kwargs)
+        if os.getpid() != parent and nudge_child == "logits":
+            for logits in res.logits:
+                logits.mul_(1.001)
+        return res
+
+    monkeypatch.setattr(rollout, "rescore_decode_all", decode)
+    monkeypatch.setattr(levers, "DECODE_WORKERS", 2)
+    report = run_mismatch(MismatchConfig(rollout_engine="hf", train_engine="hf", num_prompts=4, max_new_tokens=4,
+                                         batch_size=2, device="cpu", diagnose=True))
+    return report, len(here)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread in this process (as under the suite's xdist workers), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_workers_give_the_same_attribution(monkeypatch, one_thread):
+    """The rollout setups decoded in forked processes (:data:`moealign.mismatch.levers.DECODE_WORKERS`) give the
+    bits of decoding them one at a time in this process: every lever run, the attribution, the KL. Negative
+    controls: a worker whose decodes differ from this process's is caught by the base check (every worker decodes
+    a micro-batch of it) and the setups are decoded here, with a note; a worker that fails has its micro-batches
+    decoded here, with a note. The attribution is the same in all three (the fallback decodes on this process's
+    threads: one, by the fixture, as the workers')."""
+    import json
+
+    from moealign.mismatch import MismatchConfig, levers, run_mismatch
+
+    monkeypatch.setattr(levers, "DECODE_WORKERS", 1)
+    one = run_mismatch(MismatchConfig(rollout_engine="hf", train_engine="hf", num_prompts=4, max_new_tokens=4,
+                                      batch_size=2, device="cpu", diagnose=True))
+    forked, here = _workers_run(monkeypatch)
+    dump = lambda x: json.dumps(x, sort_keys=True)                     # noqa: E731 - repr: exact floats
+    assert dump(forked["levers"]["runs"]) == dump(one["levers"]["runs"])
+    assert dump(forked["attribution"]) == dump(one["attribution"])
+    assert dump(forked["plots"]["full_vocab_kl"]) == dump(one["plots"]["full_vocab_kl"])
+    assert forked["levers"]["work"] == one["levers"]["work"] and not forked["levers"]["notes"]
+    assert (forked["levers"]["decode_workers"], one["levers"]["decode_workers"]) == (2, 1)
+    # 16 decoded setups x 2 micro-batches + the confirming decode: the other process decoded about half
+    assert 10 <= here <= 22, here
+    nudged, here = _workers_run(monkeypatch, "logits")
+    assert any("process(es) did not reproduce the record" in n for n in nudged["levers"]["notes"]), nudged["levers"]["notes"]
+    assert here == 1 + 33 and dump(nudged["attribution"]) == dump(one["attribution"])   # the check's half, then all
+    failed, _ = _workers_run(monkeypatch, "raise")
+    assert any("decode worker" in n and "planted worker failure" in n for n in failed["levers"]["notes"])
+    assert dump(failed["attribution"]) == dump(one["attribution"])
 
 
 def test_weights_of_one_layer_perturbed_on_one_side_are_named_first():

@@ -110,7 +110,7 @@ def test_bench_diagnosis_smoke(tmp_path):
     assert "with --diagnose" in proc.stdout
     result = json.loads(out.read_text())
     assert result["diagnose_ratio"] > 0 and result["rescore_ratio"] > 0      # figures: README (tiny sizes here)
-    assert result["lever_sets"] > 4
+    assert result["lever_sets"] > 4 and result["one_worker_ratio"] > 0 and result["decode_workers"] >= 1
 
 
 def test_bench_rl_check_smoke(tmp_path):

@@ -8,11 +8,14 @@ Measured in the same run, interleaved, minimum (and median) of N:
                  of one rollout-side re-scoring (``rescore_decode`` of one micro-batch) against one ``generate()``
                  of the same batch are printed too (the re-scoring replays the rollout's path, so it should cost
                  about one generate).
-* ``floor``:     what the diagnosis would cost if everything but its rollout-side decodes were free: the plain
-                 test plus ``decodes x micro-batches x rescore`` (the report's ``levers.work``: the rollout setups
-                 that must be decoded, since a stock decode's bits come only from the same kernels on the same
-                 shapes; batch-invariant setups are one forward each). No exact scheme built on transformers'
-                 decode gets below it.
+* ``one worker``: ``diagnose`` with ``DECODE_WORKERS = 1`` (every decode in this process, one after another):
+                 what the forked decode workers (:mod:`moealign.mismatch.workers`) save.
+* ``floor``:     what the diagnosis would cost, decoding one micro-batch at a time, if everything but its
+                 rollout-side decodes were free: the plain test plus ``decodes x micro-batches x rescore`` (the
+                 report's ``levers.work``: the rollout setups that must be decoded, since a stock decode's bits come
+                 only from the same kernels on the same shapes; batch-invariant setups are one forward each). No
+                 exact scheme built on transformers' decode gets below it in one process; the workers divide the
+                 decodes' part by up to their number.
 
     python tools/bench_diagnosis.py                       # the embedded model, CPU, transformers on both sides
     python tools/bench_diagnosis.py --num-prompts 32 --repeats 3 --json out.json
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from moealign.embedded import default_prompts, embedded_model_path
-    from moealign.mismatch import MismatchConfig, run_mismatch
+    from moealign.mismatch import MismatchConfig, levers, run_mismatch
     from moealign.mismatch.engines import HFRolloutEngine
     from moealign.patches.hf.rollout import rescore_decode
     from moealign.record import SamplingParams
@@ -51,9 +54,17 @@ def main(argv=None) -> int:
         report = run_mismatch(MismatchConfig(**base, diagnose=True))
         counts["lever_sets"] = len(report["levers"]["runs"])
         counts["work"] = report["levers"]["work"]
+        counts["workers"] = report["levers"]["decode_workers"]
 
-    times = interleaved({"mismatch": lambda: run_mismatch(MismatchConfig(**base)), "diagnose": diagnose},
-                        args.repeats)
+    def one_worker():
+        levers.DECODE_WORKERS = 1
+        try:
+            run_mismatch(MismatchConfig(**base, diagnose=True))
+        finally:
+            levers.DECODE_WORKERS = None
+
+    times = interleaved({"mismatch": lambda: run_mismatch(MismatchConfig(**base)), "diagnose": diagnose,
+                         "one_worker": one_worker}, args.repeats)
 
     engine = HFRolloutEngine(str(embedded_model_path()), "bf16", "cpu")
     prompts = default_prompts(None)[:args.batch_size]
@@ -69,7 +80,8 @@ def main(argv=None) -> int:
 
     out = {"torch_threads": torch.get_num_threads(), **vars(args), **counts,
            "mismatch_s": times["mismatch"], "diagnose_s": times["diagnose"],
-           "diagnose_ratio": times["diagnose"] / times["mismatch"],
+           "diagnose_ratio": times["diagnose"] / times["mismatch"], "one_worker_s": times["one_worker"],
+           "one_worker_ratio": times["one_worker"] / times["mismatch"], "decode_workers": counts["workers"],
            "generate_s": parts["generate"], "rescore_s": parts["rescore"],
            "rescore_ratio": parts["rescore"] / parts["generate"]}
     batches = -(-args.num_prompts // args.batch_size)
@@ -77,11 +89,13 @@ def main(argv=None) -> int:
     out["floor_ratio"] = out["floor_s"] / times["mismatch"]
     print(f"mismatch test            {out['mismatch_s']:8.2f} s   (baseline)")
     print(f"with --diagnose          {out['diagnose_s']:8.2f} s   {out['diagnose_ratio']:.2f}x   "
-          f"({counts.get('lever_sets', '?')} lever sets scored)")
+          f"({counts.get('lever_sets', '?')} lever sets scored, {counts['workers']} decode workers)")
+    print(f"  one decode worker      {out['one_worker_s']:8.2f} s   {out['one_worker_ratio']:.2f}x   "
+          f"(the workers: {out['one_worker_s'] / out['diagnose_s']:.2f}x faster)")
     print(f"generate() one batch     {out['generate_s']:8.3f} s   (baseline)")
     print(f"rescore_decode same      {out['rescore_s']:8.3f} s   {out['rescore_ratio']:.2f}x")
     work = counts["work"]
-    print(f"floor                    {out['floor_s']:8.2f} s   {out['floor_ratio']:.2f}x   (the plain test + "
+    print(f"floor, one worker        {out['floor_s']:8.2f} s   {out['floor_ratio']:.2f}x   (the plain test + "
           f"{work['rollout_decodes']} decodes x {batches} micro-batches; also ran {work['rollout_forwards']} "
           f"batch-invariant forwards, {work['train_passes']} trainer passes)")
     if args.json:

@@ -29,8 +29,10 @@ shares.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,6 +47,7 @@ from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
 from .faults import Fault, apply_fault
 from .report import _logprob_metrics
+from .workers import can_fork, fork_map, intra_op_threads
 from .scoring import SideScores, score_batch
 
 __all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner", "region_dtypes", "mixed_policy",
@@ -59,6 +62,16 @@ KEEP_LOGITS_BYTES = 256 << 20
 #: straightforward way (the reference the shared evaluation is tested bitwise against,
 #: ``tests/test_diagnosis.py::test_shared_forwards_give_the_same_attribution``).
 SHARE_FORWARDS = True
+#: Rollout micro-batches decoded at once on a CPU: this process and ``DECODE_WORKERS - 1`` forked from it
+#: (:func:`~moealign.mismatch.workers.fork_map`). None: ``min(8, torch.get_num_threads())``; 1: one at a time
+#: (where forking is not safe too). A decode of a small model is mostly small kernels with the interpreter between
+#: them: one process per core keeps the cores busy where intra-op threads (or threads of one process) do not.
+#: On a CPU every decode of the lever runs uses one intra-op thread, however many workers: a CPU kernel's bits can
+#: depend on its thread count (fp32 paths of the embedded model do), so the worker count never changes a result.
+#: :meth:`LeverRunner.check_base` runs in the workers, each on at least one micro-batch, so their bits are checked
+#: against the record before a lever set uses them; otherwise the decodes run one at a time on the process's
+#: threads, with a note. Other devices: one at a time, nothing changed.
+DECODE_WORKERS: int | None = None
 #: The cause each lever removes (the attribution's names).
 CAUSES = {
     "sampling_mask": "sampling truncation",
@@ -177,6 +190,12 @@ class LeverRunner:
         # a batch-invariant setup re-scored by one forward: None until a micro-batch's decode confirmed it bitwise
         # (True) or did not (False: such setups are decoded)
         self._bi_forward: bool | None = None
+        # decode workers (DECODE_WORKERS): their count, the intra-op threads of a decode (1 on a CPU, None: the
+        # process's), whether check_base found the workers' decodes bitwise the record's (None: not checked yet;
+        # until then setups are decoded here, micro-batch after micro-batch)
+        self.workers = _decode_workers(device)
+        self.decode_threads: int | None = 1 if torch.device(device).type == "cpu" else None
+        self._workers_ok: bool | None = None
         self.regions: list[str] = []
         self.groups = self._players()
 
@@ -272,58 +291,115 @@ class LeverRunner:
         log-probs are computed on the model's device (where the rollout computed the record's)."""
         if not self.rescorable:
             return self.recorded_lp, self.recorded_routes
-        if setup in self._rollout_cache:
-            return self._rollout_cache[setup]
+        if setup not in self._rollout_cache:
+            self._rescore_one(setup)
+        return self._rollout_cache[setup]
+
+    def _unit(self, setup: _RolloutSetup) -> tuple[_RolloutSetup, _RolloutSetup | None, tuple | None]:
+        """``(setup, partner, variant)``: what one re-scoring of ``setup`` scores (its LM-head partner, when not
+        scored yet and the head is a plain linear layer, with the head's weights in the partner's precision)."""
+        self._fp32_model(setup.batch_invariant)                 # the head's weights are taken from it
+        partner = self._head_partner(setup)
+        variant = None
+        if partner is not None and partner not in self._rollout_cache:
+            variant = self._head_variant(partner)
+        return (setup, partner, variant) if variant is not None else (setup, None, None)
+
+    def _score_batch(self, out, samples: list, unit: tuple) -> dict:
+        """One micro-batch's re-scoring ``out`` as ``{"lp": {setup: [n]}, "logits": {setup: [n, V]} (the sets
+        full_vocab_kl asks for, when they fit), "routes": [rows, L, k]}``."""
+        setup, partner, _ = unit
+        dev = out.logits[0].device
+        tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
+        kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
+        T = samples[0].sampling.temperature
+        per_setup = {setup: out.logits}
+        if partner is not None:
+            per_setup[partner] = out.head_variants["partner"]
+        keep = self._kl_setups() if self._fits() else set()
+        res = {"lp": {}, "logits": {}, "routes": torch.cat([r.to(torch.int64) for r in out.routes])}
+        for s, logits in per_setup.items():
+            logits = torch.cat(logits)
+            if kept is not None:
+                lp = kept_logprob(logits, tokens, kept[0], kept[1], temperature=T)
+            else:
+                lp = full_logprob(logits, tokens, temperature=T)
+            res["lp"][s] = lp.cpu()
+            if s in keep:
+                res["logits"][s] = logits.cpu()
+        return res
+
+    def _kwargs(self, unit: tuple) -> dict:
+        return dict(pad_token_id=self.pad_token_id, max_new_tokens=self.max_new_tokens, logits_device=None,
+                    head_variants={"partner": unit[2]} if unit[1] is not None else None)
+
+    def _store(self, unit: tuple, batches: list[dict], rescore) -> None:
+        """Cache one re-scoring's results (``batches``: :meth:`_score_batch` per micro-batch, in order)."""
+        self._count(rescore)
+        routes = torch.cat([b["routes"] for b in batches])
+        for s in unit[:2]:
+            if s is not None:
+                self._rollout_cache[s] = (torch.cat([b["lp"][s] for b in batches]), routes)
+                if s in batches[0]["logits"]:
+                    self._logits[("rollout", s)] = [b["logits"][s] for b in batches]
+
+    def _rescore_one(self, setup: _RolloutSetup) -> None:
+        """Re-score ``setup`` in this thread (micro-batch after micro-batch) and cache it."""
         from ..patches.hf.rollout import rescore_decode_all, rescore_forward
 
         rescore = self._rescorer(setup)
-
-        partner = self._head_partner(setup)
-        if partner is not None and partner in self._rollout_cache:
-            partner = None
-        keep = {s for s in (setup, partner) if s is not None and s in self._kl_setups() and self._fits()}
-        targets = [s for s in (setup, partner) if s is not None]
-        lps = {s: [] for s in targets}
-        logits_kept = {s: [] for s in keep}
-        routes = []
-        with self._rollout_model(setup) as model:
-            if partner is not None:
-                variant = self._head_variant(partner)
-                if variant is None:
-                    partner, targets = None, [setup]
+        unit = self._unit(setup)
+        batches = []
+        with self._rollout_model(setup) as model, intra_op_threads(None if setup.batch_invariant else self.decode_threads):
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
-                kw = dict(pad_token_id=self.pad_token_id, max_new_tokens=self.max_new_tokens, logits_device=None,
-                          head_variants={"partner": variant} if partner is not None else None)
-                out = rescore(model, samples, **kw)
+                out = rescore(model, samples, **self._kwargs(unit))
                 if rescore is rescore_forward and self._bi_forward is None:
-                    out = self._confirm_forward(out, rescore_decode_all(model, samples, **kw))
+                    out = self._confirm_forward(out, rescore_decode_all(model, samples, **self._kwargs(unit)))
                     rescore = self._rescorer(setup)
-                dev = out.logits[0].device
-                tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
-                kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
-                T = samples[0].sampling.temperature
-                per_setup = {setup: out.logits}
-                if partner is not None:
-                    per_setup[partner] = out.head_variants["partner"]
-                for s, logits in per_setup.items():
-                    logits = torch.cat(logits)
-                    if kept is not None:
-                        lp = kept_logprob(logits, tokens, kept[0], kept[1], temperature=T)
-                    else:
-                        lp = full_logprob(logits, tokens, temperature=T)
-                    lps[s].append(lp.cpu())
-                    if s in logits_kept:
-                        logits_kept[s].append(logits.cpu())
-                routes += [r.to(torch.int64) for r in out.routes]
-                del out, per_setup
-        self._count(rescore)
-        routes = torch.cat(routes)
-        for s in targets:
-            self._rollout_cache[s] = (torch.cat(lps[s]), routes)
-        for s, chunks in logits_kept.items():
-            self._logits[("rollout", s)] = chunks
-        return self._rollout_cache[setup]
+                batches.append(self._score_batch(out, samples, unit))
+                del out
+        self._store(unit, batches, rescore)
+
+    def _decode_jobs(self, units: list[tuple], jobs: list[tuple[int, int]], *, pinned: bool) -> list[dict]:
+        """Decode ``jobs`` (``(unit index, micro-batch index)``) in :attr:`workers` processes at once: this one and
+        ``workers - 1`` forked from it (:mod:`~moealign.mismatch.workers`), each with an equal share of the intra-op
+        threads; :meth:`_score_batch` per job, in order. ``pinned``: worker ``w`` runs ``jobs[w::workers]`` (so that
+        every worker runs one of them); otherwise contiguous shares (a worker keeps a setup applied across its
+        jobs in that setup). A worker that fails or does not answer has its jobs decoded here, with a note."""
+        from ..patches.hf.rollout import rescore_decode_all
+
+        for unit in units:
+            self._fp32_model(unit[0].batch_invariant)
+
+        def run(share: list[int]) -> list[dict]:
+            out = []
+            with contextlib.ExitStack() as stack:
+                current = None
+                for u, b in (jobs[i] for i in share):
+                    if current != u:
+                        stack.close()
+                        model = stack.enter_context(self._rollout_model(units[u][0]))
+                        current = u
+                    samples = [self.record.samples[k] for k in self.batches[b]]
+                    res = rescore_decode_all(model, samples, **self._kwargs(units[u]))
+                    out.append(self._score_batch(res, samples, units[u]))
+                    del res
+            return out
+
+        n, m = self.workers, len(jobs)
+        if pinned:
+            shares = [list(range(w, m, n)) for w in range(n)]
+        else:
+            shares = [list(range(round(w * m / n), round((w + 1) * m / n))) for w in range(n)]
+        results, failures = fork_map(run, shares)
+        for failure in failures:
+            self.notes.append(f"a decode worker {failure}: its micro-batches were decoded in the main process")
+        out: list = [None] * m
+        for share, res in zip(shares, results):
+            for i, r in zip(share, res):
+                out[i] = r
+        return out
 
     def _rescorer(self, setup: _RolloutSetup, confirmed: bool = False):
         """How ``setup`` is re-scored: along the rollout's decode (:func:`rescore_decode_all`), or, under batch-invariant
@@ -379,8 +455,18 @@ class LeverRunner:
         lever) and a note says so."""
         if not self.rescorable:
             return False
-        lp, routes = self._rollout(self._setup(frozenset()))
+        base = self._setup(frozenset())
+        workers_failed = False
+        if self.decode_threads is not None and not base.batch_invariant and self._workers_ok is None:
+            self._workers_ok = self._check_workers(base)
+            if not self._workers_ok:
+                workers_failed, self.workers, self.decode_threads = self.workers, 1, None
+        lp, routes = self._rollout(base)
         ok = torch.equal(lp, self.recorded_lp) and torch.equal(routes[self.routed], self.recorded_routes[self.routed])
+        if ok and workers_failed:
+            self.notes.append(f"decoding on one intra-op thread in {workers_failed} process(es) did not reproduce the "
+                              f"record bitwise (on this process's threads it did): rollout setups decoded one at a "
+                              f"time on them")
         if not ok:
             diff = float((lp - self.recorded_lp).abs().max())
             self.notes.append(f"re-scoring the record along the rollout's path did not reproduce it (max |delta log p| "
@@ -390,6 +476,56 @@ class LeverRunner:
             self._logits.clear()
             self.groups = self._players()
         return ok
+
+    def _check_workers(self, base: _RolloutSetup) -> bool:
+        """Re-score the record with nothing changed in the decode workers (one intra-op thread each), every worker on
+        at least one micro-batch (a micro-batch decoded twice where there are fewer); ``True`` (and the result
+        cached) when every worker's decode reproduces the record's log-probs and routes bitwise."""
+        from ..patches.hf.rollout import rescore_decode_all
+
+        unit = self._unit(base)
+        nb = len(self.batches)
+        res = self._decode_jobs([unit], [(0, b % nb) for b in range(max(nb, self.workers))], pinned=True)
+        batches = res[:nb]
+        lp = torch.cat([b["lp"][base] for b in batches])
+        routes = torch.cat([b["routes"] for b in batches])
+        same = all(a["lp"].keys() == b["lp"].keys() and all(torch.equal(a["lp"][k], b["lp"][k]) for k in a["lp"])
+                   and torch.equal(a["routes"], b["routes"]) for a, b in zip(res[nb:], batches))
+        if not (same and torch.equal(lp, self.recorded_lp)
+                and torch.equal(routes[self.routed], self.recorded_routes[self.routed])):
+            self.work["rollout_decodes"] += 1
+            return False
+        self._store(unit, batches, rescore_decode_all)
+        return True
+
+    def prefetch(self) -> None:
+        """Decode, in the decode workers, every rollout setup :meth:`attribution` will ask for that is decoded (not
+        batch-invariant) and not cached yet; nothing before :meth:`check_base` has checked the workers."""
+        from ..patches.hf.rollout import rescore_decode_all
+
+        if not (self.rescorable and self._workers_ok and self.workers > 1):
+            return
+        asked: list[frozenset] = []
+
+        def ask(levers: frozenset) -> float:
+            asked.append(levers)
+            return 0.0
+
+        owen_values(self.groups, ask)               # the lever sets the attribution evaluates, in its order
+        if "precision" in self.players:
+            owen_values([[r] for r in self.regions], ask)
+        units, planned = [], set(self._rollout_cache)
+        for levers in asked:
+            setup = self._setup(levers)
+            if setup.batch_invariant or setup in planned:
+                continue
+            unit = self._unit(setup)
+            units.append(unit)
+            planned.update(s for s in unit[:2] if s is not None)
+        nb = len(self.batches)
+        results = self._decode_jobs(units, [(u, b) for u in range(len(units)) for b in range(nb)], pinned=False)
+        for u, unit in enumerate(units):
+            self._store(unit, results[u * nb:(u + 1) * nb], rescore_decode_all)
 
     # ---------------------------------------------------------------------------------------------- train side
     def _trainer(self, bi: bool):
@@ -499,7 +635,8 @@ class LeverRunner:
             if kept_rollout is not None:
                 logits = kept_rollout[b]
             else:
-                with self._rollout_model(setup) as model:
+                threads = None if setup.batch_invariant else self.decode_threads
+                with self._rollout_model(setup) as model, intra_op_threads(threads):
                     logits = torch.cat(rescore(model, samples, pad_token_id=self.pad_token_id,
                                                max_new_tokens=self.max_new_tokens, record_routes=False).logits)
             if kept_train is not None:
@@ -525,6 +662,7 @@ class LeverRunner:
         With more than one precision region in play, ``precision`` is one player there (aligning every region
         at once) and ``"regions"`` splits what it removes on its own (``gap - value(precision)``) among the
         regions by their Shapley values in the game of the regions alone (the other levers off)."""
+        self.prefetch()
         out = {}
         everything = frozenset(self.players)
         for name in metrics:
@@ -546,6 +684,14 @@ class LeverRunner:
         self._rollout_cache.clear()
         self._train_cache.clear()
         self._logits.clear()
+
+
+def _decode_workers(device) -> int:
+    """How many rollout micro-batches are decoded at once on ``device`` (:data:`DECODE_WORKERS`)."""
+    n = DECODE_WORKERS if DECODE_WORKERS is not None else min(8, torch.get_num_threads())
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"DECODE_WORKERS must be a positive int or None, got {n!r}")
+    return n if torch.device(device).type == "cpu" and can_fork() else 1
 
 
 def _with_routes(record: RolloutRecord, routes: torch.Tensor) -> RolloutRecord:

@@ -262,6 +262,7 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
             } if kl else {},
         }
         levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes, "work": runner.work,
+                  "decode_workers": runner.workers,
                   "runs": [{"label": r.label, "levers": sorted(r.levers), "metrics": r.metrics}
                            for r in runner.runs]}
         return {"levers": levers, "attribution": {"primary": ATTRIBUTED_METRICS[0], "metrics": attribution},
