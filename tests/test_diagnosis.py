@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -165,8 +164,6 @@ def _workers_run(monkeypatch, nudge_child: str | None = None):
     """The diagnosis of a small run with the rollout setups decoded in 2 processes (``DECODE_WORKERS = 2``, also
     where torch has one thread): ``(report, decodes run in this process)``. ``nudge_child``: ``"logits"`` makes a
     forked worker's decodes differ from this process's (its logits scaled by 1.001), ``"raise"`` makes them fail."""
-    import os
-
     from moealign.mismatch import MismatchConfig, levers, run_mismatch
     from moealign.patches.hf import rollout
 
@@ -194,8 +191,6 @@ def _workers_run(monkeypatch, nudge_child: str | None = None):
 @pytest.fixture
 def one_thread():
     """One intra-op thread in this process (as under the suite's xdist workers), restored after."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

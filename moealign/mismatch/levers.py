@@ -29,10 +29,8 @@ shares.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,8 +45,8 @@ from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
 from .faults import Fault, apply_fault
 from .report import _logprob_metrics
-from .workers import can_fork, fork_map, intra_op_threads
 from .scoring import SideScores, score_batch
+from .workers import can_fork, fork_map, intra_op_threads
 
 __all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner", "region_dtypes", "mixed_policy",
            "lever_label"]
@@ -350,7 +348,8 @@ class LeverRunner:
         rescore = self._rescorer(setup)
         unit = self._unit(setup)
         batches = []
-        with self._rollout_model(setup) as model, intra_op_threads(None if setup.batch_invariant else self.decode_threads):
+        threads = None if setup.batch_invariant else self.decode_threads
+        with self._rollout_model(setup) as model, intra_op_threads(threads):
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
                 out = rescore(model, samples, **self._kwargs(unit))
@@ -363,8 +362,8 @@ class LeverRunner:
 
     def _decode_jobs(self, units: list[tuple], jobs: list[tuple[int, int]], *, pinned: bool) -> list[dict]:
         """Decode ``jobs`` (``(unit index, micro-batch index)``) in :attr:`workers` processes at once: this one and
-        ``workers - 1`` forked from it (:mod:`~moealign.mismatch.workers`), each with an equal share of the intra-op
-        threads; :meth:`_score_batch` per job, in order. ``pinned``: worker ``w`` runs ``jobs[w::workers]`` (so that
+        ``workers - 1`` forked from it (:func:`~moealign.mismatch.workers.fork_map`), each on one intra-op thread;
+        :meth:`_score_batch` per job, in order. ``pinned``: worker ``w`` runs ``jobs[w::workers]`` (so that
         every worker runs one of them); otherwise contiguous shares (a worker keeps a setup applied across its
         jobs in that setup). A worker that fails or does not answer has its jobs decoded here, with a note."""
         from ..patches.hf.rollout import rescore_decode_all
