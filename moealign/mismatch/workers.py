@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import select
+import selectors
 import signal
 import sys
 import time
@@ -132,23 +132,24 @@ def _fork(fn: Callable[[Any], Any], share: Any) -> tuple[int, int]:
 def _collect(fds: dict[int, int], deadline: float) -> dict[int, tuple[str, Any]]:
     """Read every child's pickled answer until EOF or ``deadline``."""
     chunks: dict[int, list[bytes]] = {i: [] for i in fds}
-    open_fds = {fd: i for i, fd in fds.items()}
     out: dict[int, tuple[str, Any]] = {}
-    while open_fds:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _, _ = select.select(list(open_fds), [], [], left)
-        for fd in ready:
-            data = os.read(fd, 1 << 20)
-            if data:
-                chunks[open_fds[fd]].append(data)
-                continue
-            i = open_fds.pop(fd)
-            try:
-                out[i] = pickle.loads(b"".join(chunks[i]))
-            except Exception as e:                      # noqa: BLE001 - a child that died mid-write
-                out[i] = ("error", f"its answer could not be read ({type(e).__name__}: {e})")
+    with selectors.DefaultSelector() as sel:
+        for i, fd in fds.items():
+            sel.register(fd, selectors.EVENT_READ, i)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 1 << 20)
+                if data:
+                    chunks[key.data].append(data)
+                    continue
+                sel.unregister(key.fd)
+                try:                                    # our own child's pickle (a trusted source)
+                    out[key.data] = pickle.loads(b"".join(chunks[key.data]))
+                except Exception as e:                  # noqa: BLE001 - a child that died mid-write
+                    out[key.data] = ("error", f"its answer could not be read ({type(e).__name__}: {e})")
     return out
 
 
