@@ -253,7 +253,8 @@ class LeverRunner:
     @contextlib.contextmanager
     def _rollout_model(self, setup: _RolloutSetup):
         """The rollout side's model in ``setup``: the float32 copy with the mixed precision policy applied (and the
-        injected weight fault), both undone on exit, under batch-invariant ops when the setup asks."""
+        injected weight fault), both undone on exit, under batch-invariant ops when the setup asks, otherwise on
+        :attr:`decode_threads` intra-op threads."""
         from ..patches.hf.precision import apply_precision
 
         model = self._fp32_model(setup.batch_invariant)
@@ -263,6 +264,7 @@ class LeverRunner:
             if setup.faulty:
                 stack.enter_context(apply_fault(model, self.fault))
             stack.enter_context(batch_invariant_mode(setup.batch_invariant))
+            stack.enter_context(intra_op_threads(None if setup.batch_invariant else self.decode_threads))
             yield model
 
     def _head_partner(self, setup: _RolloutSetup) -> _RolloutSetup | None:
@@ -348,8 +350,7 @@ class LeverRunner:
         rescore = self._rescorer(setup)
         unit = self._unit(setup)
         batches = []
-        threads = None if setup.batch_invariant else self.decode_threads
-        with self._rollout_model(setup) as model, intra_op_threads(threads):
+        with self._rollout_model(setup) as model:
             for indices in self.batches:
                 samples = [self.record.samples[i] for i in indices]
                 out = rescore(model, samples, **self._kwargs(unit))
@@ -367,9 +368,6 @@ class LeverRunner:
         every worker runs one of them); otherwise contiguous shares (a worker keeps a setup applied across its
         jobs in that setup). A worker that fails or does not answer has its jobs decoded here, with a note."""
         from ..patches.hf.rollout import rescore_decode_all
-
-        for unit in units:
-            self._fp32_model(unit[0].batch_invariant)
 
         def run(share: list[int]) -> list[dict]:
             out = []
@@ -455,15 +453,15 @@ class LeverRunner:
         if not self.rescorable:
             return False
         base = self._setup(frozenset())
-        workers_failed = False
+        failed_workers = 0
         if self.decode_threads is not None and not base.batch_invariant and self._workers_ok is None:
             self._workers_ok = self._check_workers(base)
             if not self._workers_ok:
-                workers_failed, self.workers, self.decode_threads = self.workers, 1, None
+                failed_workers, self.workers, self.decode_threads = self.workers, 1, None
         lp, routes = self._rollout(base)
         ok = torch.equal(lp, self.recorded_lp) and torch.equal(routes[self.routed], self.recorded_routes[self.routed])
-        if ok and workers_failed:
-            self.notes.append(f"decoding on one intra-op thread in {workers_failed} process(es) did not reproduce the "
+        if ok and failed_workers:
+            self.notes.append(f"decoding on one intra-op thread in {failed_workers} process(es) did not reproduce the "
                               f"record bitwise (on this process's threads it did): rollout setups decoded one at a "
                               f"time on them")
         if not ok:
@@ -634,8 +632,7 @@ class LeverRunner:
             if kept_rollout is not None:
                 logits = kept_rollout[b]
             else:
-                threads = None if setup.batch_invariant else self.decode_threads
-                with self._rollout_model(setup) as model, intra_op_threads(threads):
+                with self._rollout_model(setup) as model:
                     logits = torch.cat(rescore(model, samples, pad_token_id=self.pad_token_id,
                                                max_new_tokens=self.max_new_tokens, record_routes=False).logits)
             if kept_train is not None:

@@ -482,6 +482,14 @@ class _ForceTokens:
         return out.scatter_(1, self.forced[:, step:step + 1].to(scores.device), 0.0)
 
 
+def _head_hook(model: torch.nn.Module, heads: "_HeadVariants") -> PatchHandle:
+    """``heads`` as a forward pre-hook on ``model``'s LM head, registered first (before any precision cast)."""
+    hook = PatchHandle("LM-head variants of the re-scoring", "instance")
+    hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True, prepend=True),
+                  "LM head")
+    return hook
+
+
 class _HeadVariants:
     """A forward pre-hook on the LM head (registered first, so it sees the head's input before any precision
     cast): for each variant ``(weight, bias)``, the logits the head would give holding that weight, its input cast
@@ -577,9 +585,7 @@ def rescore_decode_all(model: torch.nn.Module, samples: Sequence[Sample], *, pad
         swap = stack.enter_context(PatchHandle("the re-scoring generation config", "instance"))
         swap.set_attr(model, "generation_config", config)
         if heads is not None:
-            hook = stack.enter_context(PatchHandle("LM-head variants of the re-scoring", "instance"))
-            hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True,
-                                                                                   prepend=True), "LM head")
+            stack.enter_context(_head_hook(model, heads))
         # inference mode: the same kernels as no_grad (generate()'s own), less dispatch work per op
         with torch.inference_mode():
             sequences = model.generate(input_ids=input_ids.to(device), attention_mask=am.to(device),
@@ -677,8 +683,9 @@ def rescore_forward(model: torch.nn.Module, samples: Sequence[Sample], *, pad_to
     batch_invariant_mode`, ``attn_implementation="moealign_bi"``): there a row's result does not depend on the
     rows computed with it nor on the key length (every matmul in fixed row tiles, every reduction a fixed tree
     over the compacted valid keys), so this forward gives :func:`rescore_decode_all`'s bits for a fraction of its
-    calls (``tests/test_rescore.py`` checks it bitwise against the decode; the lever runs confirm it on every run). Anywhere else the two differ, so
-    it is refused (:class:`~moealign.errors.ConfigError`) rather than answered with other bits."""
+    calls (``tests/test_rescore.py`` checks it bitwise against the decode; the lever runs confirm it on every
+    run). Anywhere else the two differ, so it is refused (:class:`~moealign.errors.ConfigError`) rather than
+    answered with other bits."""
     from ...precision.batch_invariant import is_batch_invariant_mode_enabled
     from .attention import BI_ATTENTION
 
@@ -696,9 +703,7 @@ def rescore_forward(model: torch.nn.Module, samples: Sequence[Sample], *, pad_to
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routes(model, info=fb.info)) if record_routes else None
         if heads is not None:
-            hook = stack.enter_context(PatchHandle("LM-head variants of the re-scoring", "instance"))
-            hook.add_hook(model.get_output_embeddings().register_forward_pre_hook(heads, with_kwargs=True,
-                                                                                   prepend=True), "LM head")
+            stack.enter_context(_head_hook(model, heads))
         stack.enter_context(torch.inference_mode())
         out = model(input_ids=ids.to(fb.device), attention_mask=mask.to(fb.device),
                     position_ids=positions.to(fb.device), use_cache=False, logits_to_keep=steps)
