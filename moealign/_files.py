@@ -271,6 +271,7 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[str], None], *, flag
             os.fsync(fd)
         finally:
             os.close(fd)
+        os.chmod(tmp, _final_mode(target))
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -279,6 +280,28 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[str], None], *, flag
             pass
         raise
     _fsync_directory(directory)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux tells it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)                      # elsewhere: read by setting it, then restored at once
+    os.umask(mask)
+    return mask
+
+
+def _final_mode(target: str) -> int:
+    """The permission bits an atomic write gives ``target``: those of the file it replaces, else 0666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
 
 
 def _fspath(path, flag: str, error_cls: type[Exception]) -> str:

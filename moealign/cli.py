@@ -228,6 +228,8 @@ def _add_mismatch(sub) -> None:
                    "TP/EP/SP/CP, switches, sampling, weight digests) field by field; exit 3 naming each field known "
                    "to cause a gap (the rollout side's from the record with --load-record)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex fallbacks)")
     p.set_defaults(func=_cmd_mismatch)
 
 
@@ -275,6 +277,8 @@ def _add_tp_check(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="default 0")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per op (default 3; the fastest counts)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex fallbacks)")
     p.set_defaults(func=_cmd_tp_check)
 
 
@@ -385,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_info = sub.add_parser("info", help="torch, engines (versions or why not importable), GPUs via NVML")
     p_info.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_info.add_argument("-v", "--verbose", action="store_true",
+                        help="also show the engines' import-time warnings (Megatron's transformer-engine / Apex fallbacks)")
     p_info.set_defaults(func=_cmd_info)
     _add_mismatch(sub)
     _add_tp_check(sub)
@@ -407,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if not getattr(args, "verbose", False):         # the engines' expected start-up warnings (shown with -v)
+        from .patches.megatron.version import quiet_fallback_warnings
+        from .patches.vllm.engine import quiet_expected_warnings
+
+        quiet_fallback_warnings()
+        quiet_expected_warnings()
     try:
         return args.func(args)
     except MoealignError as exc:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .errors import ConfigError, EngineError, EngineTimeoutError
+from .exits import child_failure, describe_exit, last_meaningful_line
 from .precision.tree import (
     DEFAULT_LEAF_WIDTH,
     check_tree_world_size,
@@ -128,20 +129,27 @@ def run_gloo(world_size: int, fn: Callable, args: tuple = (), *, timeout: float 
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5.0)
+        # a rank killed by a signal (not by us) wrote no traceback; the others then fail on its closed sockets:
+        # it is named first, as the cause
+        killed = [rank for rank, proc in enumerate(procs) if rank not in hung and (proc.exitcode or 0) < 0]
+        if killed:
+            raise EngineError("; ".join(f"gloo rank {r} of {world_size} {describe_exit(procs[r].exitcode)}"
+                                        for r in killed) + "; the other ranks were stopped")
         errors = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.err")
             if os.path.exists(path):
                 with open(path) as fh:
-                    errors.append(f"rank {rank} of {world_size}:\n{fh.read()}")
+                    text = fh.read()
+                errors.append(f"rank {rank} of {world_size}: {last_meaningful_line(text)}")
         if errors:
-            raise EngineError("gloo worker failed:\n" + "\n".join(errors))
+            raise EngineError("gloo worker failed: " + "; ".join(errors))
         if hung:
             raise EngineTimeoutError(f"gloo ranks {hung} of {world_size} did not finish within {timeout:.0f} s")
         bad = [rank for rank, proc in enumerate(procs) if proc.exitcode != 0]
         if bad:
-            raise EngineError(f"gloo ranks {bad} of {world_size} exited with codes "
-                               f"{[procs[r].exitcode for r in bad]} and no traceback")
+            raise EngineError("; ".join(f"gloo rank {r} of {world_size} {describe_exit(procs[r].exitcode)}"
+                                        for r in bad) + " (no traceback)")
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]
 
@@ -335,9 +343,11 @@ def _vllm_probe(model: str, size: int, tree: bool, *, dtype: str, prompts: list[
             raise EngineTimeoutError(f"vLLM at TP={size} ({'tree' if tree else 'stock'}) did not finish within "
                                      f"{timeout:.0f} s") from None
         if proc.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join((proc.stderr or "").strip().splitlines()[-15:])
-            raise EngineError(f"vLLM at TP={size} ({'tree' if tree else 'stock'}) failed (exit {proc.returncode}):"
-                              f"\n{tail}")
+            what = f"vLLM at TP={size} ({'tree' if tree else 'stock'})"
+            if proc.returncode == 0:
+                raise EngineError(f"{what} exited without writing its result: "
+                                  f"{last_meaningful_line(proc.stderr) or 'no message'}")
+            raise EngineError(child_failure(what, proc.returncode, proc.stderr))
         with open(out) as fh:
             return json.load(fh)
 

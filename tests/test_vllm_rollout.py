@@ -180,6 +180,10 @@ def test_record_at_tp2_in_worker_processes_equals_tp1_under_the_tree_forward(tmp
         scored[tp] = json.loads(lines[-1][len("RESULT "):])
     # routes forced in both workers: exactly the recorded experts ran (checked in the child), the log-probs equal
     # vLLM's own routing bit for bit (own routes), and TP = 2 equals TP = 1
+    # a worker killed by a signal afterwards is named with its rank and signal (issue 34), not "EngineCore
+    # encountered an issue"
+    assert "worker" in scored[2]["death"] and "(rank 1) killed by SIGILL (illegal instruction)" in scored[2]["death"], \
+        scored[2]["death"]
     for tp in (1, 2):
         assert scored[tp]["forced"] == scored[tp]["native"], tp
     assert scored[2]["forced"] == scored[1]["forced"]

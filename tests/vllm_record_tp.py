@@ -36,6 +36,29 @@ if __name__ == "__main__":
 
     forced = score_with_routes(llm, record)        # raises unless the experts that ran are the recorded ones
     native = score_with_routes(llm, record, force=False)
+    death = None
+    if tp > 1:
+        # a worker killed by a signal (SIGILL, as an AMX kernel without permission does) is named by moealign
+        import signal
+        import time
+
+        from moealign.errors import EngineError
+        from moealign.patches.vllm.engine import naming_dead_workers
+
+        worker = llm.llm_engine.model_executor.workers[1]
+        os.kill(worker.proc.pid, signal.SIGILL)
+        worker.proc.join(30)
+        time.sleep(0.5)                             # vLLM's monitor thread shuts the executor down
+        try:
+            with naming_dead_workers(llm, "the test's rollout"):
+                generate_with_record(llm, prompts[:1], sampling=SamplingParams(), max_new_tokens=2, seed=5)
+            death = "no error"
+        except EngineError as exc:
+            death = str(exc)
+        except Exception as exc:                    # noqa: BLE001 - reported to the test
+            death = f"raw {type(exc).__name__}: {exc}"
     print("RESULT " + json.dumps({"samples": len(record.samples), "rows": sum(s.routes.shape[0] for s in record.samples),
-                                  "forced": [t.tolist() for t in forced], "native": [t.tolist() for t in native]}),
+                                  "forced": [t.tolist() for t in forced], "native": [t.tolist() for t in native],
+                                  "death": death}),
           flush=True)
+    os._exit(0)                                     # the executor is dead: skip vLLM's shutdown handlers

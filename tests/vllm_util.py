@@ -10,6 +10,8 @@ import sys
 
 import warm
 
+from moealign.exits import child_failure
+
 HERE = pathlib.Path(__file__).parent
 
 
@@ -25,5 +27,6 @@ def run_child(script: str, *args: str, env: dict[str, str] | None = None, timeou
     proc = warm.run([sys.executable, str(HERE / script), *map(str, args)], capture_output=True, text=True,
                     timeout=timeout, env=child_env() if env is None else env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines, (child_failure(script, proc.returncode, proc.stderr) + "\n"
+                                            + proc.stderr[-3000:])
     return json.loads(lines[-1][len("RESULT "):])

@@ -294,10 +294,12 @@ class VLLMRolloutEngine:
         self.version = vllm_version()
 
     def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
+        from ..patches.vllm.engine import naming_dead_workers
         from ..patches.vllm.rollout import generate_with_record
 
-        record = generate_with_record(self.llm, list(prompts), sampling=sampling, max_new_tokens=max_new_tokens,
-                                      seed=seed)
+        with naming_dead_workers(self.llm, "the vLLM rollout"):
+            record = generate_with_record(self.llm, list(prompts), sampling=sampling, max_new_tokens=max_new_tokens,
+                                          seed=seed)
         if self.aligned:
             self.aligned.audit(self.llm, ran=True)
         if progress:

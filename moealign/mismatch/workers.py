@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..exits import describe_wait_status
+
 __all__ = ["GRACE_S", "can_fork", "fork_map", "intra_op_threads"]
 
 #: Seconds a child may take beyond four times the parent's share before it is killed and its share run here.
@@ -85,12 +87,16 @@ def fork_map(fn: Callable[[Any], Any], shares: Sequence[Any]) -> tuple[list[Any]
         late = []
         for i in list(children):
             status, value = answers.get(i, ("timeout", None))
-            pid = _reap(children, i)
+            pid, ended = _reap(children, i)
             if status == "ok":
                 results[i] = value
             else:
-                failures.append(f"(pid {pid}) " + (f"did not answer within {allowance:.0f} s" if status == "timeout"
-                                                   else f"failed: {value}"))
+                if status == "timeout":
+                    failures.append(f"(pid {pid}) did not answer within {allowance:.0f} s")
+                elif os.WIFSIGNALED(ended):             # it died on its own before it could answer
+                    failures.append(f"(pid {pid}) {describe_wait_status(ended)}")
+                else:
+                    failures.append(f"(pid {pid}) failed: {value}")
                 late.append(i)
         with intra_op_threads(1):
             for i in late:
@@ -153,16 +159,18 @@ def _collect(fds: dict[int, int], deadline: float) -> dict[int, tuple[str, Any]]
     return out
 
 
-def _reap(children: dict[int, tuple[int, int]], i: int) -> int:
-    """Kill child ``i`` if it still runs, reap it (once: a reaped pid may be reused) and close its pipe."""
+def _reap(children: dict[int, tuple[int, int]], i: int) -> tuple[int, int]:
+    """Kill child ``i`` if it still runs, reap it (once: a reaped pid may be reused) and close its pipe; its pid and
+    wait status (a child that already ended keeps its own: a zombie ignores the kill)."""
     pid, fd = children.pop(i)
     try:
         os.kill(pid, signal.SIGKILL)                    # an exited child is a zombie until reaped: still its pid
     except ProcessLookupError:
         pass
+    status = 0
     try:
-        os.waitpid(pid, 0)
+        status = os.waitpid(pid, 0)[1]
     except ChildProcessError:
         pass
     os.close(fd)
-    return pid
+    return pid, status

@@ -12,13 +12,17 @@ torch on a GPU machine.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import platform
 from dataclasses import dataclass
 
 import torch
 
 from .policy import PrecisionPolicy, get_policy
 
-__all__ = ["GpuCapability", "MIN_CAPABILITY", "gpu_capabilities", "required_capability", "supports"]
+__all__ = ["GpuCapability", "MIN_CAPABILITY", "amx_tiles_permitted", "gpu_capabilities", "request_amx_tiles",
+           "required_capability", "supports"]
 
 MIN_CAPABILITY = {"fp16": (7, 0), "bf16": (8, 0), "fp8": (8, 9)}
 
@@ -118,3 +122,53 @@ def supports(policy: str | PrecisionPolicy, device: str | torch.device = "cuda",
         hint = " (simulate it with moealign.precision.fp8.fake_quant_fp8_)" if policy.fp8 is not None else ""
         return False, f"{policy.name} needs compute capability {need[0]}.{need[1]}; {listing} below it{hint}"
     return True, f"{policy.name}: compute capability >= {need[0]}.{need[1]} on {len(gpus)} GPU(s) (via {note})"
+
+
+# --------------------------------------------------------------------------------------------------
+# AMX tiles on x86 CPUs (Linux)
+# --------------------------------------------------------------------------------------------------
+
+_SYS_ARCH_PRCTL = 158                  # x86_64
+_ARCH_GET_XCOMP_PERM = 0x1022
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def _arch_prctl(code: int, arg) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(code), arg)
+
+
+def _linux_x86_64() -> bool:
+    return os.name == "posix" and platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def amx_tiles_permitted() -> bool:
+    """Whether this process may execute AMX tile instructions (Linux x86_64: ``ARCH_GET_XCOMP_PERM`` has
+    ``XFEATURE_XTILEDATA``). False on a CPU without AMX and on every other platform."""
+    if not _linux_x86_64():
+        return False
+    mask = ctypes.c_uint64(0)
+    if _arch_prctl(_ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+        return False
+    return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+
+
+def request_amx_tiles() -> bool:
+    """Ask Linux for this process's permission to use AMX tiles; return whether it now has it.
+
+    Linux (5.16+) lets a process execute AMX tile instructions only after it asked for them
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); the first tile instruction of a process that did not
+    ask dies by SIGILL. oneDNN asks before its own AMX GEMMs run, and vLLM's CPU kernels (its ``amx`` attention ISA,
+    its prepacked ``amx`` MoE experts) rely on that having happened; a forward in which moealign replaced those GEMMs
+    (the tree forward, the canonical ops with stock attention) never asks, so vLLM's next kernel kills the process.
+    moealign therefore asks in every vLLM process it patches (:mod:`moealign.patches.vllm`). The request is made at
+    run time on the CPU the process runs on (never decided at install or test time), is idempotent, and is a no-op
+    returning False on a CPU without AMX or off Linux x86_64."""
+    if not _linux_x86_64():
+        return False
+    if amx_tiles_permitted():
+        return True
+    _arch_prctl(_ARCH_REQ_XCOMP_PERM, ctypes.c_ulong(_XFEATURE_XTILEDATA))
+    return amx_tiles_permitted()

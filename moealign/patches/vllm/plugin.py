@@ -24,6 +24,7 @@ import os
 
 from ...errors import ConfigError
 from ...handle import PatchHandle
+from ...precision.capability import request_amx_tiles
 
 __all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for", "unload"]
 
@@ -72,8 +73,13 @@ def spec_for(*, tree: bool = False, leaf_width: int | None = None, precision: st
 
 def load() -> None:
     """The entry point vLLM calls in each of its processes: apply the patches :data:`ENV` names (idempotent:
-    a patch already applied in this process is not applied twice)."""
-    for name, options in parse_spec(os.environ.get(ENV, "")):
+    a patch already applied in this process is not applied twice). Every process first asks for AMX tiles
+    (:func:`~moealign.precision.capability.request_amx_tiles`: a patched forward may never run the oneDNN GEMM that
+    would have asked, and vLLM's AMX kernels would then die by SIGILL)."""
+    specs = parse_spec(os.environ.get(ENV, ""))
+    if specs:
+        request_amx_tiles()
+    for name, options in specs:
         if name in _LOADED and _LOADED[name].active:
             continue
         if name == "tree":

@@ -32,6 +32,7 @@ import torch
 from ...errors import (ConfigError, EngineError, InputError, InputTypeError, PrecisionAuditError,
                        UnsupportedEngineError, UnsupportedModelError)
 from ...handle import PatchHandle
+from ...precision.capability import request_amx_tiles
 from ...precision.policy import PrecisionPolicy, dtype_name, get_policy
 from ...precision.router_audit import RouterAudit, RouterStageObserver, observe_routers
 from .._version import check_engine_version, engine_version, require_attr
@@ -88,6 +89,7 @@ def apply_precision(policy: str | PrecisionPolicy) -> VllmPrecisionPatch:
     policy = get_policy(policy)
     _, version = engine_version("vllm", "moealign.patches.vllm.apply_precision needs vLLM")
     check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    request_amx_tiles()         # the patched forward may skip the oneDNN GEMM that asks for AMX (vLLM's kernels need it)
     handle = VllmPrecisionPatch(f"vLLM precision policy {policy.name!r} (router / LM head parameters)", "process")
     handle.policy = policy
     if _wider(policy, policy.router_dtype):

@@ -8,6 +8,7 @@ import torch
 
 from ..._validate import check_positive_int
 from ...errors import ConfigError, InputTypeError
+from ...precision.capability import request_amx_tiles
 from ...precision.canonical import c_combine, c_experts
 from ...precision.tree import (
     TreeReducePatch,
@@ -251,6 +252,7 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH, parts=TREE_
         raise ConfigError(f"tree parts must be a non-empty subset of {list(TREE_PARTS)}, got {list(parts)}")
     _, version = engine_version("vllm", "moealign.patches.vllm.apply_tree_reductions needs vLLM")
     check_engine_version("vllm", version, SUPPORTED_VLLM_ENGINE)
+    request_amx_tiles()         # the patched forward may skip the oneDNN GEMM that asks for AMX (vLLM's kernels need it)
     from vllm.model_executor.layers import linear, vocab_parallel_embedding
     from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
