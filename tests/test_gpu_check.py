@@ -44,6 +44,6 @@ def test_a_failed_step_is_recorded_and_the_script_goes_on(tmp_path):
                          capture_output=True, text=True, timeout=300)
     steps = {s["name"]: s for s in json.loads(out.read_text())["steps"]}
     assert bad.returncode == 1 and steps["mismatch-hf-hf"]["status"] == "FAILED"
-    assert "exit 2" in steps["mismatch-hf-hf"]["figure"]           # the CLI's one-line error, shown as the figure
+    assert "exited with code 2: moealign mismatch: error:" in steps["mismatch-hf-hf"]["figure"]   # the CLI's line
     assert steps["random-moe"]["status"] == "ok"                   # ran after the failure
     assert "FAILED" in bad.stdout.split("step", 1)[-1]             # and the table shows it

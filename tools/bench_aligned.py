@@ -62,7 +62,10 @@ def _vllm(prompts: int, tokens: int, repeats: int) -> dict:
                               capture_output=True, text=True, env=env, timeout=1800)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
-            raise SystemExit(f"vLLM child ({name}) failed:\n{proc.stderr[-2000:]}")
+            from moealign.exits import child_failure
+
+            raise SystemExit(child_failure(f"vLLM child ({name})", proc.returncode, proc.stderr) + "\n"
+                             + proc.stderr[-2000:])
         out[name] = json.loads(lines[-1][7:])["seconds"]
     out["ratio"] = out["aligned"] / out["stock"]
     return out

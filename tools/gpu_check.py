@@ -45,7 +45,19 @@ from dataclasses import asdict, dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+
+def _failure(proc) -> str:
+    """A failed step in one line: how it ended (a signal by name) and its last meaningful line."""
+    try:
+        from moealign.exits import child_failure
+    except ImportError:                 # the check runs before moealign is installed
+        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        return f"exit {proc.returncode}: {lines[-1][:90] if lines else ''}"
+    return child_failure("", proc.returncode, proc.stderr or proc.stdout).strip()[:120]
+
+
 @dataclass
+
 class Step:
     name: str
     status: str          # ok | FAILED | TIMEOUT | skipped
@@ -101,8 +113,7 @@ class Runner:
             except Exception as e:      # noqa: BLE001 - a figure that cannot be read is shown, not fatal
                 fig = f"(figure unreadable: {type(e).__name__})"
         if status == "FAILED" and not fig:
-            lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-            fig = f"exit {proc.returncode}: {lines[-1][:90] if lines else ''}"
+            fig = _failure(proc)
         self._add(name, status, fig, t0, proc.stdout + proc.stderr)
         return proc
 
