@@ -6,6 +6,7 @@ file of bounded size, bounded JSON nesting, no ``NaN``) and checks the fields mo
 of them is used: each is an integer (not a bool, not ``1e11``) within the bounds a record can hold
 (:data:`moealign.record.MAX_LAYERS`, :data:`~moealign.record.MAX_EXPERTS`, :data:`~moealign.record.MAX_VOCAB`).
 :func:`moe_layers` is the config's MoE layer numbers through its family (:mod:`moealign.families`).
+:func:`check_max_new_tokens` is the one length check of the commands that generate (``mismatch``, ``rl-check``).
 Every problem is one :class:`~moealign.errors.ConfigError` naming the flag, the directory and the field.
 """
 
@@ -19,7 +20,7 @@ from ._files import parse_json, read_input_bytes
 from .errors import ConfigError, MissingFileError
 from .record import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB
 
-__all__ = ["MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers"]
+__all__ = ["MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers", "check_max_new_tokens"]
 
 #: The most bytes a config.json may hold.
 MAX_CONFIG_BYTES = 16 << 20
@@ -90,6 +91,16 @@ def moe_layers(config: dict, where: str = "--model") -> tuple[int, ...]:
         raise ConfigError(f"{where}: config.json lacks a field the {family.model_type} family needs "
                           f"({type(exc).__name__}: {exc})") from None
     return tuple(i for i, sparse in enumerate(pattern) if sparse)
+
+
+def check_max_new_tokens(config: dict, max_new_tokens: int, model: str = "the model") -> None:
+    """Refuse ``--max-new-tokens`` that reaches the ``max_position_embeddings`` of ``config`` (from
+    :func:`read_model_config`): the prompt takes positions too, so ``max_new_tokens`` must stay below it.
+    ``model`` names the checkpoint in the error (``"the embedded model"``, ``"--model DIR"``)."""
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_new_tokens >= limit:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: {model} holds at most {limit} positions "
+                          f"(max_position_embeddings), prompt included")
 
 
 def _short(value) -> str:

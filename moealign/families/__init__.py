@@ -23,7 +23,7 @@ attributes (``getattr`` with defaults: missing optional keys read as their trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import ConfigError, UnsupportedModelError
@@ -42,6 +42,13 @@ __all__ = [
     "every_layer_sparse",
     "sparse_by_step",
     "RouterScoring",
+    "CheckpointTensors",
+    "checkpoint_tensors",
+    "glu_mlp",
+    "routed_experts",
+    "attention_biases",
+    "head_dim",
+    "config_size",
 ]
 
 Config = Any   # a transformers PretrainedConfig, or any object with its attributes
@@ -160,6 +167,123 @@ class MegatronSpec:
 
 
 # --------------------------------------------------------------------------------------------------
+# the checkpoint's tensors (names and shapes) a config implies
+# --------------------------------------------------------------------------------------------------
+
+Shape = tuple  # of int, or None for a dimension the config does not state (any size is accepted)
+
+
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """The safetensors tensors (transformers names) a checkpoint of one config holds, and their shapes.
+
+    ``required``: ``{name: shape}`` every checkpoint of the config has; ``optional``: tensors it may hold (an
+    ``lm_head.weight`` next to tied embeddings); ``alternatives``: ``(usual, other)`` pairs of ``{name: shape}``
+    groups, ``other`` replacing ``usual`` when the checkpoint holds any of its names (experts stored fused,
+    ``[E, 2I, H]`` / ``[E, H, I]``, instead of one by one). A ``None`` dimension is one the config does not state.
+    """
+
+    required: dict
+    optional: dict = field(default_factory=dict)
+    alternatives: tuple = ()
+
+
+def config_size(config: Config, name: str) -> int | None:
+    """``config.<name>`` as a size: a positive int, or None when absent (a bad value is a :class:`ConfigError`)."""
+    value = getattr(config, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config.json {name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _times(*dims):
+    out = 1
+    for d in dims:
+        if d is None:
+            return None
+        out *= d
+    return out
+
+
+def glu_mlp(prefix: str, inner: int | None, hidden: int | None, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    """A SiLU GLU MLP's three weights under ``prefix`` (gate, up: ``[inner, hidden]``; down: ``[hidden, inner]``)."""
+    gate, up, down = names
+    return {f"{prefix}.{gate}.weight": (inner, hidden), f"{prefix}.{up}.weight": (inner, hidden),
+            f"{prefix}.{down}.weight": (hidden, inner)}
+
+
+def routed_experts(prefix: str, experts: int | None, inner: int | None, hidden: int | None,
+                   names=("gate_proj", "up_proj", "down_proj"), fused_prefix: str | None = None) -> tuple[dict, dict]:
+    """``(one by one, fused)``: a sparse block's router (``{prefix}.gate.weight``, ``[E, hidden]``) and its experts
+    stored one by one (``{prefix}.experts.{e}.<gate|up|down>``), or fused as transformers 5 holds them
+    (``{fused_prefix}.experts.gate_up_proj`` ``[E, 2 inner, hidden]``, ``down_proj`` ``[E, hidden, inner]``)."""
+    usual = {f"{prefix}.gate.weight": (experts, hidden)}
+    for e in range(experts or 0):
+        usual.update(glu_mlp(f"{prefix}.experts.{e}", inner, hidden, names))
+    fused_prefix = fused_prefix or prefix
+    fused = {f"{fused_prefix}.gate.weight": (experts, hidden),
+             f"{fused_prefix}.experts.gate_up_proj": (experts, _times(2, inner), hidden),
+             f"{fused_prefix}.experts.down_proj": (experts, hidden, inner)}
+    return usual, fused
+
+
+def checkpoint_tensors(config: Config, *, attention: Callable[[Config], dict] | None = None,
+                       sparse_mlp: Callable[[Config], tuple[dict, dict, dict]],
+                       dense_inner: str = "intermediate_size", layer_pattern=None) -> CheckpointTensors:
+    """The tensors of a decoder-only MoE checkpoint in transformers naming: embedding, final norm, LM head (optional
+    with ``tie_word_embeddings``); per layer the two RMSNorms, q/k/v/o (``head_dim``, else ``hidden_size //
+    num_attention_heads``; ``num_key_value_heads``, else the head count), the family's ``attention(config)`` extras
+    (``{name relative to the layer: shape}``), and the MLP: ``sparse_mlp(config)`` ->
+    ``(one-by-one experts, fused experts, other tensors)`` in sparse layers, a GLU of ``dense_inner`` in dense ones
+    (``layer_pattern``: the family's ``moe_layer_pattern``, default :func:`sparse_by_step`)."""
+    hidden, vocab = config_size(config, "hidden_size"), config_size(config, "vocab_size")
+    layers, heads = config_size(config, "num_hidden_layers"), config_size(config, "num_attention_heads")
+    kv, hd = config_size(config, "num_key_value_heads") or heads, head_dim(config)
+    required = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    optional = {}
+    (optional if getattr(config, "tie_word_embeddings", False) else required)["lm_head.weight"] = (vocab, hidden)
+    alternatives = []
+    pattern = (layer_pattern or sparse_by_step)(config)
+    extra = attention(config) if attention is not None else {}
+    for i in range(layers or 0):
+        p = f"model.layers.{i}."
+        required.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                         p + "self_attn.q_proj.weight": (_times(heads, hd), hidden),
+                         p + "self_attn.k_proj.weight": (_times(kv, hd), hidden),
+                         p + "self_attn.v_proj.weight": (_times(kv, hd), hidden),
+                         p + "self_attn.o_proj.weight": (hidden, _times(heads, hd))})
+        required.update({p + name: shape for name, shape in extra.items()})
+        if pattern[i]:
+            usual, fused, other = sparse_mlp(config)
+            usual, fused = ({p + n: s for n, s in group.items()} for group in (usual, fused))
+            required.update(usual)
+            alternatives.append((usual, fused))
+            required.update({p + name: shape for name, shape in other.items()})
+        else:
+            required.update(glu_mlp(p + "mlp", config_size(config, dense_inner), hidden))
+    return CheckpointTensors(required, optional, tuple(alternatives))
+
+
+def attention_biases(config: Config, *, output: bool) -> dict:
+    """q/k/v (and o, with ``output``) projection biases, relative to a decoder layer."""
+    hidden, heads = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
+    kv, hd = config_size(config, "num_key_value_heads") or heads, head_dim(config)
+    out = {"self_attn.q_proj.bias": (_times(heads, hd),), "self_attn.k_proj.bias": (_times(kv, hd),),
+           "self_attn.v_proj.bias": (_times(kv, hd),)}
+    if output:
+        out["self_attn.o_proj.bias"] = (hidden,)
+    return out
+
+
+def head_dim(config: Config) -> int | None:
+    """``head_dim``, else ``hidden_size // num_attention_heads`` (None when the config states neither)."""
+    hidden, heads = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
+    return config_size(config, "head_dim") or (hidden // heads if hidden and heads else None)
+
+
+# --------------------------------------------------------------------------------------------------
 # the family and the registry
 # --------------------------------------------------------------------------------------------------
 
@@ -178,6 +302,9 @@ class MoEFamily:
     ``moe_layer_pattern(config)``: per decoder layer, 1 if sparse (MoE), 0 if dense.
     ``arch_keys``: the config keys of the record fingerprint (:data:`ARCH_KEYS`, plus the family's own).
     ``megatron``: the Megatron-core conversion pieces, or why it is refused (None: nobody wrote one).
+    ``checkpoint_tensors(config)``: the :class:`CheckpointTensors` (names and shapes) a safetensors checkpoint of
+    ``config`` holds, checked by :func:`moealign.checkpoint_check.check_checkpoint_tensors` before any engine
+    loads it (None: only names, layer numbers and the vocabulary / hidden / expert sizes are checked).
     """
 
     model_type: str
@@ -188,6 +315,7 @@ class MoEFamily:
     moe_layer_pattern: Callable[[Config], tuple[int, ...]] = sparse_by_step
     arch_keys: tuple[str, ...] = ARCH_KEYS
     megatron: MegatronSpec | None = None
+    checkpoint_tensors: Callable[[Config], CheckpointTensors] | None = None
 
     def __post_init__(self):
         if not isinstance(self.model_type, str) or not self.model_type:

@@ -8,7 +8,18 @@ no bias. Sliding-window attention (``sliding_window`` set) is not converted.
 
 from __future__ import annotations
 
-from . import ARCH_KEYS, MegatronSpec, MoEFamily, RouterScoring, every_layer_sparse
+from . import (
+    ARCH_KEYS,
+    CheckpointTensors,
+    MegatronSpec,
+    MoEFamily,
+    RouterScoring,
+    attention_biases,
+    checkpoint_tensors,
+    config_size,
+    every_layer_sparse,
+    routed_experts,
+)
 
 
 def router_scoring(config) -> RouterScoring:
@@ -27,6 +38,22 @@ def _unsupported(config) -> str | None:
     return None
 
 
+def _sparse_mlp(config) -> tuple[dict, dict, dict]:
+    usual, fused = routed_experts("block_sparse_moe", config_size(config, "num_local_experts"),
+                                  config_size(config, "intermediate_size"), config_size(config, "hidden_size"),
+                                  names=("w1", "w3", "w2"), fused_prefix="mlp")
+    return usual, fused, {}
+
+
+def checkpoint(config) -> CheckpointTensors:
+    """The safetensors tensors of a Mixtral checkpoint: every layer sparse, the router
+    ``block_sparse_moe.gate`` and the experts stored one by one (``block_sparse_moe.experts.{e}.w1`` / ``w3``:
+    ``[intermediate_size, hidden]``, ``w2``: ``[hidden, intermediate_size]``)."""
+    bias = getattr(config, "attention_bias", False)
+    return checkpoint_tensors(config, attention=lambda c: attention_biases(c, output=True) if bias else {},
+                              sparse_mlp=_sparse_mlp, layer_pattern=every_layer_sparse)
+
+
 FAMILY = MoEFamily(
     model_type="mixtral",
     router_class="MixtralTopKRouter",
@@ -39,4 +66,5 @@ FAMILY = MoEFamily(
         expert_ffn_size=lambda c: int(c.intermediate_size),
         unsupported=_unsupported,
     ),
+    checkpoint_tensors=checkpoint,
 )

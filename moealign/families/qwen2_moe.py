@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from . import (
     ARCH_KEYS,
+    CheckpointTensors,
     MegatronSpec,
     MoEFamily,
     RouterScoring,
     TensorPair,
+    attention_biases,
+    checkpoint_tensors,
+    config_size,
+    glu_mlp,
+    routed_experts,
     sparse_by_step,
 )
 
@@ -64,6 +70,33 @@ def _sparse_mlp_tensors(config) -> tuple[TensorPair, ...]:
             TensorPair("same", ("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight"))
 
 
+def _sparse_mlp(config) -> tuple[dict, dict, dict]:
+    hidden = config_size(config, "hidden_size")
+    usual, fused = routed_experts("mlp", config_size(config, "num_experts"),
+                                  config_size(config, "moe_intermediate_size"), hidden)
+    shared = config_size(config, "shared_expert_intermediate_size")
+    return usual, fused, {**glu_mlp("mlp.shared_expert", shared, hidden), "mlp.shared_expert_gate.weight": (1, hidden)}
+
+
+def _optional(config) -> bool:
+    """A zero-width shared expert: transformers still saves it (``[0, hidden]`` tensors), other tools may not."""
+    return config_size(config, "shared_expert_intermediate_size") == 0
+
+
+def checkpoint(config) -> CheckpointTensors:
+    """The safetensors tensors of a Qwen2-MoE checkpoint: q/k/v biases (``qkv_bias``, transformers' default True),
+    routed experts of ``moe_intermediate_size``, the shared expert (``shared_expert_intermediate_size``) and its
+    gate ``[1, hidden]``, dense layers of ``intermediate_size``."""
+    bias = getattr(config, "qkv_bias", True)
+    tensors = checkpoint_tensors(config, attention=lambda c: attention_biases(c, output=False) if bias else {},
+                                 sparse_mlp=_sparse_mlp)
+    if not _optional(config):
+        return tensors
+    shared = {n: s for n, s in tensors.required.items() if ".mlp.shared_expert" in n}
+    return CheckpointTensors({n: s for n, s in tensors.required.items() if n not in shared},
+                             {**tensors.optional, **shared}, tensors.alternatives)
+
+
 FAMILY = MoEFamily(
     model_type="qwen2_moe",
     router_class="Qwen2MoeTopKRouter",
@@ -79,4 +112,5 @@ FAMILY = MoEFamily(
         attention_tensors=_attention_tensors,
         sparse_mlp_tensors=_sparse_mlp_tensors,
     ),
+    checkpoint_tensors=checkpoint,
 )

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from . import (
     ARCH_KEYS,
+    CheckpointTensors,
     MegatronSpec,
     MoEFamily,
     RouterScoring,
     TensorPair,
+    attention_biases,
+    checkpoint_tensors,
+    config_size,
+    head_dim,
+    routed_experts,
     sparse_by_step,
 )
 
@@ -37,6 +43,25 @@ def _attention_tensors(config) -> tuple[TensorPair, ...]:
             TensorPair("same", ("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight"))
 
 
+def _sparse_mlp(config) -> tuple[dict, dict, dict]:
+    usual, fused = routed_experts("mlp", config_size(config, "num_experts"),
+                                  config_size(config, "moe_intermediate_size"), config_size(config, "hidden_size"))
+    return usual, fused, {}
+
+
+def _attention_checkpoint(config) -> dict:
+    extra = {"self_attn.q_norm.weight": (head_dim(config),), "self_attn.k_norm.weight": (head_dim(config),)}
+    if getattr(config, "attention_bias", False):
+        extra.update(attention_biases(config, output=True))
+    return extra
+
+
+def checkpoint(config) -> CheckpointTensors:
+    """The safetensors tensors of a Qwen3-MoE checkpoint: per-head q/k norms (``head_dim``), routed experts of
+    ``moe_intermediate_size``, dense layers (``mlp_only_layers``) of ``intermediate_size``."""
+    return checkpoint_tensors(config, attention=_attention_checkpoint, sparse_mlp=_sparse_mlp)
+
+
 FAMILY = MoEFamily(
     model_type="qwen3_moe",
     router_class="Qwen3MoeTopKRouter",
@@ -51,4 +76,5 @@ FAMILY = MoEFamily(
         config_fields=lambda c: {"qk_layernorm": True},
         attention_tensors=_attention_tensors,
     ),
+    checkpoint_tensors=checkpoint,
 )

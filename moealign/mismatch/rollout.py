@@ -20,7 +20,8 @@ import torch
 from .._files import check_input_file, check_output_dir, check_output_path, check_outputs
 from ..errors import ConfigError, EngineError, MoealignError, RecordError
 from ..embedded import MAX_PROMPTS_BYTES
-from ..model_config import read_model_config
+from ..checkpoint_check import check_checkpoint_tensors
+from ..model_config import check_max_new_tokens, read_model_config
 from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -168,19 +169,8 @@ class MismatchConfig:
             raise ConfigError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
         self._check_sampling()
         self._check_device()
-        if self.model is not None:
-            config = check_checkpoint(self.model)
-            limit = config.get("max_position_embeddings")
-            if isinstance(limit, int) and not isinstance(limit, bool) and self.max_new_tokens >= limit:
-                raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the model holds at most {limit} "
-                                  f"positions (max_position_embeddings), prompt included")
-        else:
-            from ..embedded import embedded_model_path
-
-            limit = read_model_config(embedded_model_path()).get("max_position_embeddings")
-            if isinstance(limit, int) and self.max_new_tokens >= limit:
-                raise ConfigError(f"--max-new-tokens {self.max_new_tokens}: the embedded model holds at most {limit} "
-                                  f"positions (max_position_embeddings), prompt included")
+        config = check_checkpoint(self.model) if self.model is not None else read_model_config(self.model_path())
+        check_max_new_tokens(config, self.max_new_tokens, "the model" if self.model else "the embedded model")
         if self.load_record is not None:
             if not os.path.lexists(self.load_record):
                 raise ConfigError(f"--load-record: no record file at {self.load_record}")
@@ -211,6 +201,7 @@ class MismatchConfig:
             if layers is not None and fault.layer >= layers:
                 raise ConfigError(f"--inject-fault weights:layer={fault.layer}: the model has {layers} decoder layers "
                                   f"(0 .. {layers - 1})")
+        check_checkpoint_tensors(self.model_path(), config)    # last: the options' own refusals come first
 
     def _aligned_defaults(self) -> None:
         """``--aligned``: one precision for both sides (the one given, else bf16); the default engines."""

@@ -12,8 +12,7 @@ __all__ = ["add_rl_check", "cmd_rl_check"]
 
 def cmd_rl_check(args: argparse.Namespace) -> int:
     from ..cli import _finish
-    from ..mismatch.report import parse_fail_above
-    from .config import RLCheckConfig
+    from .config import RLCheckConfig, parse_fail_above
     from .loop import run_rl_check
     from .report import check_steps, format_steps, write_report_dir
 
@@ -87,7 +86,9 @@ def add_rl_check(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write the report (header + one object per step) as JSON")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.html (plots over steps) and DIR/report.json")
     p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
-                   help="exit 3 when METRIC exceeds VALUE at any step of the judged (aligned) run; a failed refit "
-                   "verification also exits 3")
+                   help="exit 3 when METRIC (one rl-check reports per step, e.g. kl_k3, router_flip_rate) exceeds "
+                   "VALUE at any step of the judged (aligned) run; a failed refit verification also exits 3")
     p.add_argument("-q", "--quiet", action="store_true", help="no log lines on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex fallbacks)")
     p.set_defaults(func=cmd_rl_check)

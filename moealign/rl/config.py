@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from ..record import MIN_TEMPERATURE, SamplingParams
 
-__all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION"]
+__all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "parse_fail_above", "check_fail_above"]
 
 #: ``--levers``: (routing replay, sampling mask).
 LEVERS = {"none": (False, False), "replay": (True, False), "mask": (False, True), "all": (True, True)}
@@ -30,6 +30,41 @@ def _float(name: str, value, low: float, *, inclusive: bool = True, high: float 
         raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {'>=' if inclusive else '>'} {low}"
                           f"{'' if high is None else f' and <= {high}'}, got {value!r}")
     return float(value)
+
+
+def _step_metrics() -> tuple[str, ...]:
+    from .loop import STEP_METRICS        # loop.py imports this module: read when called
+
+    return STEP_METRICS
+
+
+def check_fail_above(bounds) -> dict[str, float]:
+    """``{metric: bound}`` of ``--fail-above``: each metric one rl-check reports per step, each bound a finite
+    number (refused before any engine starts, not after the run)."""
+    if not isinstance(bounds, dict):
+        raise ConfigError(f"fail_above must be a dict of metric -> bound, got {type(bounds).__name__}")
+    names = _step_metrics()
+    out = {}
+    for name, bound in bounds.items():
+        if name not in names:
+            raise ConfigError(f"--fail-above: rl-check does not report {name!r} per step; choose one of "
+                              f"{', '.join(names)}")
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+            raise ConfigError(f"--fail-above {name}: the bound must be a finite number, got {bound!r}")
+        out[name] = float(bound)
+    return out
+
+
+def parse_fail_above(items: list[str] | None) -> dict[str, float]:
+    """``--fail-above METRIC=VALUE`` items as rl-check takes them: the metric one it reports per step (named
+    first, before the value is read), the rest as ``moealign mismatch`` parses it."""
+    from ..mismatch.report import parse_fail_above as parse_items
+
+    for item in items or []:
+        name = item.partition("=")[0].strip()
+        if name and "=" in item:
+            check_fail_above({name: 0.0})
+    return check_fail_above(parse_items(items))
 
 
 @dataclass
@@ -98,10 +133,16 @@ class RLCheckConfig:
             setattr(self, f"{side}_precision", policy.name)
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"--device {self.device!r}: rl-check runs on cpu or cuda")
+        from ..model_config import check_max_new_tokens, read_model_config
+
         if self.model is not None:
             from ..mismatch.rollout import check_checkpoint
 
-            check_checkpoint(self.model)
+            config = check_checkpoint(self.model)
+        else:
+            config = read_model_config(self.model_path())
+        check_max_new_tokens(config, self.max_new_tokens, "the model" if self.model else "the embedded model")
+        self.fail_above = check_fail_above(self.fail_above)
         if self.aligned:
             self._check_aligned()
         if self.probe_sequences > self.num_prompts * self.group_size:
@@ -115,6 +156,9 @@ class RLCheckConfig:
             outputs += [("--report", os.path.join(self.report_dir, "report.html")),
                         ("--report", os.path.join(self.report_dir, "report.json"))]
         check_outputs(outputs, {"--model": self.model_path()}, created_dirs=created)   # embedded: its files too
+        from ..checkpoint_check import check_checkpoint_tensors
+
+        check_checkpoint_tensors(self.model_path(), config)     # last: the options' own refusals come first
 
     def _precisions(self) -> None:
         if not isinstance(self.aligned, bool):
