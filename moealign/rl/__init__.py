@@ -7,8 +7,8 @@
 * :class:`RLCheckConfig` (:mod:`moealign.rl.config`): its options, checked before any engine starts.
 """
 
-from .config import LEVERS, RLCheckConfig
-from .loop import STEP_METRICS, run_rl_check
+from .config import LEVERS, STEP_METRICS, RLCheckConfig
+from .loop import run_rl_check
 from .refit import Probe, RefitCheck, refit, trainer_tensors, verify_refit
 from .reward import REWARD_NAME, balanced_brackets, group_advantages, rewards
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from ..record import MIN_TEMPERATURE, SamplingParams
 
-__all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "parse_fail_above", "check_fail_above"]
+__all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "STEP_METRICS", "parse_fail_above", "check_fail_above"]
 
 #: ``--levers``: (routing replay, sampling mask).
 LEVERS = {"none": (False, False), "replay": (True, False), "mask": (False, True), "all": (True, True)}
@@ -24,6 +24,11 @@ def _int(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
+#: The mismatch metrics rl-check reports per step (the names ``moealign mismatch`` uses).
+STEP_METRICS = ("router_flip_rate", "kl_k1", "kl_k3", "max_abs_logp_diff", "mean_abs_logp_diff",
+                "support_mismatch_rate", "icepop_masked_fraction", "geo_rs_masked_fraction")
+
+
 def _float(name: str, value, low: float, *, inclusive: bool = True, high: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
             (value < low if inclusive else value <= low) or (high is not None and value > high):
@@ -32,18 +37,12 @@ def _float(name: str, value, low: float, *, inclusive: bool = True, high: float 
     return float(value)
 
 
-def _step_metrics() -> tuple[str, ...]:
-    from .loop import STEP_METRICS        # loop.py imports this module: read when called
-
-    return STEP_METRICS
-
-
 def check_fail_above(bounds) -> dict[str, float]:
     """``{metric: bound}`` of ``--fail-above``: each metric one rl-check reports per step, each bound a finite
     number (refused before any engine starts, not after the run)."""
     if not isinstance(bounds, dict):
         raise ConfigError(f"fail_above must be a dict of metric -> bound, got {type(bounds).__name__}")
-    names = _step_metrics()
+    names = STEP_METRICS
     out = {}
     for name, bound in bounds.items():
         if name not in names:

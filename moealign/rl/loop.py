@@ -33,15 +33,12 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from .config import LEVERS, RLCheckConfig
+from .config import LEVERS, STEP_METRICS, RLCheckConfig
 from .refit import Probe, refit, trainer_tensors, verify_refit
 from .reward import REWARD_NAME, group_advantages, rewards
 
-__all__ = ["run_rl_check", "STEP_METRICS"]
+__all__ = ["run_rl_check"]
 
-#: The mismatch metrics reported per step (the names ``moealign mismatch`` uses).
-STEP_METRICS = ("router_flip_rate", "kl_k1", "kl_k3", "max_abs_logp_diff", "mean_abs_logp_diff",
-                "support_mismatch_rate", "icepop_masked_fraction", "geo_rs_masked_fraction")
 
 
 def _pad(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -198,7 +195,11 @@ class _Run:
                 prev = steps[-1]["verify"]               # the refit after the previous step, certified by this rollout
                 prev.update({"probe": "next rollout", "probe_gap": engine_gap, "probe_bound": rollout_bound,
                              "probe_max": None})
-                prev["ok"] = bool(prev["weights"]["ok"] and engine_gap <= rollout_bound)
+                prev["ok"] = bool(prev["weights"]["ok"] and not prev.get("config_mismatches")
+                                  and engine_gap <= rollout_bound)
+                # the rollout decoded with the refit's weights: its forward and decode path were probed
+                prev["not_checked"] = [x for x in prev.get("not_checked", [])
+                                       if not x.startswith(("the forward", "decode path"))]
             t = time.perf_counter()
             out["metrics"] = self._measure(record, fwd)
             times["measure"] = time.perf_counter() - t
