@@ -8,6 +8,7 @@ import os  # noqa: F401 - kept for the commands added beside these
 import sys
 
 from . import __version__
+from .command_output import check_json_path, finish_command
 from .errors import ConfigError, MoealignError
 
 
@@ -56,7 +57,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
     if args.sweep and (args.diagnose or args.report or args.inject_fault):
         raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
                           "to one mismatch test; drop --sweep")
-    _check_json_path(args.json, cfg.inputs(), cfg.outputs(), created_dirs=[cfg.report_dir])
+    check_json_path(args.json, cfg.inputs(), cfg.outputs(), created_dirs=[cfg.report_dir])
     progress = not args.quiet and sys.stderr.isatty()
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.contract:
@@ -79,7 +80,7 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
         warned = [f"{c['label']}: {w}" for c in sweep["configs"] for w in c["report"].get("warnings", [])]
     else:
         warned = report.get("warnings", [])
-    return _finish("mismatch", table,
+    return finish_command("mismatch", table,
                    sweep if args.sweep else report, args.json, check_fail_above(report, bounds, below), warned)
 
 
@@ -96,7 +97,7 @@ def _mismatch_contract(cfg, args: argparse.Namespace, log) -> int:
         raise ConfigError(f"{', '.join(other)}: --contract compares the two sides' configurations and scores nothing; "
                           f"drop {'them' if len(other) > 1 else 'it'}")
     result = run_contract_check(cfg, log=log)
-    return _finish("mismatch", format_contract(result["fields"]), result, args.json, gap_lines(result["fields"]))
+    return finish_command("mismatch", format_contract(result["fields"]), result, args.json, gap_lines(result["fields"]))
 
 
 def _aligned_skip(text: str | None) -> tuple:
@@ -107,44 +108,6 @@ def _aligned_skip(text: str | None) -> tuple:
 #: The engines of ``moealign mismatch`` when --rollout / --train are not given (the API's MismatchConfig keeps
 #: transformers on both sides).
 CLI_ROLLOUT, CLI_TRAIN = "vllm", "megatron"
-
-
-def _check_json_path(json_path: str | None, inputs: dict[str, str | None] | None = None, outputs=(),
-                     created_dirs=()) -> None:
-    """``--json`` is checked before any work starts (:func:`moealign._files.check_outputs`, the one output guard):
-    a regular file (or none) in a writable directory, neither an input of the command (the record, the prompts,
-    any file of the checkpoint) nor one of its other ``outputs``."""
-    if json_path is None:
-        return
-    from ._files import check_outputs
-
-    check_outputs([("--json", json_path), *outputs], inputs or {}, created_dirs=created_dirs)
-
-
-def _write_json(path: str, report: dict) -> None:
-    """The JSON report, written atomically (:func:`moealign._files.atomic_write`)."""
-    from ._files import atomic_write
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
-
-    atomic_write(path, write, flag="--json")
-
-
-def _finish(command: str, table: str, report: dict, json_path: str | None, failures: list[str],
-            warned: list[str] = ()) -> int:
-    """Print the table, write the JSON report if asked (atomically), name each warning (``moealign COMMAND:
-    WARNING ...``, even with ``-q``) and each failure on stderr; exit 3 on failure."""
-    print(table)
-    if json_path:
-        _write_json(json_path, report)
-    for line in warned:
-        print(f"moealign {command}: WARNING {line}", file=sys.stderr)
-    for line in failures:
-        print(f"moealign {command}: FAIL {line}", file=sys.stderr)
-    return 3 if failures else 0
 
 
 def _add_mismatch(sub) -> None:
@@ -237,7 +200,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
     from .tp_check import format_results, parse_world_sizes, run_tp_check, run_vllm_tp_check, tree_failures
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    _check_json_path(args.json, {"--model": args.model})
+    check_json_path(args.json, {"--model": args.model})
     if args.engine == "vllm":
         if args.repeats is not None:
             raise ConfigError("--repeats times the op-level check; --engine vllm times one generate per run")
@@ -252,7 +215,7 @@ def _cmd_tp_check(args: argparse.Namespace) -> int:
         report = run_tp_check(parse_world_sizes(args.world_sizes or "1,2,4"),
                               seed=0 if args.seed is None else args.seed,
                               repeats=3 if args.repeats is None else args.repeats, log=log)
-    return _finish("tp-check", format_results(report), report, args.json, tree_failures(report))
+    return finish_command("tp-check", format_results(report), report, args.json, tree_failures(report))
 
 
 def _add_tp_check(sub) -> None:
@@ -286,7 +249,7 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
     from .record import RolloutRecord
     from .record.inspect import format_inspection, inspect_record
 
-    _check_json_path(args.json, {"record": args.file, "--model": args.model})
+    check_json_path(args.json, {"record": args.file, "--model": args.model})
     model_layers = check = None
     if args.model is not None:
         from functools import partial
@@ -298,7 +261,7 @@ def _cmd_record_inspect(args: argparse.Namespace) -> int:
         check = partial(router_check, model_path=args.model)
     result = inspect_record(RolloutRecord.load(args.file), model_moe_layers=model_layers, router_check=check)
     failures = [f"{f['check']}: {f['detail']}" for f in result["findings"]]
-    return _finish("record inspect", format_inspection(result), result, args.json, failures)
+    return finish_command("record inspect", format_inspection(result), result, args.json, failures)
 
 
 def _cmd_record_convert(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ __all__ = ["add_rl_check", "cmd_rl_check"]
 
 
 def cmd_rl_check(args: argparse.Namespace) -> int:
-    from ..cli import _finish
+    from ..command_output import finish_command
     from .config import RLCheckConfig, parse_fail_above
     from .loop import run_rl_check
     from .report import check_steps, format_steps, write_report_dir
@@ -37,7 +37,7 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
     if cfg.report_dir:
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
-    return _finish("rl-check", format_steps(report), report, args.json, failures)
+    return finish_command("rl-check", format_steps(report), report, args.json, failures)
 
 
 def add_rl_check(sub) -> None:
