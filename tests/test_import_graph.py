@@ -6,8 +6,7 @@ Rules, checked on every ``moealign/**/*.py`` with :mod:`ast` (nothing is importe
   ``record``, ``errors``, ``handle``) imports no engine (:data:`ENGINES`) and neither ``moealign.patches``
   nor ``moealign.mismatch``;
 * no import runs back up into ``moealign.record``: the core packages it is built on (:data:`BELOW_RECORD`:
-  ``routing_replay``, ``families``, ``errors``, ``handle``) do not import it, but for the deprecated paths of
-  :data:`DEPRECATED_SHIMS` (one release);
+  ``routing_replay``, ``families``, ``errors``, ``handle``) do not import it;
 * an engine is imported only inside its own adapter package (:data:`ENGINES`: transformers in
   ``moealign/patches/hf/``, Megatron and transformer-engine in ``moealign/patches/megatron/``, vLLM in
   ``moealign/patches/vllm/``, SGLang in ``moealign/patches/sglang/``).
@@ -52,11 +51,6 @@ CORE = (
 NOT_FROM_CORE = ("moealign.patches", "moealign.mismatch")
 #: core packages that ``moealign.record`` imports, which must not import it back
 BELOW_RECORD = ("moealign/routing_replay/", "moealign/families/", "moealign/errors.py", "moealign/handle.py")
-#: deprecated paths kept for one release (moealign._deprecated): the only imports from below into moealign.record
-DEPRECATED_SHIMS: dict[str, str] = {
-    "moealign/routing_replay/formats.py": "the old path of moealign.record.formats (a shim)",
-    "moealign/routing_replay/__init__.py": "the format names it exported, moved to moealign.record.formats (warn)",
-}
 #: calls whose string first argument is a module imported at run time
 IMPORTING_CALLS = {"require", "probe", "import_module", "__import__"}
 #: files that may name modules as strings (the optional-backend table and the environment report)
@@ -150,7 +144,7 @@ def violations(source: str, rel: str) -> list[Violation]:
             if bad:
                 found.append(Violation(imp, f"a core package imports {bad[0]}"))
                 continue
-        if _in(rel, BELOW_RECORD) and _under(imp.module, "moealign.record") and rel not in DEPRECATED_SHIMS:
+        if _in(rel, BELOW_RECORD) and _under(imp.module, "moealign.record"):
             found.append(Violation(imp, "an import runs back up: a package below moealign.record imports it"))
             continue
         if engine in ENGINES and not rel.startswith(ENGINES[engine]):
@@ -181,15 +175,6 @@ def test_the_walk_sees_the_adapters():
     assert any(rel.startswith("moealign/patches/vllm/") and e == "vllm" for rel, e in seen)
     assert {p.rstrip("/").split("/")[-1] for p in CORE if p.endswith("/")} <= {
         p.name for p in PACKAGE.iterdir() if p.is_dir()}                    # every core package exists
-
-
-def test_deprecated_shims_are_still_there():
-    """A shim whose import of moealign.record is gone (the path removed after its release) leaves
-    :data:`DEPRECATED_SHIMS`."""
-    sources = dict(_sources())
-    for rel, reason in DEPRECATED_SHIMS.items():
-        assert rel in sources, (rel, reason)
-        assert any(_under(imp.module, "moealign.record") for imp in imports_of(sources[rel], rel)), (rel, reason)
 
 
 def test_allowed_exceptions_are_still_needed():

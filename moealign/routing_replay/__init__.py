@@ -25,7 +25,6 @@ Conventions:
 Every bad input raises :class:`RouteError` (a ``ValueError``) naming the tensor, row and value.
 """
 
-from .._deprecated import moved_names
 from .flips import RouteFlipMetrics, route_flip_metrics
 from .gates import (
     SCORES,
@@ -88,14 +87,3 @@ __all__ = [
     "validate_routes",
 ]
 
-
-def _formats():
-    from ..record import formats   # deprecated names only: the record package sits above this one
-
-    return formats
-
-
-#: other engines' route formats moved to moealign.record.formats (these names warn for one release)
-__getattr__ = moved_names(globals(), "moealign.record.formats", _formats, (
-    "RouteRows", "routes_from_nemo_rl", "routes_from_sglang", "routes_from_slime", "routes_from_trtllm",
-    "routes_from_verl", "routes_from_vllm_0_21", "routes_to_nemo_rl", "routes_to_slime", "routes_to_verl"))
