@@ -309,7 +309,7 @@ def format_results(report: dict) -> str:
 VLLM_OPS = ("vllm_prompt_logprobs", "vllm_sample_logprobs")
 
 
-def _cpu_bind(world_size: int) -> str:
+def cpu_bind_spec(world_size: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` CPU ranks: this process's cores in equal contiguous groups."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < world_size:
@@ -331,7 +331,7 @@ def _vllm_probe(model: str, size: int, tree: bool, *, dtype: str, prompts: list[
     if tree:
         env[ENV] = spec_for(tree=True, leaf_width=leaf_width)
     if size > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(size)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(size)
     with tempfile.TemporaryDirectory(prefix="moealign-vllm-tp-") as tmp:
         out = os.path.join(tmp, "probe.json")
         cmd = [sys.executable, "-m", "moealign.patches.vllm.tp_probe", "--model", str(model), "--tp", str(size),
@@ -388,7 +388,7 @@ def run_vllm_tp_check(world_sizes: list[int], *, model: str | None = None, dtype
     prompts = default_prompts()[:num_prompts]
     for size in world_sizes:
         if size > 1 and not torch.cuda.is_available():
-            _cpu_bind(size)   # refuse before starting anything
+            cpu_bind_spec(size)   # refuse before starting anything
     runs = {}
     for tree in (False, True):
         for size in sorted(set(world_sizes) | {1}):

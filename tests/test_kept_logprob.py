@@ -136,7 +136,7 @@ def test_row_chunks_give_the_same_bits(monkeypatch, bi):
     with batch_invariant_mode(bi):
         whole = kept_logprob(logits, tokens, offsets, ids, temperature=0.9)
         monkeypatch.setattr(sampling_mask, "CHUNK_ELEMENTS", 4 * logits.shape[1] + 7)   # chunks of 4 rows
-        assert len(sampling_mask._row_chunks(*logits.shape)) == 6
+        assert len(sampling_mask.row_chunks(*logits.shape)) == 6
         chunked = kept_logprob(leaf, tokens, offsets, ids, temperature=0.9)
         chunked.sum().backward()
         ref_leaf = logits.clone().requires_grad_()

@@ -41,7 +41,7 @@ from .thresholds import (
     LEGACY_RS_LEVELS,
     ISSpec,
     RSOption,
-    _as_positive_float,
+    as_positive_float,
     parse_is_spec,
     parse_rs_spec,
 )
@@ -390,11 +390,11 @@ def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lo
             if rollout_rs_threshold_lower is not None:
                 raise InputError("give the lower bound either in 'lower_upper' or as rollout_rs_threshold_lower, not both")
         else:
-            upper = _as_positive_float(rollout_rs_threshold, "rollout_rs_threshold")
+            upper = as_positive_float(rollout_rs_threshold, "rollout_rs_threshold")
             lower = (
                 1.0 / upper
                 if rollout_rs_threshold_lower is None
-                else _as_positive_float(rollout_rs_threshold_lower, "rollout_rs_threshold_lower")
+                else as_positive_float(rollout_rs_threshold_lower, "rollout_rs_threshold_lower")
             )
             if lower > upper:
                 raise InputError(f"rollout_rs_threshold_lower {lower} > rollout_rs_threshold {upper}")
@@ -417,7 +417,7 @@ def legacy_rs_spelling(rollout_rs, rollout_rs_threshold, rollout_rs_threshold_lo
 def _veto(threshold):
     if threshold is None:
         return None
-    c = _as_positive_float(threshold, "rollout_token_veto_threshold")
+    c = as_positive_float(threshold, "rollout_token_veto_threshold")
     warnings.warn(
         "rollout_token_veto_threshold is the earlier veto; the nearest current spelling is "
         f"rollout_rs='seq_max_k2' with rollout_rs_threshold={0.5 * math.log(c) ** 2!r} "

@@ -49,7 +49,7 @@ RS_MODES = (
 LEGACY_RS_LEVELS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
 
-def _as_positive_float(value, what: str) -> float:
+def as_positive_float(value, what: str) -> float:
     if isinstance(value, bool):
         raise InputTypeError(f"{what} must be a number, got bool {value!r}")
     if isinstance(value, str):
@@ -73,8 +73,8 @@ def _as_positive_float(value, what: str) -> float:
 
 def _split_band(text: str, what: str) -> tuple[float, float]:
     lower_s, upper_s = text.split("_", 1)
-    lower = _as_positive_float(lower_s, f"{what} lower bound")
-    upper = _as_positive_float(upper_s, f"{what} upper bound")
+    lower = as_positive_float(lower_s, f"{what} lower bound")
+    upper = as_positive_float(upper_s, f"{what} upper bound")
     if lower > upper:
         raise ConfigError(f"{what} {text!r}: lower bound {lower} > upper bound {upper}")
     return lower, upper
@@ -92,9 +92,9 @@ def parse_is_threshold(spec) -> tuple[float, float | None]:
         if "_" in text:
             lower, upper = _split_band(text, "rollout_is_threshold")
             return upper, lower
-        return _as_positive_float(text, "rollout_is_threshold"), None
+        return as_positive_float(text, "rollout_is_threshold"), None
     if isinstance(spec, numbers.Real):
-        return _as_positive_float(spec, "rollout_is_threshold"), None
+        return as_positive_float(spec, "rollout_is_threshold"), None
     raise InputTypeError(
         f"rollout_is_threshold must be a number or a 'lower_upper' string, got {type(spec).__name__} {spec!r}"
     )
@@ -121,7 +121,7 @@ def parse_is_spec(level, threshold, mode=None, lower=None) -> ISSpec:
         raise ConfigError(f"unknown rollout_is level {level!r}; expected one of {IS_LEVELS}")
     upper, band_lower = parse_is_threshold(threshold)
     if lower is not None:
-        lower = _as_positive_float(lower, "rollout_is_threshold_lower")
+        lower = as_positive_float(lower, "rollout_is_threshold_lower")
         if band_lower is not None and band_lower != lower:
             raise ConfigError(
                 f"rollout_is_threshold {threshold!r} already names a lower bound; "
@@ -227,7 +227,7 @@ def parse_rs_spec(rollout_rs, rollout_rs_threshold) -> tuple[RSOption, ...]:
             if "_" in text:
                 lower, upper = _split_band(text, what)
             else:
-                upper = _as_positive_float(text, what)
+                upper = as_positive_float(text, what)
                 lower = 1.0 / upper
                 if lower > upper:
                     raise ConfigError(
@@ -236,7 +236,7 @@ def parse_rs_spec(rollout_rs, rollout_rs_threshold) -> tuple[RSOption, ...]:
         else:
             if "_" in text:
                 raise ConfigError(f"{what}: {name} takes an upper bound only, got the band {text!r}")
-            upper = _as_positive_float(text, what)
+            upper = as_positive_float(text, what)
             lower = None
         options.append(RSOption(name=name, agg=agg, k=k, upper=upper, lower=lower))
     return tuple(options)

@@ -279,9 +279,9 @@ class VLLMRolloutEngine:
             if tp != 1:
                 extra["tensor_parallel_size"] = tp      # stock reductions unless MOEALIGN_VLLM_PATCHES=tree
                 if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                    from ..tp_check import _cpu_bind    # vLLM's CPU build binds each rank to its own cores
+                    from ..tp_check import cpu_bind_spec    # vLLM's CPU build binds each rank to its own cores
 
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind(tp)
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(tp)
             with (self.aligned.environment() if self.aligned else contextlib.nullcontext()):
                 self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
             if self._precision is not None:

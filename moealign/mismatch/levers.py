@@ -44,7 +44,7 @@ from ..routing_replay.flips import flipped_slots
 from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
 from .faults import Fault, apply_fault
-from .report import _logprob_metrics
+from .report import logprob_metrics
 from .scoring import SideScores, score_batch
 from .workers import can_fork, fork_map, intra_op_threads
 
@@ -591,7 +591,7 @@ class LeverRunner:
         flips = flipped_slots(used, rollout_routes[self.routed])                               # [rows, L]
         per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
         support = side.support_mismatch(masked) if self.record.has_kept_sets else None
-        metrics = _logprob_metrics(train_lp, rollout_lp, self.lengths)
+        metrics = logprob_metrics(train_lp, rollout_lp, self.lengths)
         metrics["router_flip_rate"] = float(flips.double().mean()) if flips.numel() else 0.0
         metrics["token_flip_rate"] = float(flips.any(-1).double().mean()) if flips.numel() else 0.0
         metrics["support_mismatch_rate"] = float(support.double().mean()) if support is not None else float("nan")

@@ -127,7 +127,7 @@ def _padded(values: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, tor
     return out, mask
 
 
-def _logprob_metrics(train_lp: torch.Tensor, rollout_lp: torch.Tensor, lengths: list[int]) -> dict[str, float]:
+def logprob_metrics(train_lp: torch.Tensor, rollout_lp: torch.Tensor, lengths: list[int]) -> dict[str, float]:
     old, mask = _padded(train_lp, lengths)
     rollout, _ = _padded(rollout_lp, lengths)
     off = compute_offpolicy_metrics(old, rollout, mask).to_floats()
@@ -177,7 +177,7 @@ def side_metrics(record: RolloutRecord, side: SideScores, masked: bool, rollout_
         lengths = [s.response_len for s in record.samples]
     flips = side.flips
     metrics = {"router_flip_rate": flips.router_flip_rate, "token_flip_rate": flips.token_flip_rate}
-    metrics.update(_logprob_metrics(side.logprobs(masked), rollout_lp, lengths))
+    metrics.update(logprob_metrics(side.logprobs(masked), rollout_lp, lengths))
     if record.has_kept_sets:
         metrics["support_mismatch_rate"] = float(side.support_mismatch(masked).double().mean())
     else:

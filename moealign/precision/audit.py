@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import InputError, PrecisionAuditError
-from .fp8 import _MARK, fp8_fake_quant_config
+from .fp8 import FP8_MARK, fp8_fake_quant_config
 from .policy import LM_HEAD, OUTPUT_CAST_ROLES, ROLES, ROUTER, PrecisionPolicy, dtype_name, get_policy
 
 __all__ = ["PrecisionAuditError", "AuditReport", "audit", "guess_roles", "resolve_roles"]
@@ -85,7 +85,7 @@ def resolve_roles(model: torch.nn.Module, roles: Mapping[str, str] | None) -> di
     return full
 
 
-def _first_float(obj: Any) -> torch.Tensor | None:
+def first_float(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj if obj.is_floating_point() else None
     if isinstance(obj, Mapping):
@@ -94,7 +94,7 @@ def _first_float(obj: Any) -> torch.Tensor | None:
         obj = obj.to_tuple()
     if isinstance(obj, (tuple, list)):
         for item in obj:
-            found = _first_float(item)
+            found = first_float(item)
             if found is not None:
                 return found
     return None
@@ -160,7 +160,7 @@ def audit(model: torch.nn.Module, policy: str | PrecisionPolicy, inputs: Any = N
             deviations.append("policy uses FP8 but no module of the model qualifies for it")
     fp8_set = set(fp8_modules)
     for mname, module in model.named_modules():
-        marked = bool(module.__dict__.get(_MARK))
+        marked = bool(module.__dict__.get(FP8_MARK))
         if mname in fp8_set and not marked:
             deviations.append(f"module {mname}: not FP8 fake-quantised, policy {policy.name} quantises it")
         elif marked and mname not in fp8_set:
@@ -176,13 +176,13 @@ def audit(model: torch.nn.Module, policy: str | PrecisionPolicy, inputs: Any = N
             def hook(module, args):
                 if mname in fp8_set and all(isinstance(module.__dict__.get(w), torch.Tensor) for w in weight_names):
                     seen_fp8.add(mname)
-                x = _first_float(args)
+                x = first_float(args)
                 computed[mname] = (dtype_name(x.dtype) if x is not None else None, None)
             return hook
 
         def post(mname: str):
             def hook(module, args, output):
-                y = _first_float(output)
+                y = first_float(output)
                 computed[mname] = (computed.get(mname, (None, None))[0],
                                    dtype_name(y.dtype) if y is not None else None)
             return hook

@@ -268,12 +268,12 @@ class FakeQuantHandle(PatchHandle):
 
     def _quantise(self, name: str, module: torch.nn.Module, names: list[str]) -> None:
         """Mark ``module``, hook it, and register the undo of both (unmark, drop any shadowed weight)."""
-        module.__dict__[_MARK] = True
+        module.__dict__[FP8_MARK] = True
 
         def unmark() -> None:
             for n in names:
                 module.__dict__.pop(n, None)
-            module.__dict__.pop(_MARK, None)
+            module.__dict__.pop(FP8_MARK, None)
 
         self.add_callback(unmark)
         self.modules[name] = names
@@ -281,7 +281,7 @@ class FakeQuantHandle(PatchHandle):
         self.add_hook(module.register_forward_hook(_post_hook(names), always_call=True))
 
 
-_MARK = "_moealign_fp8_fake_quant"
+FP8_MARK = "_moealign_fp8_fake_quant"
 
 
 def _pre_hook(config: Fp8FakeQuantConfig, names: list[str]):
@@ -322,7 +322,7 @@ def fake_quant_fp8_(model: torch.nn.Module, config: Fp8FakeQuantConfig = Fp8Fake
         names = _weight_names(module)
         if not names:
             raise InputError(f"module {name!r} was selected for FP8 but holds no weight matrix")
-        if module.__dict__.get(_MARK):
+        if module.__dict__.get(FP8_MARK):
             handle.undo()
             raise EngineError(f"module {name!r} is already fake-quantised (undo the earlier fake_quant_fp8_ first)")
         handle._quantise(name, module, names)

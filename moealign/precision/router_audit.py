@@ -105,7 +105,7 @@ def check_router_audit(result: Mapping[int, Mapping[str, torch.dtype | None]],
     return failures
 
 
-from .audit import _first_float  # noqa: E402  (the first floating tensor of an output / arguments)
+from .audit import first_float  # noqa: E402  (the first floating tensor of an output / arguments)
 
 
 class RouterStageObserver(PatchHandle):
@@ -197,10 +197,10 @@ class RouterStageObserver(PatchHandle):
 
         def observed(*args, **kwargs):
             if observer._stack and which == "input":
-                observer.note(stage, _first_float(args[:1]) if args else _first_float(list(kwargs.values())[:1]))
+                observer.note(stage, first_float(args[:1]) if args else first_float(list(kwargs.values())[:1]))
             out = original(*args, **kwargs)
             if observer._stack and which == "output":
-                observer.note(stage, _first_float(out))
+                observer.note(stage, first_float(out))
             return out
 
         observed.__wrapped__ = original

@@ -26,7 +26,7 @@ from .._files import atomic_write, parse_json
 from ..errors import MissingFileError, MoealignWarning, RecordError, RecordFormatError, RecordMismatchError
 from ..routing_replay.routes import RouteError
 from ..routing_replay.sampling_mask import validate_kept_sets
-from .layouts import _split_kept, concat_kept_sets
+from .layouts import split_kept_sets, concat_kept_sets
 from .meta import FORMAT_VERSION, RecordMeta, SamplingParams, _short
 from .sample import Sample
 
@@ -237,7 +237,7 @@ def _samples_from_tensors(tensors: dict[str, torch.Tensor], meta: RecordMeta, pa
             validate_kept_sets(tensors["kept_offsets"], tensors["kept_ids"], meta.vocab_size)
         except RouteError as exc:
             raise RecordFormatError(f"{path}: kept sets (kept_offsets / kept_ids): {exc}") from None
-        kept = _split_kept(tensors["kept_offsets"], tensors["kept_ids"], resp_lens)
+        kept = split_kept_sets(tensors["kept_offsets"], tensors["kept_ids"], resp_lens)
     samples, lp, rt = [], 0, 0
     for b in range(B):
         L = off[b + 1] - off[b]

@@ -99,7 +99,7 @@ def concat_kept_sets(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, to
     return torch.cat(parts_off), torch.cat(parts_ids)
 
 
-def _split_kept(offsets: torch.Tensor, ids: torch.Tensor, response_lens: Sequence[int]):
+def split_kept_sets(offsets: torch.Tensor, ids: torch.Tensor, response_lens: Sequence[int]):
     out, row = [], 0
     for n in response_lens:
         lo, hi = int(offsets[row]), int(offsets[row + n])
@@ -184,7 +184,7 @@ def samples_from_padded(batch: PaddedBatch, sampling: Sequence[SamplingParams]) 
     kept = None
     if batch.kept_offsets is not None:
         resp_lens = [int(x) for x in (batch.lengths - batch.prompt_lens)]
-        kept = _split_kept(batch.kept_offsets, batch.kept_ids, resp_lens)
+        kept = split_kept_sets(batch.kept_offsets, batch.kept_ids, resp_lens)
     samples = []
     for b in range(B):
         L, P = int(batch.lengths[b]), int(batch.prompt_lens[b])
@@ -214,7 +214,7 @@ def samples_from_packed(batch: PackedBatch, sampling: Sequence[SamplingParams]) 
     kept = None
     if batch.kept_offsets is not None:
         resp_lens = [cu[b + 1] - cu[b] - int(batch.prompt_lens[b]) for b in range(B)]
-        kept = _split_kept(batch.kept_offsets, batch.kept_ids, resp_lens)
+        kept = split_kept_sets(batch.kept_offsets, batch.kept_ids, resp_lens)
     samples = []
     for b in range(B):
         lo, hi, P = cu[b], cu[b + 1], int(batch.prompt_lens[b])

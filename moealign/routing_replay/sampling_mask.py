@@ -55,7 +55,7 @@ def _check_vocab_size(vocab_size) -> int:
     return vocab_size
 
 
-def _check_temperature(temperature) -> float:
+def check_temperature(temperature) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise RouteError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -237,7 +237,7 @@ def truncation_mask(
     ``top_p`` 1 / None and ``min_p`` 0 / None are off. Entries already -inf in ``logits`` are not kept.
     """
     _check_logits(logits)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise RouteError(f"top_k must be an int >= 0 (0 or None: off), got {top_k!r}")
     for name, value in (("top_p", top_p), ("min_p", min_p)):
@@ -278,12 +278,12 @@ def truncation_mask(
 CHUNK_ELEMENTS = 1 << 26
 
 
-def _row_chunks(num_rows: int, width: int) -> list[tuple[int, int]]:
+def row_chunks(num_rows: int, width: int) -> list[tuple[int, int]]:
     step = max(1, CHUNK_ELEMENTS // max(1, width))
     return [(r, min(r + step, num_rows)) for r in range(0, num_rows, step)] or [(0, 0)]
 
 
-class _KeptMasks:
+class KeptMasks:
     """Dense ``[rows, width]`` bool masks of CSR kept sets, one row chunk at a time, over the vocabulary slice
     ``[vocab_start, vocab_start + width)`` (the whole vocabulary: ``vocab_start=0, width=V``)."""
 
@@ -305,31 +305,31 @@ class _KeptMasks:
         return mask
 
 
-def _scaled(logits: torch.Tensor, r0: int, r1: int, temperature: float, masks: _KeptMasks | None) -> torch.Tensor:
+def _scaled(logits: torch.Tensor, r0: int, r1: int, temperature: float, masks: KeptMasks | None) -> torch.Tensor:
     """Rows ``[r0, r1)`` of ``logits / T`` in the compute dtype, ``-inf`` outside the kept sets."""
     scores = logits[r0:r1].to(compute_dtype(logits)) / temperature
     return scores if masks is None else scores.masked_fill(~masks(r0, r1), float("-inf"))
 
 
-def _dense_logprob(logits: torch.Tensor, tokens: torch.Tensor, kept, temperature: float) -> torch.Tensor:
+def dense_kept_logprob(logits: torch.Tensor, tokens: torch.Tensor, kept, temperature: float) -> torch.Tensor:
     """THE kept-set log-prob: ``log_softmax`` over the whole row of ``logits / T`` with -inf outside the kept set.
 
     ``kept``: checked CSR ``(offsets, ids)``, or None for the full vocabulary. ``tokens`` int64 on the logits'
     device. Row chunks (:data:`CHUNK_ELEMENTS`) give the same bits as one call: every op is per row.
     """
     num_rows, vocab = logits.shape
-    masks = None if kept is None else _KeptMasks(kept[0], kept[1], logits.device, vocab)
+    masks = None if kept is None else KeptMasks(kept[0], kept[1], logits.device, vocab)
     out = [torch.log_softmax(_scaled(logits, r0, r1, temperature, masks), dim=-1)
-           .gather(1, tokens[r0:r1, None]).squeeze(1) for r0, r1 in _row_chunks(num_rows, vocab)]
+           .gather(1, tokens[r0:r1, None]).squeeze(1) for r0, r1 in row_chunks(num_rows, vocab)]
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     """``[N]`` bool: the row holds NaN or +-inf (row chunks, no ``[N, V]`` temporary)."""
-    return torch.cat([~torch.isfinite(x[r0:r1]).all(dim=-1) for r0, r1 in _row_chunks(x.shape[0], x.shape[1])])
+    return torch.cat([~torch.isfinite(x[r0:r1]).all(dim=-1) for r0, r1 in row_chunks(x.shape[0], x.shape[1])])
 
 
-def _nonfinite_message(x: torch.Tensor, row: int, vocab_start: int = 0, shard: str | None = None) -> str:
+def nonfinite_message(x: torch.Tensor, row: int, vocab_start: int = 0, shard: str | None = None) -> str:
     """Names the first non-finite entry of ``x[row]`` by its vocabulary id (and its place in the shard, with
     ``shard`` the prefix naming the rank: ``""`` or ``"tensor-parallel rank 1: "``)."""
     col = int((~torch.isfinite(x[row])).nonzero()[0, 0])
@@ -338,12 +338,12 @@ def _nonfinite_message(x: torch.Tensor, row: int, vocab_start: int = 0, shard: s
 
 
 def _check_finite(logits: torch.Tensor) -> None:
-    bad = _nonfinite_rows(logits)
+    bad = nonfinite_rows(logits)
     if bool(bad.any()):
-        raise RouteError(_nonfinite_message(logits, int(bad.nonzero()[0, 0])))
+        raise RouteError(nonfinite_message(logits, int(bad.nonzero()[0, 0])))
 
 
-def _checked(logp: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def checked_logprob(logp: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logp`` unless a row came out NaN: finite logits whose ``logits / temperature`` overflows the compute dtype
     (a temperature far below 1); the error names the row, its largest logit and the temperature. One check of
     the ``[N]`` result, no pass over the logits."""
@@ -384,7 +384,7 @@ def kept_logprob(
     :func:`~moealign.routing_replay.vocab_parallel.vocab_parallel_kept_logprob` (bitwise this at TP = 1).
     """
     _check_logits(logits)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     tokens = _check_tokens(tokens, logits)
     num_rows, vocab = logits.shape
     if validate:
@@ -393,7 +393,7 @@ def kept_logprob(
         raise RouteError(f"kept sets have {offsets.numel() - 1} rows but logits {tuple(logits.shape)} has {num_rows}")
     check_tokens_in_kept(offsets, ids, tokens)
     _check_finite(logits)
-    return _checked(_dense_logprob(logits, tokens, (offsets, ids), temperature), logits, temperature)
+    return checked_logprob(dense_kept_logprob(logits, tokens, (offsets, ids), temperature), logits, temperature)
 
 
 def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -402,10 +402,10 @@ def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: flo
     :func:`kept_logprob` with every token kept (no mask); NaN or +-inf logits are an error.
     """
     _check_logits(logits)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     tokens = _check_tokens(tokens, logits)
     _check_finite(logits)
-    return _checked(_dense_logprob(logits, tokens, None, temperature), logits, temperature)
+    return checked_logprob(dense_kept_logprob(logits, tokens, None, temperature), logits, temperature)
 
 
 # ----------------------------------------------------------------------------------------- mismatch

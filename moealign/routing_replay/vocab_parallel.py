@@ -50,13 +50,13 @@ import torch.distributed as dist
 from .._validate import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 from .sampling_mask import (
-    _check_temperature,
-    _checked,
-    _dense_logprob,
-    _KeptMasks,
-    _nonfinite_message,
-    _nonfinite_rows,
-    _row_chunks,
+    check_temperature,
+    checked_logprob,
+    dense_kept_logprob,
+    KeptMasks,
+    nonfinite_message,
+    nonfinite_rows,
+    row_chunks,
     _scaled,
     check_tokens_in_kept,
 )
@@ -180,7 +180,7 @@ def vocab_parallel_kept_logprob(
     reduced over the ranks, equal up to floating-point rounding. Two collectives: a MAX all-reduce of
     ``[N + 1]`` (row max and error flag) and a SUM all-reduce of ``[2, N]``.
     """
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     reduce = _GroupReduce(group)
     tokens, kept = _check_shared_inputs(tokens, kept)
     num_rows = tokens.numel()
@@ -190,11 +190,11 @@ def vocab_parallel_kept_logprob(
     if reduce.size == 1:
         _check_shard(logits_shard, num_rows, vocab_start, expected_start)
         _check_kept_ids(tokens, kept, logits_shard.shape[1])
-        bad = _nonfinite_rows(logits_shard)
+        bad = nonfinite_rows(logits_shard)
         if bool(bad.any()):
-            raise RouteError(_nonfinite_message(logits_shard, int(bad.nonzero()[0, 0]), 0, ""))
+            raise RouteError(nonfinite_message(logits_shard, int(bad.nonzero()[0, 0]), 0, ""))
         tokens = tokens.to(device=logits_shard.device, dtype=torch.int64)
-        return _checked(_dense_logprob(logits_shard, tokens, kept, temperature), logits_shard, temperature)
+        return checked_logprob(dense_kept_logprob(logits_shard, tokens, kept, temperature), logits_shard, temperature)
 
     # Every check that could fail on one rank only is caught here and raised after the MAX
     # all-reduce, which carries an error flag: no rank is left waiting in a collective.
@@ -204,11 +204,11 @@ def vocab_parallel_kept_logprob(
         width = logits_shard.shape[1]
         _check_kept_ids(tokens, kept, width * reduce.size)
         if kept is not None:
-            masks = _KeptMasks(kept[0], kept[1], logits_shard.device, width, vocab_start, whole=False)
-        nonfinite = _nonfinite_rows(logits_shard)
+            masks = KeptMasks(kept[0], kept[1], logits_shard.device, width, vocab_start, whole=False)
+        nonfinite = nonfinite_rows(logits_shard)
         with torch.no_grad():      # the shift: -inf where this slice keeps nothing of the row
             local_max = torch.cat([_scaled(logits_shard, r0, r1, temperature, masks).amax(dim=-1)
-                                   for r0, r1 in _row_chunks(num_rows, width)])
+                                   for r0, r1 in row_chunks(num_rows, width)])
         local_max = torch.where(nonfinite, float("inf"), local_max)
     except RouteError as exc:
         error = exc
@@ -230,20 +230,20 @@ def vocab_parallel_kept_logprob(
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         if bool(nonfinite[row]):
-            raise RouteError(_nonfinite_message(logits_shard, row, vocab_start,
+            raise RouteError(nonfinite_message(logits_shard, row, vocab_start,
                                                 f"tensor-parallel rank {reduce.rank}: "))
         raise RouteError(f"logits row {row} holds NaN or Inf on another tensor-parallel rank's vocabulary slice")
 
     # log p = (logit[token] / T - max) - log(sum over the kept set of exp(logit / T - max)), summed over ranks
     sum_exp = torch.cat([(_scaled(logits_shard, r0, r1, temperature, masks) - row_max[r0:r1, None]).exp().sum(dim=-1)
-                         for r0, r1 in _row_chunks(num_rows, width)])
+                         for r0, r1 in row_chunks(num_rows, width)])
     local_token = tokens.to(device=device, dtype=torch.int64) - vocab_start
     owns = (local_token >= 0) & (local_token < width)
     chosen = logits_shard.gather(1, torch.where(owns, local_token, 0)[:, None]).squeeze(1).to(dtype) / temperature
     picked = torch.where(owns, chosen - row_max, torch.zeros((), dtype=dtype, device=device))
     picked, sum_exp = reduce.sum(torch.stack([picked, sum_exp])).unbind(0)
     # a NaN row (logits / T overflowed) is NaN on every rank after the SUM: each rank raises alike
-    return _checked(picked - sum_exp.log(), logits_shard, temperature)
+    return checked_logprob(picked - sum_exp.log(), logits_shard, temperature)
 
 
 def vocab_parallel_full_logprob(
