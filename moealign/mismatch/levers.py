@@ -39,7 +39,7 @@ import torch
 from ..errors import ConfigError
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.policy import PrecisionPolicy, get_policy
-from ..record import RolloutRecord, concat_kept_sets
+from ..record import RolloutRecord, kept_sets_of
 from ..routing_replay.flips import flipped_slots
 from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
@@ -311,7 +311,9 @@ class LeverRunner:
         setup, partner, _ = unit
         dev = out.logits[0].device
         tokens = torch.cat([s.token_ids[s.prompt_len:] for s in samples]).to(dev)
-        kept = [t.to(dev) for t in concat_kept_sets(samples)] if self.record.has_kept_sets else None
+        kept = None
+        if self.record.has_kept_sets:                   # checked when the record was made or loaded
+            kept = kept_sets_of(samples, out.logits[0].shape[-1]).to(dev)
         T = samples[0].sampling.temperature
         per_setup = {setup: out.logits}
         if partner is not None:
@@ -321,7 +323,7 @@ class LeverRunner:
         for s, logits in per_setup.items():
             logits = torch.cat(logits)
             if kept is not None:
-                lp = kept_logprob(logits, tokens, kept[0], kept[1], temperature=T)
+                lp = kept_logprob(logits, tokens, kept, temperature=T)
             else:
                 lp = full_logprob(logits, tokens, temperature=T)
             res["lp"][s] = lp.cpu()

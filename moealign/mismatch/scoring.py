@@ -19,7 +19,7 @@ import torch
 from ..errors import ConfigError
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.canonical import log_softmax_mode
-from ..record import RolloutRecord, concat_kept_sets
+from ..record import RolloutRecord, kept_sets_of
 from ..routing_replay.flips import RouteFlipMetrics, route_flip_metrics
 from ..routing_replay.sampling_mask import (
     full_logprob,
@@ -89,14 +89,13 @@ def score_batch(record: RolloutRecord, indices, fwd: TrainForward, side: SideSco
     side.routes.append(fwd.routes.cpu())
     if not record.has_kept_sets:
         return
-    offsets, ids = concat_kept_sets(samples)
-    offsets, ids = offsets.to(logits.device), ids.to(logits.device)
-    used = kept_mask(offsets, ids, logits.shape[-1])
-    side.kept.append(kept_logprob(logits, fwd.tokens, offsets, ids, temperature=T).cpu())
+    kept = kept_sets_of(samples, logits.shape[-1]).to(logits.device)    # checked when the record was made or loaded
+    used = kept_mask(kept)
+    side.kept.append(kept_logprob(logits, fwd.tokens, kept, temperature=T).cpu())
     own = truncation_mask(logits, temperature=T, top_k=sampling.top_k or None,
                           top_p=sampling.top_p if sampling.top_p < 1 else None, min_p=sampling.min_p or None)
-    side.own_support_mismatch.append(support_mismatch(offsets, ids, own).cpu())
-    side.used_support_mismatch.append(support_mismatch(offsets, ids, used).cpu())
+    side.own_support_mismatch.append(support_mismatch(kept, trainer_mask=own).cpu())
+    side.used_support_mismatch.append(support_mismatch(kept, trainer_mask=used).cpu())
 
 
 def score_record(record: RolloutRecord, trainer: TrainEngine, *, batch_size: int, batch_invariant: bool = False,

@@ -46,7 +46,7 @@ record's tokens) lives in :mod:`moealign.mismatch.router_check`.
 """
 
 from ..errors import RecordError, RecordFormatError, RecordMismatchError
-from .layouts import PackedBatch, PaddedBatch, concat_kept_sets
+from .layouts import PackedBatch, PaddedBatch, concat_kept_sets, kept_sets_of
 from .meta import (
     FORMAT_VERSION,
     MAX_EXPERTS,
@@ -83,6 +83,7 @@ __all__ = [
     "router_samples",
     "routes_from_all_layers",
     "concat_kept_sets",
+    "kept_sets_of",
     "with_meta",
     "ROUTER_SAMPLES",
 ]

@@ -12,6 +12,7 @@ import torch
 from ..errors import RecordError
 from ..routing_replay.protocol import ReplayBatch
 from ..routing_replay.routes import expand_routes
+from ..routing_replay.sampling_mask import KeptSets
 from .meta import RecordMeta, SamplingParams
 from .sample import Sample
 
@@ -97,6 +98,15 @@ def concat_kept_sets(samples: Sequence[Sample]) -> tuple[torch.Tensor | None, to
         parts_ids.append(s.kept_ids.to(torch.int32))
         base += int(s.kept_offsets[-1])
     return torch.cat(parts_off), torch.cat(parts_ids)
+
+
+def kept_sets_of(samples: Sequence[Sample], vocab_size: int) -> KeptSets | None:
+    """The samples' kept sets as one trusted :class:`~moealign.routing_replay.sampling_mask.KeptSets` (rows in
+    sample order; None when there are none): every sample's sets were checked against the record's vocabulary and
+    its own tokens when the sample was built or loaded (:class:`~moealign.record.sample.Sample`), so nothing is
+    checked again where they are used."""
+    offsets, ids = concat_kept_sets(samples)
+    return None if offsets is None else KeptSets.trusted(offsets, ids, vocab_size)
 
 
 def split_kept_sets(offsets: torch.Tensor, ids: torch.Tensor, response_lens: Sequence[int]):

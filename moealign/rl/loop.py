@@ -85,7 +85,7 @@ class _Run:
 
     def _train(self, record) -> tuple[dict, object]:
         from ..mismatch.engines import TrainForward
-        from ..record import concat_kept_sets
+        from ..record import kept_sets_of
         from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 
         from ..correction.losses import ppo_clip_loss
@@ -96,9 +96,8 @@ class _Run:
         fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
         with self._log_softmax():
             if self.mask:
-                offsets, ids = concat_kept_sets(record.samples)
-                logp = kept_logprob(fwd.logits, fwd.tokens, offsets.to(fwd.logits.device),
-                                    ids.to(fwd.logits.device), temperature=cfg.temperature)
+                kept = kept_sets_of(record.samples, fwd.logits.shape[-1]).to(fwd.logits.device)   # checked at build
+                logp = kept_logprob(fwd.logits, fwd.tokens, kept, temperature=cfg.temperature)
             else:
                 logp = full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
         rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(logp.device)

@@ -24,6 +24,7 @@ semantics, for measuring how often it differs from the recorded one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,7 @@ from .._validate import check_float_matrix, compute_dtype
 from .routes import RouteError, check_integer_tensor, describe
 
 __all__ = [
+    "KeptSets",
     "CHUNK_ELEMENTS",
     "check_tokens_in_kept",
     "full_logprob",
@@ -142,6 +144,60 @@ def validate_kept_sets(
         raise RouteError(f"kept set of row {key // vocab_size} holds token {key % vocab_size} more than once")
 
 
+@dataclass(frozen=True)
+class KeptSets:
+    """CSR kept sets ``(offsets, ids)`` over a vocabulary of ``vocab_size``, checked once: the functions of this
+    module that take one (:func:`kept_mask`, :func:`kept_logprob`, :func:`support_mismatch`) trust it and check
+    nothing more (no host read per call).
+
+    Build one with :meth:`checked` (runs :func:`validate_kept_sets`, and :func:`check_tokens_in_kept` when
+    ``tokens`` are given), or with :meth:`trusted` where the sets were checked when their data entered (a record's
+    samples are, when the record is built or loaded: ``moealign.record.layouts.kept_sets_of``). The rows belong to
+    the tokens they were checked with: each token lies in its own row's set.
+    """
+
+    offsets: torch.Tensor
+    ids: torch.Tensor
+    vocab_size: int
+
+    @classmethod
+    def checked(cls, offsets: torch.Tensor, ids: torch.Tensor, vocab_size: int, *,
+                tokens: torch.Tensor | None = None) -> "KeptSets":
+        validate_kept_sets(offsets, ids, vocab_size, num_rows=None if tokens is None else tokens.numel())
+        if tokens is not None:
+            check_tokens_in_kept(offsets, ids, tokens)
+        return cls(offsets, ids, int(vocab_size))
+
+    @classmethod
+    def trusted(cls, offsets: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> "KeptSets":
+        """Kept sets already checked where they entered (the caller's word): nothing is checked."""
+        return cls(offsets, ids, int(vocab_size))
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.numel() - 1
+
+    def to(self, device) -> "KeptSets":
+        return KeptSets(self.offsets.to(device), self.ids.to(device), self.vocab_size)
+
+
+def _kept(offsets, ids, vocab_size: int, num_rows: int | None, validate: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                         bool]:
+    """``(offsets, ids, trusted)`` of either form: a :class:`KeptSets` (its vocabulary and row count must match;
+    nothing else is checked) or raw CSR tensors (validated unless ``validate`` is False)."""
+    if isinstance(offsets, KeptSets):
+        kept = offsets
+        if ids is not None:
+            raise RouteError("pass either a KeptSets or (offsets, ids), not both")
+        if kept.vocab_size != vocab_size or (num_rows is not None and kept.num_rows != num_rows):
+            raise RouteError(f"kept sets of {kept.num_rows} rows over a vocabulary of {kept.vocab_size} do not fit "
+                             f"{num_rows} rows over {vocab_size}")
+        return kept.offsets, kept.ids, True
+    if validate:
+        validate_kept_sets(offsets, ids, vocab_size, num_rows=num_rows)
+    return offsets, ids, False
+
+
 def _row_index(offsets: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row of each CSR entry, entries per row), both int64 on ``device``."""
     counts = offsets.to(device=device, dtype=torch.int64).diff()
@@ -207,10 +263,12 @@ def kept_sets_from_logits(processed_logits: torch.Tensor) -> tuple[torch.Tensor,
     return offsets, ids
 
 
-def kept_mask(offsets: torch.Tensor, ids: torch.Tensor, vocab_size: int, *, validate: bool = True) -> torch.Tensor:
-    """The CSR kept sets as a dense ``[N, vocab_size]`` bool mask."""
-    if validate:
-        validate_kept_sets(offsets, ids, vocab_size)
+def kept_mask(offsets: torch.Tensor | KeptSets, ids: torch.Tensor | None = None, vocab_size: int | None = None, *,
+              validate: bool = True) -> torch.Tensor:
+    """The CSR kept sets as a dense ``[N, vocab_size]`` bool mask (``kept_mask(kept_sets)`` for a :class:`KeptSets`)."""
+    if isinstance(offsets, KeptSets):
+        vocab_size = offsets.vocab_size if vocab_size is None else vocab_size
+    offsets, ids, _ = _kept(offsets, ids, vocab_size, None, validate)
     rows, counts = _row_index(offsets, ids.device)
     mask = torch.zeros(counts.numel(), vocab_size, dtype=torch.bool, device=ids.device)
     mask[rows, ids.to(torch.int64)] = True
@@ -359,13 +417,14 @@ def checked_logprob(logp: torch.Tensor, logits: torch.Tensor, temperature: float
 def kept_logprob(
     logits: torch.Tensor,
     tokens: torch.Tensor,
-    offsets: torch.Tensor,
-    ids: torch.Tensor,
+    offsets: torch.Tensor | KeptSets,
+    ids: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Log-prob ``[N]`` of each token under ``logits / T`` restricted to its recorded kept set.
+    """Log-prob ``[N]`` of each token under ``logits / T`` restricted to its recorded kept set (``offsets`` may be a
+    :class:`KeptSets`: trusted, so neither the CSR nor the tokens' membership is checked again).
 
     Exactly ``log_softmax((logits.float() / T).masked_fill(~kept, -inf), dim=-1)[token]``, with ``kept`` the
     ``[N, V]`` mask of the CSR kept sets ``(offsets, ids)``: the reduction runs over the whole vocabulary
@@ -387,11 +446,11 @@ def kept_logprob(
     temperature = check_temperature(temperature)
     tokens = _check_tokens(tokens, logits)
     num_rows, vocab = logits.shape
-    if validate:
-        validate_kept_sets(offsets, ids, vocab, num_rows=num_rows)
-    elif offsets.numel() != num_rows + 1:
+    offsets, ids, trusted = _kept(offsets, ids, vocab, num_rows, validate)
+    if offsets.numel() != num_rows + 1:
         raise RouteError(f"kept sets have {offsets.numel() - 1} rows but logits {tuple(logits.shape)} has {num_rows}")
-    check_tokens_in_kept(offsets, ids, tokens)
+    if not trusted:
+        check_tokens_in_kept(offsets, ids, tokens)
     _check_finite(logits)
     return checked_logprob(dense_kept_logprob(logits, tokens, (offsets, ids), temperature), logits, temperature)
 
@@ -411,18 +470,20 @@ def full_logprob(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: flo
 # ----------------------------------------------------------------------------------------- mismatch
 
 
-def support_mismatch(offsets: torch.Tensor, ids: torch.Tensor, trainer_mask: torch.Tensor) -> torch.Tensor:
+def support_mismatch(offsets: torch.Tensor | KeptSets, ids: torch.Tensor | None = None,
+                     trainer_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per token ``[N]`` bool: does the recorded kept set differ from the trainer's ``[N, V]`` support?
 
     Equal sets have equal sizes and every recorded id inside the trainer's mask; no dense copy of the
-    recorded sets is built.
+    recorded sets is built. ``support_mismatch(kept_sets, trainer_mask=mask)`` with a :class:`KeptSets`
+    (trusted).
     """
     if not isinstance(trainer_mask, torch.Tensor) or trainer_mask.dim() != 2:
         raise RouteError(f"trainer_mask must have shape [N, V], got {describe(trainer_mask)}")
     if trainer_mask.dtype != torch.bool:
         raise RouteError(f"trainer_mask must be a bool tensor, got dtype {trainer_mask.dtype}")
     num_rows, vocab = trainer_mask.shape
-    validate_kept_sets(offsets, ids, vocab, num_rows=num_rows)
+    offsets, ids, _ = _kept(offsets, ids, vocab, num_rows, True)
     device = trainer_mask.device
     rows, counts = _row_index(offsets, device)
     inside = trainer_mask[rows, ids.to(device=device, dtype=torch.int64)]
