@@ -10,6 +10,7 @@ import sys
 from . import __version__
 from .command_output import check_json_path, finish_command
 from .errors import ConfigError, MoealignError
+from .options import add_shared_options, given_options
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -45,15 +46,11 @@ def _cmd_mismatch(args: argparse.Namespace) -> int:
                           f"precision sweep); the default engines are --rollout {CLI_ROLLOUT} --train {CLI_TRAIN}: add "
                           f"--rollout hf --train hf")
     cfg = MismatchConfig(
-        model=args.model, rollout_engine=rollout, rollout_precision=args.rollout_precision,
-        train_engine=train, train_precision=args.train_precision, rollout_dtype=args.rollout_dtype,
+        **given_options(args), rollout_engine=rollout, train_engine=train, rollout_dtype=args.rollout_dtype,
         train_dtype=args.train_dtype, batch_invariant=args.batch_invariant, attention=args.attention,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, batch_size=args.batch_size, prompts_file=args.prompts,
-        device=args.device, save_record=args.save_record, load_record=args.load_record,
-        diagnose=bool(args.diagnose), report_dir=args.report, inject_fault=args.inject_fault,
-        rollout_tp=args.rollout_tp, aligned=bool(args.aligned), aligned_skip=_aligned_skip(args.aligned_skip))
+        save_record=args.save_record, load_record=args.load_record, diagnose=bool(args.diagnose),
+        inject_fault=args.inject_fault, aligned_skip=_aligned_skip(args.aligned_skip))
     if args.sweep and (args.diagnose or args.report or args.inject_fault):
         raise ConfigError("--sweep runs one configuration after another: --diagnose / --report / --inject-fault apply "
                           "to one mismatch test; drop --sweep")
@@ -113,7 +110,6 @@ CLI_ROLLOUT, CLI_TRAIN = "vllm", "megatron"
 def _add_mismatch(sub) -> None:
     from .mismatch.report import HIGHER_IS_BETTER, LOWER_IS_BETTER, TWO_SIDED
     from .mismatch.engines import DTYPES, ROLLOUT_ENGINES, TRAIN_ENGINES
-    from .precision.policy import POLICIES
 
     p = sub.add_parser(
         "mismatch",
@@ -122,20 +118,24 @@ def _add_mismatch(sub) -> None:
         "routes and kept sets); the training engine recomputes the same tokens' log-probs without alignment, "
         "with routing replay, with the sampling mask, and with both. With no arguments it runs the embedded "
         "tiny MoE model on CPU, vLLM rolling out and Megatron-core training (the engines RL runs use).")
-    policies = ", ".join(sorted(POLICIES))
-    p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
+    add_shared_options(p, defaults={"rollout_precision": "bf16", "train_precision": "fp32", "rollout_tp": 1,
+                                    "num_prompts": 32, "max_new_tokens": 48, "seed": 0, "temperature": 1.0,
+                                    "top_p": 0.9, "device": "auto"}, help={
+        "rollout_tp": "--rollout vllm: tensor-parallel size (stock reductions unless the vLLM plugin's tree reductions "
+                      "are on: MOEALIGN_VLLM_PATCHES=tree)",
+        "aligned": "the canonical forward on both engines (vLLM -> Megatron, qwen3_moe, CPU): every op (linear, norm, "
+                   "RoPE, attention, router, experts, LM head, log-softmax) one moealign implementation, so the fully "
+                   "aligned run is bitwise equal; one precision on both sides (default bf16)",
+        "json": "write the report as JSON (with --sweep: every configuration's)",
+        "report_dir": "write DIR/report.html (self-contained, plots) and DIR/report.json; implies --diagnose",
+        "fail_above": "exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable; with --sweep: the fully "
+                      "aligned configuration's; a record without kept sets: the routing_replay run); metrics where "
+                      "lower is better: " + ", ".join(LOWER_IS_BETTER + TWO_SIDED)})
     p.add_argument("--rollout", choices=sorted(ROLLOUT_ENGINES),
                    help=f"rollout engine (default {CLI_ROLLOUT}; hf: transformers generate())")
-    p.add_argument("--rollout-precision", metavar="NAME",
-                   help=f"rollout precision policy (default bf16): {policies}")
     p.add_argument("--rollout-dtype", choices=sorted(DTYPES), help="alias of --rollout-precision for plain dtypes")
-    p.add_argument("--rollout-tp", type=int, metavar="N",
-                   help="--rollout vllm: tensor-parallel size (default 1; stock reductions unless the vLLM plugin's "
-                   "tree reductions are on: MOEALIGN_VLLM_PATCHES=tree)")
     p.add_argument("--train", choices=sorted(TRAIN_ENGINES),
                    help=f"training engine (default {CLI_TRAIN}; hf: a transformers full-sequence forward)")
-    p.add_argument("--train-precision", metavar="NAME",
-                   help=f"training precision policy (default fp32): {policies}")
     p.add_argument("--train-dtype", choices=sorted(DTYPES), help="alias of --train-precision for plain dtypes")
     p.add_argument("--batch-invariant", action="store_true",
                    help="run rollout and training under batch-invariant ops (fixed-tile matmuls, fixed-tree "
@@ -144,45 +144,28 @@ def _add_mismatch(sub) -> None:
                    help="attention of the transformers engines (default: bi, the batch-invariant attention, with "
                    "--batch-invariant, else transformers' default, sdpa); --batch-invariant --attention sdpa or "
                    "eager leaves a decode-vs-full gap")
-    p.add_argument("--aligned", action="store_true",
-                   help="the canonical forward on both engines (vLLM -> Megatron, qwen3_moe, CPU): every op "
-                   "(linear, norm, RoPE, attention, router, experts, LM head, log-softmax) one moealign implementation, "
-                   "so the fully aligned run is bitwise equal; one precision on both sides (default bf16)")
     p.add_argument("--aligned-skip", metavar="OPS",
                    help="with --aligned: leave these canonical ops stock (comma-separated; a negative control)")
     p.add_argument("--sweep", action="store_true",
                    help="run the standard precision configurations on the same prompts (bf16 vs fp32, fp16 vs "
                    "fp16, fp8 aligned, fp8 vs bf16, fp32 vs fp32, fully aligned) and print one compact table; "
                    "the precision options are ignored")
-    p.add_argument("--num-prompts", type=int, help="prompts from the prompt set (default 32)")
-    p.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 48)")
-    p.add_argument("--seed", type=int, help="sampling seed (default 0)")
-    p.add_argument("--temperature", type=float, help="default 1.0 (at least 1e-5)")
-    p.add_argument("--top-p", type=float, help="default 0.9")
     p.add_argument("--top-k", type=int, help="0 = off (default)")
     p.add_argument("--min-p", type=float, help="0 = off (default)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per generate() / training forward")
     p.add_argument("--prompts", metavar="FILE", help="a JSON list of prompt strings (default: the shipped set)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--save-record", metavar="PATH", help="also write the rollout record (safetensors)")
     p.add_argument("--load-record", metavar="PATH",
                    help="skip the rollout; score a saved record with its own sampling parameters (rollout options "
                    "such as --temperature or --rollout-precision are refused with it)")
-    p.add_argument("--json", metavar="PATH", help="write the report as JSON (with --sweep: every configuration's)")
     p.add_argument("--diagnose", action="store_true",
                    help="score the record with every combination of levers (sampling mask, routing replay, precision "
                    "per region, batch-invariant ops, weights), attribute the gap to its causes (Shapley values), "
                    "compare both sides' execution contracts, and print the diagnosis: the lever to turn on first, "
                    "what remains, the correction preset for it")
-    p.add_argument("--report", metavar="DIR",
-                   help="write DIR/report.html (self-contained, plots) and DIR/report.json; implies --diagnose")
     p.add_argument("--inject-fault", metavar="SPEC",
                    help="inject a known fault to check the diagnosis names it: weights:layer=L[,scale=S] (the rollout "
                    "side's layer L perturbed; --rollout hf) or replay-off (the trainer's replay does nothing)")
-    p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
-                   help="exit 3 when the fully aligned run's METRIC exceeds VALUE (repeatable; with --sweep: the "
-                   "fully aligned configuration's; a record without kept sets: the routing_replay run); metrics "
-                   "where lower is better: " + ", ".join(LOWER_IS_BETTER + TWO_SIDED))
     p.add_argument("--fail-below", action="append", metavar="METRIC=VALUE",
                    help="exit 3 when the judged run's METRIC is below VALUE (repeatable); metrics where higher is "
                    "better: " + ", ".join(HIGHER_IS_BETTER + TWO_SIDED))
@@ -190,9 +173,6 @@ def _add_mismatch(sub) -> None:
                    help="score nothing: compare the two sides' execution contracts (engine, region dtypes, kernels, "
                    "TP/EP/SP/CP, switches, sampling, weight digests) field by field; exit 3 naming each field known "
                    "to cause a gap (the rollout side's from the record with --load-record)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex fallbacks)")
     p.set_defaults(func=_cmd_mismatch)
 
 
@@ -364,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_embedded(args: argparse.Namespace) -> None:
+    """``--model embedded:NAME`` (every command that takes ``--model``) -> the embedded model's directory."""
+    model = getattr(args, "model", None)
+    if isinstance(model, str):
+        from .embedded import EMBEDDED_PREFIX, checkpoint_path
+
+        if model.startswith(EMBEDDED_PREFIX):
+            args.model = checkpoint_path(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Bad arguments and every :class:`~moealign.errors.MoealignError` end in one line on
     stderr and exit code 2 (never a traceback); ``--fail-above`` violations exit 3."""
@@ -383,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_fallback_warnings()
         quiet_expected_warnings()
     try:
+        _resolve_embedded(args)
         return args.func(args)
     except MoealignError as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__

@@ -120,7 +120,7 @@ def test_fail_above_parse_errors(item, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-prompts", "0"], "num_prompts must be >= 1"),
+    (["--num-prompts", "0"], "--num-prompts must be an integer in [1, 100000]"),
     (["--top-p", "1.5"], "top_p"),
     (["--temperature", "0"], "temperature"),
     (["--num-prompts", "100000"], "exceeds"),

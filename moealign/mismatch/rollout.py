@@ -10,18 +10,16 @@ the record when asked and checks that it can measure routing replay. The caller
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 from dataclasses import asdict, dataclass
 
-import torch
 
 from .._files import check_input_file, check_output_dir, check_output_path, check_outputs
-from ..errors import ConfigError, EngineError, MoealignError, RecordError
+from ..errors import ConfigError, EngineError, MoealignError
 from ..embedded import MAX_PROMPTS_BYTES
 from ..checkpoint_check import check_checkpoint_tensors
-from ..model_config import check_max_new_tokens, read_model_config
+from ..model_config import read_model_config
+from ..options import check_count, check_device, check_model, check_sampling, check_seed
 from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -34,7 +32,7 @@ from .engines import (
 )
 
 __all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path", "check_not_an_input",
-           "check_checkpoint", "check_prompts_file", "flag", "progress_bar", "open_engine", "make_rollout_engine",
+           "check_prompts_file", "flag", "progress_bar", "open_engine", "make_rollout_engine",
            "rollout_prompts", "rollout_message", "generate_record", "load_record", "record_sampling", "finish_record"]
 
 
@@ -58,40 +56,9 @@ def check_not_an_input(path: str, out_flag: str, inputs: dict[str, str | None]) 
     check_outputs({out_flag: path}, inputs)
 
 
-def check_checkpoint(path: str) -> dict:
-    """Check a local checkpoint before any work starts and return its ``config.json``: the directory exists
-    (the mismatch test never goes to the network), ``config.json`` is a JSON object, and every safetensors
-    file has a readable header whose tensors lie inside the file (a truncated download is named, not met as a
-    loader's traceback minutes later)."""
-    root = pathlib.Path(path)
-    if not root.is_dir() or not os.path.lexists(root / "config.json"):
-        raise ConfigError(f"--model {path}: not a local checkpoint directory with a config.json (the mismatch test "
-                          f"loads local checkpoints only, never from the network)")
-    config = read_model_config(path)
-    weights = sorted(root.glob("*.safetensors"))
-    if not weights and not any(root.glob("*.bin")):
-        raise ConfigError(f"--model {path}: no weights (*.safetensors) in the checkpoint directory")
-    for file in weights:
-        _check_safetensors(file)
-    return config
-
-
 def check_prompts_file(path: str) -> None:
     """``--prompts`` names a regular file of at most :data:`MAX_PROMPTS_BYTES` (not a FIFO or ``/dev/zero``)."""
     check_input_file(path, "--prompts", max_bytes=MAX_PROMPTS_BYTES)
-
-
-def _check_safetensors(file: pathlib.Path) -> None:
-    """safetensors' own header check (it refuses a header that does not parse or tensors the file does not
-    cover, reading the header only)."""
-    from safetensors import safe_open
-
-    check_input_file(file, "--model:")                      # a FIFO named *.safetensors must not block
-    try:
-        with safe_open(str(file), framework="pt"):
-            pass
-    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: all mean "not loadable"
-        raise ConfigError(f"--model: {file} is truncated or not a safetensors file ({exc})") from None
 
 
 @dataclass
@@ -162,15 +129,11 @@ class MismatchConfig:
         if self.attention is not None and self.attention not in ATTENTION:
             raise ConfigError(f"unknown attention {self.attention!r}; choose one of {list(ATTENTION)}")
         for name in ("num_prompts", "max_new_tokens", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value!r} ({flag(name)})")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 63:
-            raise ConfigError(f"--seed must be an integer in [0, 2**63), got {self.seed!r}")
-        self._check_sampling()
-        self._check_device()
-        config = check_checkpoint(self.model) if self.model is not None else read_model_config(self.model_path())
-        check_max_new_tokens(config, self.max_new_tokens, "the model" if self.model else "the embedded model")
+            check_count(name, getattr(self, name))
+        check_seed(self.seed)
+        check_sampling(self.temperature, self.top_p, self.top_k, self.min_p)
+        check_device(self.device)
+        config = check_model(self.model, self.model_path(), self.max_new_tokens)
         if self.load_record is not None:
             if not os.path.lexists(self.load_record):
                 raise ConfigError(f"--load-record: no record file at {self.load_record}")
@@ -181,8 +144,7 @@ class MismatchConfig:
             check_output_dir(self.report_dir, "--report")
         check_outputs(self.outputs(), self.inputs(), created_dirs=[self.report_dir])
         if self.rollout_tp is not None:
-            if isinstance(self.rollout_tp, bool) or not isinstance(self.rollout_tp, int) or self.rollout_tp < 1:
-                raise ConfigError(f"--rollout-tp must be an integer >= 1, got {self.rollout_tp!r}")
+            check_count("rollout_tp", self.rollout_tp)
             if self.rollout_tp > 1 and self.rollout_engine != "vllm":
                 raise ConfigError("--rollout-tp > 1 needs --rollout vllm (the transformers engine runs on one device)")
         if not isinstance(self.diagnose, bool):
@@ -263,35 +225,6 @@ class MismatchConfig:
             ("--report", os.path.join(self.report_dir, name)) for name in ("report.json", "report.html")]
         return [("--save-record", self.save_record), *report]
 
-    def _check_sampling(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{flag(name)} must be a number, got {value!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ConfigError(f"--top-k must be an integer, got {self.top_k!r}")
-        try:
-            self.sampling
-        except RecordError as exc:           # SamplingParams names the field; the command line names the flag
-            name = next((n for n in ("temperature", "top_k", "top_p", "min_p") if f"sampling {n} " in str(exc)), None)
-            prefix = f"{flag(name)}: " if name else ""
-            raise ConfigError(f"{prefix}{exc}") from None
-
-    def _check_device(self) -> None:
-        if self.device == "auto":
-            return
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigError(f"--device {self.device!r}: not a device (cpu, cuda, cuda:N or auto)") from exc
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"--device {self.device!r}: the mismatch test runs on cpu or cuda")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError(f"--device {self.device!r}: CUDA is not available on this machine (use cpu)")
-            if device.index is not None and device.index >= torch.cuda.device_count():
-                raise ConfigError(f"--device {self.device!r}: this machine has {torch.cuda.device_count()} GPUs")
-
     @property
     def fault(self):
         """The parsed ``inject_fault`` (:class:`moealign.mismatch.faults.Fault`) or None."""
@@ -315,8 +248,10 @@ class MismatchConfig:
         return checkpoint_path(self.model)
 
     def model_label(self) -> str:
-        """The report's ``model``: ``"embedded:tiny_moe"`` or the checkpoint path."""
-        return self.model_path() if self.model else "embedded:tiny_moe"
+        """The report's ``model``: ``"embedded:NAME"`` for an embedded model, else the checkpoint path."""
+        from ..embedded import model_label
+
+        return model_label(self.model)
 
 
 def progress_bar(total: int, desc: str, enabled: bool):

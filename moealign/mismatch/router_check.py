@@ -14,7 +14,8 @@ from ..errors import RecordMismatchError
 from ..record import RolloutRecord
 from ..record.inspect import compare_routes
 from .engines import HFTrainEngine
-from .rollout import check_checkpoint, open_engine
+from ..options import check_checkpoint
+from .rollout import open_engine
 
 __all__ = ["ROUTER_BATCH", "router_check"]
 

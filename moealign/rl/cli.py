@@ -12,18 +12,15 @@ __all__ = ["add_rl_check", "cmd_rl_check"]
 
 def cmd_rl_check(args: argparse.Namespace) -> int:
     from ..command_output import finish_command
+    from ..options import given_options
     from .config import RLCheckConfig, parse_fail_above
     from .loop import run_rl_check
     from .report import check_steps, format_steps, write_report_dir
 
     bounds = parse_fail_above(args.fail_above)
-    cfg = RLCheckConfig(model=args.model, steps=args.steps, group_size=args.group_size, num_prompts=args.num_prompts,
-                        max_new_tokens=args.max_new_tokens, lr=args.lr, levers=args.levers,
-                        correction=args.correction, staleness=args.staleness,
-                        rollout_precision=args.rollout_precision, train_precision=args.train_precision,
-                        rollout_tp=args.rollout_tp, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-                        verify=not args.no_verify, json=args.json, report_dir=args.report, fail_above=bounds,
-                        compare=args.compare, device=args.device, aligned=bool(args.aligned))
+    cfg = RLCheckConfig(**given_options(args), steps=args.steps, group_size=args.group_size, lr=args.lr,
+                        levers=args.levers, correction=args.correction, staleness=args.staleness,
+                        verify=not args.no_verify, json=args.json, fail_above=bounds, compare=args.compare)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.quiet:
         # vLLM logs on stdout, around the table; -q keeps its errors only (its refit-time "RotaryEmbedding: Failed
@@ -42,6 +39,7 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
 
 def add_rl_check(sub) -> None:
     from ..correction.config import PRESETS
+    from ..options import add_shared_options
     from .config import DEFAULT_CORRECTION, LEVERS
 
     p = sub.add_parser(
@@ -54,11 +52,17 @@ def add_rl_check(sub) -> None:
         "correction and takes an Adam step; the weights are refit into the running vLLM engine in place and "
         "verified (every worker's tensors against the trainer's, and a probe forward within the step-0 bound). "
         "With no arguments it runs the embedded model on CPU.")
-    p.add_argument("--model", metavar="PATH", help="a local transformers MoE checkpoint (default: the embedded model)")
+    add_shared_options(p, defaults={"rollout_precision": "bf16", "train_precision": "fp32", "rollout_tp": 1,
+                                    "num_prompts": 32, "max_new_tokens": 32, "seed": 0, "temperature": 1.0,
+                                    "top_p": 0.9, "device": "auto"}, help={
+        "aligned": "the canonical forward on both engines (moealign mismatch --aligned): the trainer's log-probs "
+                   "bitwise equal to the rollout's at every step, through the refits; one precision (default bf16)",
+        "json": "write the report (header + one object per step) as JSON",
+        "report_dir": "write DIR/report.html (plots over steps) and DIR/report.json",
+        "fail_above": "exit 3 when METRIC (one rl-check reports per step, e.g. kl_k3, router_flip_rate) exceeds VALUE "
+                      "at any step of the judged (aligned) run; a failed refit verification also exits 3"})
     p.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
     p.add_argument("--group-size", type=int, default=4, help="completions per prompt (default 4, at least 2)")
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts per step (default 32)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion (default 32)")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3; 0: a no-op "
                    "update, the weights never change)")
     p.add_argument("--levers", choices=list(LEVERS), default="all",
@@ -68,27 +72,7 @@ def add_rl_check(sub) -> None:
                    + ", ".join(sorted(n for n in PRESETS if not n.startswith("bypass"))))
     p.add_argument("--staleness", type=int, default=0, metavar="N",
                    help="rollouts from the weights of N steps earlier (asynchronous RL; default 0)")
-    p.add_argument("--rollout-precision", default=None, metavar="NAME",
-                   help="vLLM's precision policy (default bf16, as the mismatch test)")
-    p.add_argument("--train-precision", default=None, metavar="NAME",
-                   help="Megatron's precision policy (default fp32)")
-    p.add_argument("--rollout-tp", type=int, default=1, metavar="N", help="vLLM tensor-parallel size (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
-    p.add_argument("--top-p", type=float, default=0.9, help="default 0.9")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--aligned", action="store_true",
-                   help="the canonical forward on both engines (moealign mismatch --aligned): the trainer's log-probs "
-                   "bitwise equal to the rollout's at every step, through the refits; one precision (default bf16)")
     p.add_argument("--no-verify", action="store_true", help="skip the refit verification (for overhead benchmarks)")
     p.add_argument("--compare", action="store_true",
                    help="run the stock loop (levers none) and the aligned loop from the same seed, side by side")
-    p.add_argument("--json", metavar="PATH", help="write the report (header + one object per step) as JSON")
-    p.add_argument("--report", metavar="DIR", help="write DIR/report.html (plots over steps) and DIR/report.json")
-    p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
-                   help="exit 3 when METRIC (one rl-check reports per step, e.g. kl_k3, router_flip_rate) exceeds "
-                   "VALUE at any step of the judged (aligned) run; a failed refit verification also exits 3")
-    p.add_argument("-q", "--quiet", action="store_true", help="no log lines on stderr")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex fallbacks)")
     p.set_defaults(func=cmd_rl_check)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..options import check_count, check_device, check_model, check_sampling, check_seed
 from ..record import MIN_TEMPERATURE, SamplingParams
 
 __all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "STEP_METRICS", "parse_fail_above", "check_fail_above"]
@@ -15,13 +16,6 @@ __all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "STEP_METRICS", "par
 LEVERS = {"none": (False, False), "replay": (True, False), "mask": (False, True), "all": (True, True)}
 #: The default rollout correction: token-level IcePop (mask tokens whose pi_train / pi_rollout leaves [0.5, 5]).
 DEFAULT_CORRECTION = "decoupled_token_icepop"
-
-
-def _int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"--{name.replace('_', '-')} must be an integer {span}, got {value!r}")
-    return value
 
 
 #: The mismatch metrics rl-check reports per step (the names ``moealign mismatch`` uses).
@@ -97,11 +91,12 @@ class RLCheckConfig:
     aligned: bool = False               # the canonical forward on both engines: bitwise equal at every step
 
     def __post_init__(self):
-        for name, low in (("steps", 1), ("group_size", 2), ("num_prompts", 1), ("max_new_tokens", 1),
-                          ("rollout_tp", 1), ("probe_sequences", 1)):
-            _int(name, getattr(self, name), low, 4096 if name != "max_new_tokens" else 100_000)
-        _int("seed", self.seed, 0, 2 ** 63 - 1)
-        _int("staleness", self.staleness, 0)
+        for name in ("num_prompts", "max_new_tokens", "rollout_tp"):            # the shared options' bounds
+            check_count(name, getattr(self, name))
+        for name, low in (("steps", 1), ("group_size", 2), ("probe_sequences", 1)):
+            check_count(name, getattr(self, name), low, 4096)
+        check_seed(self.seed)
+        check_count("staleness", self.staleness, 0)
         if self.staleness >= self.steps:
             raise ConfigError(f"--staleness {self.staleness} must be below --steps {self.steps} (rollouts from the "
                               f"weights of N steps earlier need more than N steps)")
@@ -109,6 +104,7 @@ class RLCheckConfig:
         self.max_grad_norm = _float("max_grad_norm", self.max_grad_norm, 0.0, inclusive=False)
         self.temperature = _float("temperature", self.temperature, MIN_TEMPERATURE)
         self.top_p = _float("top_p", self.top_p, 0.0, inclusive=False, high=1.0)
+        check_sampling(self.temperature, self.top_p)
         if self.levers not in LEVERS:
             raise ConfigError(f"unknown --levers {self.levers!r}; choose one of {', '.join(LEVERS)}")
         from ..correction.config import PRESETS
@@ -130,17 +126,8 @@ class RLCheckConfig:
                 raise ConfigError(f"--{side}-precision {policy.name}: the {'vLLM' if side == 'rollout' else 'Megatron'}"
                                   f" engine cannot express it ({'; '.join(missing)})")
             setattr(self, f"{side}_precision", policy.name)
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
-            raise ConfigError(f"--device {self.device!r}: rl-check runs on cpu or cuda")
-        from ..model_config import check_max_new_tokens, read_model_config
-
-        if self.model is not None:
-            from ..mismatch.rollout import check_checkpoint
-
-            config = check_checkpoint(self.model)
-        else:
-            config = read_model_config(self.model_path())
-        check_max_new_tokens(config, self.max_new_tokens, "the model" if self.model else "the embedded model")
+        check_device(self.device)
+        config = check_model(self.model, self.model_path(), self.max_new_tokens)
         self.fail_above = check_fail_above(self.fail_above)
         if self.aligned:
             self._check_aligned()

@@ -1,0 +1,185 @@
+"""The options ``moealign mismatch`` and ``moealign rl-check`` share: each flag defined once, each value checked once.
+
+Both commands roll the same model out with vLLM and score it with Megatron, so they take the same flags for the
+model, the sampling, the precisions, the rollout's TP size, the device, ``--aligned``, the outputs and the log
+level. :func:`add_shared_options` adds them to a command's parser (every default ``None``: "not given", so each
+command fills in its own defaults, and ``mismatch --load-record`` can refuse a rollout option that was given);
+:func:`given_options` reads them back as config fields. The checks (:func:`check_device`, :func:`check_count`,
+:func:`check_seed`, :func:`check_sampling`, :func:`check_model`) are the ones both configs
+(:class:`moealign.mismatch.MismatchConfig`, :class:`moealign.rl.RLCheckConfig`) call, so a value means the same and
+is refused with the same words in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+
+import torch
+
+from ._files import check_input_file
+from .errors import ConfigError, RecordError
+from .model_config import check_max_new_tokens, read_model_config
+from .record import SamplingParams
+
+__all__ = ["SHARED_FIELDS", "COUNT_BOUNDS", "add_shared_options", "given_options", "check_device", "check_count", "check_seed",
+           "check_sampling", "check_checkpoint", "check_model"]
+
+#: ``(flag, config field)`` of every shared option that a config takes (``--json``, ``--fail-above``, ``-q``, ``-v``
+#: are shared too, but the commands act on them themselves).
+SHARED_FIELDS = (("--model", "model"), ("--rollout-precision", "rollout_precision"),
+                 ("--train-precision", "train_precision"), ("--rollout-tp", "rollout_tp"),
+                 ("--num-prompts", "num_prompts"), ("--max-new-tokens", "max_new_tokens"), ("--seed", "seed"),
+                 ("--temperature", "temperature"), ("--top-p", "top_p"), ("--device", "device"),
+                 ("--aligned", "aligned"), ("--report", "report_dir"))
+
+
+def add_shared_options(p: argparse.ArgumentParser, *, defaults: dict, help: dict | None = None) -> None:
+    """Add the shared flags to ``p``. ``defaults``: the command's default per config field (shown in the help
+    only: the parser's own default is None, "not given"); ``help``: a command's own sentence for a field."""
+    from .precision.policy import POLICIES
+
+    text = dict(help or {})
+    policies = ", ".join(sorted(POLICIES))
+
+    def h(field: str, base: str) -> str:
+        default = defaults.get(field)
+        return text.get(field, base) + ("" if default is None else f" (default {default})")
+
+    p.add_argument("--model", metavar="PATH",
+                   help=h("model", "a local transformers MoE checkpoint (default: the embedded model)"))
+    p.add_argument("--rollout-precision", metavar="NAME", help=h("rollout_precision",
+                   f"the rollout engine's precision policy: {policies}"))
+    p.add_argument("--train-precision", metavar="NAME", help=h("train_precision",
+                   f"the training engine's precision policy: {policies}"))
+    p.add_argument("--rollout-tp", type=int, metavar="N", help=h("rollout_tp", "vLLM tensor-parallel size"))
+    p.add_argument("--num-prompts", type=int, metavar="N", help=h("num_prompts", "prompts from the prompt set"))
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help=h("max_new_tokens", "new tokens per completion"))
+    p.add_argument("--seed", type=int, help=h("seed", "sampling seed"))
+    p.add_argument("--temperature", type=float, help=h("temperature", "sampling temperature (at least 1e-5)"))
+    p.add_argument("--top-p", type=float, help=h("top_p", "nucleus sampling (1 = off)"))
+    p.add_argument("--device", help=h("device", "cpu, cuda, cuda:N or auto"))
+    p.add_argument("--aligned", action="store_true", default=None, help=text.get("aligned",
+                   "the canonical forward on both engines: bitwise equal log-probs; one precision on both sides"))
+    p.add_argument("--json", metavar="PATH", help=text.get("json", "write the report as JSON"))
+    p.add_argument("--report", metavar="DIR", help=text.get("report_dir",
+                   "write DIR/report.html (self-contained, plots) and DIR/report.json"))
+    p.add_argument("--fail-above", action="append", metavar="METRIC=VALUE",
+                   help=text.get("fail_above", "exit 3 when METRIC exceeds VALUE (repeatable)"))
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or log lines on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the engines' expected start-up warnings (Megatron's transformer-engine / Apex "
+                   "fallbacks)")
+
+
+def given_options(args: argparse.Namespace) -> dict:
+    """``{config field: value}`` of the shared options given on the command line (the others are left to the
+    config's defaults)."""
+    return {field: getattr(args, field if field != "report_dir" else "report")
+            for _, field in SHARED_FIELDS
+            if getattr(args, field if field != "report_dir" else "report", None) is not None}
+
+
+def check_device(value) -> str:
+    """``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has (parsed by torch, never
+    prefix-matched)."""
+    if value == "auto":
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"--device must be a string (cpu, cuda, cuda:N or auto), got {value!r}")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"--device {value!r}: not a device (cpu, cuda, cuda:N or auto)") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {value!r}: moealign runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {value!r}: CUDA is not available on this machine (use cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {value!r}: this machine has {torch.cuda.device_count()} GPUs")
+    return value
+
+
+def _flag(field: str) -> str:
+    return {"report_dir": "--report"}.get(field, "--" + field.replace("_", "-"))
+
+
+#: ``(low, high)`` of the shared integer options (``--max-new-tokens`` is also bounded by the model's positions).
+COUNT_BOUNDS = {"num_prompts": (1, 100_000), "max_new_tokens": (1, 100_000), "rollout_tp": (1, 4096)}
+
+
+def check_count(field: str, value, low: int | None = None, high: int | None = None) -> int:
+    """An integer option (``--num-prompts``, ``--max-new-tokens``, ``--rollout-tp``, ...) in ``[low, high]``; a
+    shared option's bounds are :data:`COUNT_BOUNDS` (the same in every command) unless given."""
+    if low is None and high is None:
+        low, high = COUNT_BOUNDS.get(field, (1, None))
+    low = 1 if low is None else low
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{_flag(field)} must be an integer {span}, got {value!r}")
+    return value
+
+
+def check_seed(value) -> int:
+    """``--seed``: an integer in ``[0, 2**63)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 63:
+        raise ConfigError(f"--seed must be an integer in [0, 2**63), got {value!r}")
+    return value
+
+
+def check_sampling(temperature, top_p, top_k=0, min_p=0.0) -> SamplingParams:
+    """The sampling options as the record states them (:class:`~moealign.record.SamplingParams`'s bounds), each
+    error naming the flag."""
+    for field, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{_flag(field)} must be a number, got {value!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ConfigError(f"--top-k must be an integer, got {top_k!r}")
+    try:
+        return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p), min_p=float(min_p))
+    except RecordError as exc:           # SamplingParams names the field; the command line names the flag
+        name = next((n for n in ("temperature", "top_k", "top_p", "min_p") if f"sampling {n} " in str(exc)), None)
+        raise ConfigError(f"{_flag(name) + ': ' if name else ''}{exc}") from None
+
+
+def check_checkpoint(path: str) -> dict:
+    """Check a local checkpoint before any work starts and return its ``config.json``: the directory exists
+    (moealign never goes to the network), ``config.json`` is a JSON object, and every safetensors file has a
+    readable header whose tensors lie inside the file (a truncated download is named, not met as a loader's
+    traceback minutes later)."""
+    root = pathlib.Path(path)
+    if not root.is_dir() or not os.path.lexists(root / "config.json"):
+        raise ConfigError(f"--model {path}: not a local checkpoint directory with a config.json (moealign loads local "
+                          f"checkpoints only, never from the network)")
+    config = read_model_config(path)
+    weights = sorted(root.glob("*.safetensors"))
+    if not weights and not any(root.glob("*.bin")):
+        raise ConfigError(f"--model {path}: no weights (*.safetensors) in the checkpoint directory")
+    for file in weights:
+        _check_safetensors(file)
+    return config
+
+
+def _check_safetensors(file: pathlib.Path) -> None:
+    """safetensors' own header check (it refuses a header that does not parse or tensors the file does not
+    cover, reading the header only)."""
+    from safetensors import safe_open
+
+    check_input_file(file, "--model:")                      # a FIFO named *.safetensors must not block
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: all mean "not loadable"
+        raise ConfigError(f"--model: {file} is truncated or not a safetensors file ({exc})") from None
+
+
+def check_model(model: str | None, model_path: str, max_new_tokens: int) -> dict:
+    """``--model`` (None: the embedded model at ``model_path``) and ``--max-new-tokens`` against it: the checkpoint
+    checked (:func:`check_checkpoint`), its ``config.json`` returned, the new tokens within its positions. The
+    tensors are checked against the config by the caller, last (:func:`moealign.checkpoint_check.
+    check_checkpoint_tensors`), so the options' own refusals come first."""
+    config = check_checkpoint(model) if model is not None else read_model_config(model_path)
+    check_max_new_tokens(config, max_new_tokens, "the model" if model else "the embedded model")
+    return config
