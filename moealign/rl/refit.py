@@ -7,10 +7,13 @@
     refit(llm, trainer)                       # a moealign train engine, a Megatron GPTModel (+ hf_config) or a
     check = verify_refit(llm, trainer)        # transformers model; check.ok / check.check() / check.to_dict()
 
+Both compare the trainer's config with the engine's first (:func:`architecture_differences`: every field that
+changes a shape or the forward, the RoPE settings included; :func:`refit` refuses, :func:`verify_refit` fails).
 :func:`refit` streams the trainer's tensors in transformers names (Megatron's ``GPTModel`` converted group by group
 with :func:`~moealign.patches.megatron.checkpoint.iter_hf_tensors_from_megatron`, the inverse of the conversion the
 trainer was built with) into every vLLM worker in place (:func:`moealign.patches.vllm.refit.refit_weights`: the
-manifest checked against the engine's checkpoint first, vLLM's CPU-build trap fixed, prefix / KV cache reset).
+manifest checked against the engine's checkpoint first, then every value (finite, within the engine's dtype) before
+the first byte moves; one refit per engine at a time; vLLM's CPU-build trap fixed, prefix / KV cache reset).
 
 :func:`verify_refit` proves the engine now runs the trainer's weights: per (tensor, worker) digests of what every
 worker holds, read back through vLLM's packing (:func:`~moealign.patches.vllm.refit.verify_weights`), and, with a
@@ -19,11 +22,15 @@ them replaying those routes, and the mean |Δ log p| over the probe tokens must 
 (``factor`` = 8 times the step-0 value on identical weights: :meth:`Probe.calibrate`). The mean, not the largest: with a
 bf16 rollout against an fp32 trainer the largest per-token gap of a 16-token probe swings several-fold from step to
 step with the weights' rounding (measured 0.02-0.19 nats on the embedded model), the mean far less; a wrong model
-is off by nats on average (vLLM's stock reload on the CPU build: 4-7), an exact refit by the precision gap.
+is off by nats on average (vLLM's stock reload on the CPU build: 4-7), an exact refit by the precision gap. The
+probe scores prefills: the decode path and prefix-cache reuse are not exercised, and every :class:`RefitCheck`
+says so (``not_checked``).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -33,12 +40,33 @@ import torch
 from ..errors import ConfigError, InputTypeError, RefitError
 from ..record import RolloutRecord, Sample, SamplingParams
 
-__all__ = ["Probe", "RefitCheck", "trainer_tensors", "refit", "verify_refit", "check_same_architecture"]
+__all__ = ["Probe", "RefitCheck", "trainer_tensors", "refit", "verify_refit", "check_same_architecture",
+           "architecture_differences", "ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "NOT_CHECKED"]
 
-#: Config fields that must agree between the trainer and the engine before any tensor moves.
+#: Config fields that must agree between the trainer and the engine before any tensor moves: the shapes.
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "head_dim", "moe_intermediate_size", "intermediate_size",
-                       "num_experts", "num_local_experts", "num_experts_per_tok", "tie_word_embeddings")
+                       "num_experts", "num_local_experts", "num_experts_per_tok", "tie_word_embeddings",
+                       "shared_expert_intermediate_size", "n_shared_experts", "n_routed_experts")
+#: Config fields that change the forward without changing a tensor's shape (equal tensors, other logits): compared
+#: too. The RoPE settings (``rope_parameters``, the older ``rope_scaling`` / ``rope_theta`` /
+#: ``partial_rotary_factor``) are compared as one normalised set (:func:`architecture_differences`). Not compared:
+#: the dtype (precision policies differ by design), training-only fields (dropout, ``router_aux_loss_coef``,
+#: ``router_jitter_noise``, ``output_router_logits``), token ids.
+FORWARD_FIELDS = ("hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                  "norm_eps", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_layer_freq",
+                  "first_k_dense_replace", "sliding_window", "use_sliding_window", "max_window_layers",
+                  "layer_types", "attention_bias", "mlp_bias", "qkv_bias", "clip_qkv", "qk_layernorm",
+                  "use_qk_norm", "routed_scaling_factor", "scoring_func", "topk_method", "n_group", "topk_group",
+                  "moe_renormalize", "router_bias", "attn_logit_softcapping", "final_logit_softcapping",
+                  "logit_scale", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                  "logits_scaling", "max_position_embeddings", "position_embedding_type")
+_ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+#: What :func:`verify_refit` does not check (stated in every :class:`RefitCheck`): the probe scores prefills only.
+NOT_CHECKED = ("decode path (the probe scores prompts in one prefill; no token is decoded)",
+               "prefix / KV cache reuse (reset by the refit; not exercised by the probe)",
+               "non-weight buffers such as the RoPE cos/sin cache (their config fields are compared instead)",
+               "sampling (temperature, top-k / top-p, logits processors)")
 
 
 def _is_megatron(model) -> bool:
@@ -53,8 +81,10 @@ def _unwrap(trainer) -> tuple[torch.nn.Module, Any]:
         return model, config
     if isinstance(trainer, torch.nn.Module):
         return trainer, None if _is_megatron(trainer) else getattr(trainer, "config", None)
-    raise InputTypeError(f"trainer must be a moealign train engine, a Megatron GPTModel or a transformers model, got "
-                         f"{type(trainer).__name__}")
+    if model is None and hasattr(trainer, "model"):
+        raise InputTypeError(f"the {type(trainer).__name__} holds no model (closed?)")
+    raise InputTypeError(f"trainer must be a moealign train engine, a Megatron GPTModel, a transformers model or a "
+                         f"mapping of transformers names to tensors, got {type(trainer).__name__}")
 
 
 def trainer_tensors(trainer, hf_config=None, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -74,41 +104,124 @@ def trainer_tensors(trainer, hf_config=None, *, meta: bool = False) -> Iterator[
 def _config_dict(config) -> dict:
     if config is None:
         return {}
-    if isinstance(config, dict):
-        return config
-    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if hasattr(config, "__dict__"):
+        return dict(vars(config))
+    raise InputTypeError(f"hf_config must be a transformers config or a dict, got {type(config).__name__}")
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _rope(config: dict) -> dict | None:
+    """The RoPE settings of a config as one flat dict (``rope_parameters`` / ``rope_scaling`` merged with the
+    top-level ``rope_theta`` / ``partial_rotary_factor``; ``type`` read as ``rope_type``, absent as
+    ``"default"``); ``None`` when the config states none."""
+    if not any(config.get(k) is not None for k in _ROPE_FIELDS):
+        return None
+    out: dict = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if isinstance(value, Mapping):
+            nested = all(isinstance(v, Mapping) for v in value.values()) and value
+            for k, v in value.items():           # per layer type (transformers 5: {"full_attention": {...}})
+                if nested:
+                    for kk, vv in v.items():
+                        out[f"{k}.{'rope_type' if kk == 'type' else kk}"] = _plain(vv)
+                else:
+                    out["rope_type" if k == "type" else k] = _plain(v)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if config.get(key) is not None:
+            out.setdefault(key, _plain(config[key]))
+    if not any(k == "rope_type" or k.endswith(".rope_type") for k in out):
+        out["rope_type"] = "default"
+    return out
+
+
+def architecture_differences(engine_config, trainer_config) -> list[str]:
+    """``"field: trainer X, engine Y"`` for every :data:`ARCHITECTURE_FIELDS` / :data:`FORWARD_FIELDS` entry both
+    configs state and that differs, and for every RoPE setting (:func:`_rope`) that differs (engine-free)."""
+    engine, mine = _config_dict(engine_config), _config_dict(trainer_config)
+    differ = [f"{k}: trainer {mine.get(k)!r}, engine {engine.get(k)!r}" for k in ARCHITECTURE_FIELDS + FORWARD_FIELDS
+              if k in mine and k in engine and _plain(mine.get(k)) != _plain(engine.get(k))]
+    rope_e, rope_m = _rope(engine), _rope(mine)
+    if rope_e is not None and rope_m is not None:
+        for k in sorted(set(rope_e) | set(rope_m)):
+            if rope_e.get(k, "<absent>") != rope_m.get(k, "<absent>"):
+                differ.append(f"rope {k}: trainer {rope_m.get(k, '<absent>')!r}, engine {rope_e.get(k, '<absent>')!r}")
+    return differ
 
 
 def check_same_architecture(llm, hf_config) -> None:
-    """Refuse (:class:`~moealign.errors.RefitError`) a trainer whose architecture fields differ from the engine's."""
-    engine = _config_dict(llm.llm_engine.model_config.hf_config)
-    mine = _config_dict(hf_config)
-    differ = [f"{k}: trainer {mine.get(k)!r}, engine {engine.get(k)!r}" for k in ARCHITECTURE_FIELDS
-              if k in mine and k in engine and mine.get(k) != engine.get(k)]
+    """Refuse (:class:`~moealign.errors.RefitError`) a trainer whose config differs from the engine's in a field that
+    changes a tensor's shape or the forward (:func:`architecture_differences`), naming each field."""
+    from ..patches.vllm.refit import as_llm
+
+    differ = architecture_differences(as_llm(llm).llm_engine.model_config.hf_config, hf_config)
     if differ:
-        raise RefitError("refit refused: the engine holds another architecture or vocabulary (" + "; ".join(differ) +
-                         ")")
+        raise RefitError("refit refused before any weight moved: the trainer's config differs from the engine's in "
+                         "fields that change the forward (equal tensors would give other logits): " + "; ".join(differ))
+
+
+def _snapshot(trainer: Mapping) -> dict[str, torch.Tensor]:
+    snapshot = dict(trainer.items())
+    if not snapshot:
+        raise ConfigError("refit: the snapshot mapping is empty")
+    for name, tensor in snapshot.items():
+        if not isinstance(name, str):
+            raise InputTypeError(f"refit snapshot: names must be strings, got {type(name).__name__} {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise InputTypeError(f"refit snapshot: {name!r} is a {type(tensor).__name__}, not a tensor")
+    return snapshot
+
+
+def _trainer_config(trainer, hf_config):
+    if hf_config is not None:
+        return hf_config
+    if isinstance(trainer, Mapping):
+        return None
+    return _unwrap(trainer)[1]
 
 
 def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
     """Push the trainer's weights into every worker of ``llm`` in place; returns
     :class:`~moealign.patches.vllm.refit.RefitResult`. ``trainer`` may also be a snapshot (a mapping of transformers
-    names to tensors, e.g. the weights of N steps earlier). Refused before any tensor moves when the architecture or
-    the checkpoint layout differs (:class:`~moealign.errors.RefitError`)."""
+    names to tensors, e.g. the weights of N steps earlier; with ``hf_config`` its config is compared too).
+
+    Refused before any tensor moves (:class:`~moealign.errors.RefitError` naming the problem): a config field that
+    changes the forward differs from the engine's (:func:`check_same_architecture`), the checkpoint layout differs,
+    a value is not a tensor / is a meta tensor / NaN / Inf / overflows the engine's dtype (the whole stream is read
+    once and checked before the first byte moves, then streamed), another refit of the same engine is under way, the
+    engine was shut down."""
     from ..patches.vllm import refit as vr
 
-    layout = vr.checkpoint_layout(vr._engine_model_path(llm))
+    llm = vr.as_llm(llm)
+    layout = vr.checkpoint_layout(vr.engine_model_path(llm))
+    config = _trainer_config(trainer, hf_config)
+    if config is not None:
+        check_same_architecture(llm, config)
     if isinstance(trainer, Mapping):
-        manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer.items(), layout)}
-        named = vr.checkpoint_named(trainer.items(), layout)
+        snapshot = _snapshot(trainer)
+        manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(snapshot.items(), layout)}
+
+        def source():
+            return vr.checkpoint_named(snapshot.items(), layout)
     else:
-        _, own = _unwrap(trainer)
-        check_same_architecture(llm, hf_config if hf_config is not None else own)
         manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer_tensors(trainer, hf_config, meta=True),
                                                                       layout)}
-        named = vr.checkpoint_named(trainer_tensors(trainer, hf_config), layout)
+
+        def source():
+            return vr.checkpoint_named(trainer_tensors(trainer, hf_config), layout)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-    return vr.refit_weights(llm, named, manifest, **kwargs)
+    return vr.refit_weights(llm, source, manifest, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,10 +229,21 @@ def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
 # --------------------------------------------------------------------------------------------------
 
 
+def _number(name: str, value, *, positive: bool = True, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"Probe.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise ConfigError(f"Probe.{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r} "
+                          f"(a non-finite or non-positive bound would pass or fail every refit)")
+
+
 @dataclass
 class Probe:
     """Probe sequences (token ids, the last ``score_last`` tokens of each scored) and the bound on the mean
-    |Δ log p| between vLLM and the trainer over them (``None`` until :meth:`calibrate` measures it)."""
+    |Δ log p| between vLLM and the trainer over them (``None`` until :meth:`calibrate` measures it). Every field
+    is checked when built and again when used (:meth:`validate`, :class:`~moealign.errors.ConfigError`)."""
 
     sequences: list[torch.Tensor]
     score_last: int = 24
@@ -129,11 +253,29 @@ class Probe:
     step0_gap: float | None = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "Probe":
+        if isinstance(self.score_last, bool) or not isinstance(self.score_last, int) or self.score_last < 1:
+            raise ConfigError(f"Probe.score_last must be an integer >= 1, got {self.score_last!r}")
+        _number("bound", self.bound, allow_none=True)
+        _number("factor", self.factor)
+        _number("floor", self.floor)
+        _number("step0_gap", self.step0_gap, positive=False, allow_none=True)
+        if isinstance(self.sequences, torch.Tensor) or not isinstance(self.sequences, (list, tuple)):
+            raise ConfigError(f"Probe.sequences must be a list of 1-D token tensors, got "
+                              f"{type(self.sequences).__name__}")
         if not self.sequences:
             raise ConfigError("a refit probe needs at least one sequence")
-        for i, s in enumerate(self.sequences):
-            if not isinstance(s, torch.Tensor) or s.dim() != 1 or s.numel() <= self.score_last:
+        for i, seq in enumerate(self.sequences):
+            if not isinstance(seq, torch.Tensor) or seq.dim() != 1 or seq.numel() <= self.score_last:
                 raise ConfigError(f"probe sequence {i}: a 1-D token tensor longer than score_last={self.score_last}")
+            if seq.is_meta or seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+                raise ConfigError(f"probe sequence {i}: token ids must be an integer tensor with data, got "
+                                  f"{seq.dtype} on {seq.device}")
+            if bool((seq < 0).any()):
+                raise ConfigError(f"probe sequence {i}: negative token ids")
+        return self
 
     def record(self, meta, logprobs=None, routes=None) -> RolloutRecord:
         samples = []
@@ -145,32 +287,68 @@ class Probe:
         return RolloutRecord(meta, samples)
 
     def gaps(self, llm, train_engine) -> tuple[float, float]:
-        """``(mean, max)`` |Δ log p| on the probe: vLLM with its own routing vs the trainer replaying its routes."""
+        """``(mean, max)`` |Δ log p| on the probe: vLLM with its own routing vs the trainer replaying its routes.
+        ``train_engine``: a moealign train engine (``forward(record, indices, replay=True)``; Megatron's or
+        transformers')."""
+        from ..patches.vllm.refit import as_llm, engine_busy
         from ..patches.vllm.replay import score_with_routes
-        from ..patches.vllm.rollout import _cached_meta
+        from ..patches.vllm.rollout import cached_record_meta
         from ..routing_replay.routes import compact_routes
         from ..routing_replay.sampling_mask import full_logprob
 
-        meta = _cached_meta(llm)
-        vllm_lp, ran = score_with_routes(llm, self.record(meta), force=False, return_routes=True)
+        self.validate()
+        llm = as_llm(llm)
+        forward = _probe_forward(train_engine)
+        meta = cached_record_meta(llm)
+        vocab = int(meta.vocab_size) if getattr(meta, "vocab_size", None) is not None else None
+        if vocab is not None and any(bool((s >= vocab).any()) for s in self.sequences):
+            raise ConfigError(f"probe sequences hold token ids >= the engine's vocabulary ({vocab})")
+        with engine_busy(llm, "the refit probe", exclusive=False):
+            vllm_lp, ran = score_with_routes(llm, self.record(meta), force=False, return_routes=True)
         record = self.record(meta, vllm_lp, [compact_routes(r, meta.num_experts) for r in ran])
-        # the replay verifier inside forward() checks the experts that ran are vLLM's: no capture needed
-        fwd = train_engine.forward(record, list(range(len(record))), replay=True, capture=False)
+        fwd = forward(record, list(range(len(record))))
         train_lp = full_logprob(fwd.logits, fwd.tokens, temperature=1.0).cpu()
         diff = (train_lp - torch.cat(vllm_lp)).abs()
         return float(diff.mean()), float(diff.max())
 
     def calibrate(self, llm, train_engine) -> float:
-        """Measure the step-0 gap (identical weights) and set ``bound = max(factor * gap, floor)``."""
-        self.step0_gap = self.gaps(llm, train_engine)[0]
-        self.bound = max(self.factor * self.step0_gap, self.floor)
+        """Measure the step-0 gap (identical weights) and set ``bound = max(factor * gap, floor)``; a non-finite
+        gap (the engines disagree beyond numbers) is refused (:class:`~moealign.errors.RefitError`)."""
+        gap = self.gaps(llm, train_engine)[0]
+        if not math.isfinite(gap):
+            raise RefitError(f"probe calibration measured a non-finite gap ({gap}): the engine and the trainer do not "
+                             f"compute comparable log-probs; no bound can be set")
+        self.step0_gap = gap
+        self.bound = max(self.factor * gap, self.floor)
         return self.bound
+
+
+def _probe_forward(train_engine):
+    """The train engine's replaying forward as ``f(record, indices)``: the replay verifier inside it checks that
+    the experts that ran are vLLM's, so route capture is skipped where the engine offers that (``capture=False``,
+    Megatron's); transformers' engine always captures."""
+    forward = getattr(train_engine, "forward", None)
+    if isinstance(train_engine, torch.nn.Module) or not callable(forward):
+        raise ConfigError(f"the refit probe needs a moealign train engine (its forward replays vLLM's routes), got "
+                          f"{type(train_engine).__name__}")
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "replay" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ConfigError(f"the refit probe needs a train engine whose forward takes replay=True (routing replay); "
+                          f"{type(train_engine).__name__}.forward does not")
+    kwargs = {"replay": True}
+    if "capture" in params:
+        kwargs["capture"] = False
+    return lambda record, indices: forward(record, indices, **kwargs)
 
 
 @dataclass
 class RefitCheck:
-    """:func:`verify_refit`'s verdict: the weight digests (:class:`~moealign.patches.vllm.refit.WeightCheck`) and
-    the probe gap against its bound (``None``: no probe run)."""
+    """:func:`verify_refit`'s verdict: the weight digests (:class:`~moealign.patches.vllm.refit.WeightCheck`), the
+    config fields that differ from the engine's (each fails the check), the probe gap against its bound (``None``:
+    no probe run), and what was not checked (``not_checked``: stated, never implied)."""
 
     weights: Any
     probe_gap: float | None = None
@@ -178,18 +356,23 @@ class RefitCheck:
     probe_max: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    config_mismatches: list[str] = field(default_factory=list)
+    not_checked: list[str] = field(default_factory=lambda: list(NOT_CHECKED))
 
     @property
     def ok(self) -> bool:
-        probe_ok = self.probe_gap is None or (self.probe_bound is not None and self.probe_gap <= self.probe_bound)
-        return bool(self.weights.ok) and probe_ok
+        probe_ok = self.probe_gap is None or (self.probe_bound is not None and math.isfinite(self.probe_gap)
+                                              and self.probe_gap <= self.probe_bound)
+        return bool(self.weights.ok) and probe_ok and not self.config_mismatches
 
     def describe(self) -> str:
         parts = [self.weights.describe()]
+        if self.config_mismatches:
+            parts.append("config differs from the engine's: " + ", ".join(self.config_mismatches))
         if self.probe_gap is not None:
             parts.append(f"probe mean |Δ log p| {self.probe_gap:.3g} (bound {self.probe_bound:.3g}; largest "
                          f"{self.probe_max:.3g})")
-        return "; ".join(parts + self.notes)
+        return "; ".join(parts + self.notes + ["not checked: " + ", ".join(self.not_checked)])
 
     def check(self) -> "RefitCheck":
         if not self.ok:
@@ -197,31 +380,50 @@ class RefitCheck:
         return self
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "weights": self.weights.to_dict(), "probe_gap": self.probe_gap,
-                "probe_bound": self.probe_bound, "probe_max": self.probe_max, "seconds": round(self.seconds, 6), "notes": list(self.notes)}
+        return {"ok": self.ok, "weights": self.weights.to_dict(), "config_mismatches": list(self.config_mismatches),
+                "probe_gap": self.probe_gap, "probe_bound": self.probe_bound, "probe_max": self.probe_max,
+                "seconds": round(self.seconds, 6), "notes": list(self.notes), "not_checked": list(self.not_checked)}
 
 
 def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | None = None) -> RefitCheck:
     """Prove ``llm`` runs the trainer's weights (see the module docstring). ``expected``: the tensors the engine
     should hold when they are not the trainer's current ones (a stale refit: the snapshot that was pushed); the
     probe then does not run (the engine and the trainer hold different weights by design). ``probe`` needs a
-    moealign train engine (its forward replays routes). Never raises for a failed check: read ``.ok`` or call
-    ``.check()``."""
-    from ..patches.vllm.refit import verify_weights
+    moealign train engine (its forward replays routes). The trainer's config is compared with the engine's
+    (:func:`architecture_differences`: a difference fails the check). Never raises for a failed check: read
+    ``.ok`` or call ``.check()``; refused by name (before any work) for arguments it cannot use, a refit of the
+    same engine under way, a shut-down engine."""
+    from ..patches.vllm.refit import as_llm, verify_weights
 
     t0 = time.perf_counter()
-    notes = []
-    weights = verify_weights(llm, expected if expected is not None else trainer_tensors(trainer, hf_config))
-    gap = bound = largest = None
+    llm = as_llm(llm)
     if probe is not None:
-        if expected is not None:
-            notes.append("probe skipped: the engine holds an earlier snapshot (staleness) by design")
-        elif not hasattr(trainer, "forward") or isinstance(trainer, torch.nn.Module):
-            raise ConfigError("the refit probe needs a moealign train engine (its forward replays vLLM's routes)")
-        else:
+        if not isinstance(probe, Probe):
+            raise InputTypeError(f"probe must be a moealign.rl.Probe, got {type(probe).__name__}")
+        probe.validate()
+        if expected is None:
+            _probe_forward(trainer)
             if probe.bound is None:
                 raise ConfigError("the refit probe has no bound: calibrate it at step 0 (Probe.calibrate)")
-            (gap, largest), bound = probe.gaps(llm, trainer), probe.bound
+    if expected is not None and not isinstance(expected, Mapping):
+        raise InputTypeError(f"expected must be a mapping of transformers names to tensors, got "
+                             f"{type(expected).__name__}")
+    notes: list[str] = []
+    config = _trainer_config(trainer, hf_config)
+    differ = [] if config is None else architecture_differences(llm.llm_engine.model_config.hf_config, config)
+    if expected is None and isinstance(trainer, Mapping):
+        weights = verify_weights(llm, _snapshot(trainer))
+    else:
+        weights = verify_weights(llm, expected if expected is not None else trainer_tensors(trainer, hf_config))
+    gap = bound = largest = None
+    not_checked = list(NOT_CHECKED)
+    if probe is None:
+        not_checked.insert(0, "the forward (no probe ran: the weights were compared, the logits were not)")
+    elif expected is not None:
+        notes.append("probe skipped: the engine holds an earlier snapshot (staleness) by design")
+        not_checked.insert(0, "the forward (probe skipped: the engine holds an earlier snapshot by design)")
+    else:
+        (gap, largest), bound = probe.gaps(llm, trainer), probe.bound
     return RefitCheck(weights=weights, probe_gap=gap, probe_bound=bound, probe_max=largest,
-                      seconds=time.perf_counter() - t0,
-                      notes=notes)
+                      seconds=time.perf_counter() - t0, notes=notes, config_mismatches=differ,
+                      not_checked=not_checked)

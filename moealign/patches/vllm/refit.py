@@ -21,13 +21,19 @@ patch does nothing.
 
 **Before any work.** The manifest (every name and shape that will be streamed) must be exactly the checkpoint the
 engine loaded (its safetensors headers): a tensor missing, an extra one, a shape of another architecture or
-vocabulary is refused by name with nothing sent. Checkpoints that store experts one by one
+vocabulary is refused by name with nothing sent; so is every value that is not a finite tensor the engine's dtype
+can hold (:func:`check_values`: the stream is read once and checked before the first byte moves when it can be
+read twice; a one-shot stream is checked chunk by chunk and a late failure says how much had moved), a second
+refit of the same engine while one is under way (:func:`engine_busy`), and a shut-down engine (:func:`as_llm`,
+one round trip to every worker). Checkpoints that store experts one by one
 (``experts.{e}.gate_proj.weight``) get the trainer's fused expert tensors split to match (:func:`checkpoint_named`).
 
 **The proof.** :func:`held_tensors` reads, in every worker, what the kernels hold, in transformers names and this
-rank's shard: plain parameters as they are; linear layers whose weight the CPU build moved into a oneDNN / packed
-kernel (the parameter left empty) are read back *through the kernel* (``cpu_linear`` applied to the identity
-matrix: exact, every output is one product with 1.0); prepacked MoE experts as packed bytes, per expert.
+rank's shard, where the forward reads them: plain parameters as they are; linear layers and the LM head whose
+forward goes through the CPU build's ``cpu_linear`` (a oneDNN / packed copy of the weight; the linears' parameter
+left empty, the LM head's kept beside it: the logits come from the copy) are read back *through the kernel*
+(``cpu_linear`` applied to the identity matrix: exact, every output is one product with 1.0); where the LM head's
+parameter and kernel copy differ both are named; prepacked MoE experts as packed bytes, per expert.
 :func:`verify_weights` fingerprints (:func:`moealign.contract.tensor_fingerprint`) the expected tensors the same way (sliced for the rank, cast to the held dtype, packed
 with the worker's own prepack op where the worker packs) and names every (tensor, worker) that differs.
 Un-fusing is written for the qwen3_moe layout (``qkv_proj``, ``gate_up_proj``, ``w13`` / ``w2``); another family is
@@ -36,9 +42,13 @@ refused by name.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import re
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -46,14 +56,15 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from ...contract import tensor_fingerprint
-from ...errors import ConfigError, InputTypeError, RefitError, UnsupportedEngineError, UnsupportedModelError
+from ...errors import (ConfigError, EngineError, InputTypeError, MoealignError, RefitError, UnsupportedEngineError,
+                       UnsupportedModelError)
 from ...handle import PatchHandle
 from .._version import check_engine_version, require_attr
 from .engine import vllm_version
 
 __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrepack", "apply_cpu_experts_prepack",
-           "checkpoint_layout",
-           "checkpoint_named", "check_manifest", "refit_weights", "held_tensors", "verify_weights"]
+           "checkpoint_layout", "checkpoint_named", "check_manifest", "check_values", "as_llm", "engine_model_path",
+           "engine_dtype", "engine_busy", "refit_weights", "held_tensors", "verify_weights"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
@@ -148,6 +159,9 @@ def checkpoint_named(named: Iterable[tuple[str, torch.Tensor]], layout: Mapping[
             yield name, tensor
             continue
         base = match["base"]
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise RefitError(f"refit stream: {name!r} must be the fused experts tensor [experts, rows, columns], got "
+                             f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
         if match["kind"] == "gate_up_proj":
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
@@ -177,11 +191,198 @@ def check_manifest(manifest: Mapping[str, tuple[int, ...]], layout: Mapping[str,
                          "stream): " + "; ".join(problems))
 
 
-def _engine_model_path(llm: Any) -> str:
+# --------------------------------------------------------------------------------------------------
+# the engine: what it is, whether it still runs, and one refit at a time
+# --------------------------------------------------------------------------------------------------
+
+
+def as_llm(llm: Any) -> Any:
+    """``llm`` itself when it is a live ``vllm.LLM`` (moealign's ``VLLMRolloutEngine``: its ``.llm``); else a
+    named error: :class:`~moealign.errors.InputTypeError` for another object,
+    :class:`~moealign.errors.EngineError` for an engine that was shut down or deleted (no ``llm_engine``, a closed
+    rollout engine, an executor that failed or is shutting down)."""
+    from vllm import LLM
+
+    if not isinstance(llm, LLM) and hasattr(llm, "llm") and not isinstance(llm, torch.nn.Module):
+        inner = getattr(llm, "llm")
+        if inner is None:
+            raise EngineError(f"the {type(llm).__name__} was closed (its vLLM engine is gone): open a new one")
+        llm = inner
+    if not isinstance(llm, LLM):
+        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__module__}.{type(llm).__name__}")
     engine = getattr(llm, "llm_engine", None)
     if engine is None:
-        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
-    return str(engine.model_config.model)
+        raise EngineError("this vllm.LLM has no engine (its llm_engine was deleted or shut down): open a new LLM")
+    executor = getattr(engine, "model_executor", None)
+    if getattr(executor, "is_failed", False) or getattr(executor, "shutting_down", False):
+        raise EngineError("this vllm.LLM's executor has failed or is shutting down: open a new LLM")
+    return llm
+
+
+def engine_model_path(llm: Any) -> str:
+    """The checkpoint directory the engine loaded (the reference layout of a refit)."""
+    return str(as_llm(llm).llm_engine.model_config.model)
+
+
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine holds its weights in (``model_config.dtype``): what a refit's values must fit."""
+    dtype = getattr(as_llm(llm).llm_engine.model_config, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedEngineError(f"the vLLM engine states no torch dtype for its weights (got {dtype!r})")
+    return dtype
+
+
+def _rpc_ready(worker) -> str | None:
+    """(In a worker) why this worker cannot take a refit or be read (``None``: it can)."""
+    from vllm.distributed import parallel_state
+
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or getattr(runner, "model", None) is None:
+        return "the worker holds no model (shut down)"
+    if not parallel_state.model_parallel_is_initialized():
+        return "the worker's parallel groups are destroyed (the engine was shut down)"
+    if _WORKER_STATE:
+        return f"a refit ({', '.join(sorted(_WORKER_STATE))}) is still under way in this worker"
+    return None
+
+
+def _check_workers(llm: Any, what: str = "take a refit") -> int:
+    """One round trip to every worker before any work: a shut-down engine, a worker in the middle of another
+    refit, are refused by name (:class:`~moealign.errors.EngineError`); returns the number of workers."""
+    try:
+        answers = llm.collective_rpc(_rpc_ready)
+    except MoealignError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"the vLLM engine's workers do not answer ({type(exc).__name__}: {exc}): it was shut down "
+                          f"or has failed; open a new LLM") from exc
+    bad = [(rank, why) for rank, why in enumerate(answers) if why]
+    if bad:
+        raise EngineError(f"the vLLM engine cannot {what}: " + "; ".join(f"worker {r}: {w}" for r, w in bad))
+    return len(answers)
+
+
+@dataclass
+class _EngineState:
+    refit: str | None = None        # the refit under way (who, since when)
+    readers: int = 0                # verifications under way
+    broken: str | None = None       # a refit whose finish phase failed: the engine's weights are undefined
+
+
+_ENGINES: "weakref.WeakKeyDictionary[Any, _EngineState]" = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def engine_busy(llm: Any, what: str, *, exclusive: bool = True):
+    """Mark ``llm`` busy for the duration (one refit at a time per engine, no verification during a refit):
+    a second refit, or a read during a refit, is refused by name (:class:`~moealign.errors.RefitError`) before any
+    work. ``exclusive=False``: a read (several may run at once). An engine whose last refit failed in vLLM's
+    finish phase is refused until reopened."""
+    with _ENGINES_LOCK:
+        state = _ENGINES.get(llm)
+        if state is None:
+            state = _ENGINES[llm] = _EngineState()
+        if state.broken is not None and exclusive:
+            raise RefitError(f"{what} refused: the last refit of this engine failed while vLLM finished the reload "
+                             f"({state.broken}); its weights are undefined: open a new LLM")
+        if state.refit is not None:
+            raise RefitError(f"{what} refused: {state.refit} is under way on this engine (refits of one engine "
+                             f"cannot overlap, nor can a verification run during one); wait for it to return")
+        if exclusive and state.readers:
+            raise RefitError(f"{what} refused: {state.readers} refit verification(s) are reading this engine's "
+                             f"weights; wait for them to return")
+        if exclusive:
+            state.refit = f"a refit (thread {threading.current_thread().name!r}, started {time.strftime('%H:%M:%S')})"
+        else:
+            state.readers += 1
+    try:
+        yield state
+    finally:
+        with _ENGINES_LOCK:
+            if exclusive:
+                state.refit = None
+            else:
+                state.readers -= 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the values: every tensor checked before the first byte moves
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: Any, tensor: Any, what: str = "refit stream") -> None:
+    if not isinstance(name, str):
+        raise InputTypeError(f"{what}: tensor names must be strings, got {type(name).__name__} {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise InputTypeError(f"{what}: {name!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_meta:
+        raise RefitError(f"{what}: {name!r} is on the meta device (a shape without data)")
+    if tensor.is_complex():
+        raise RefitError(f"{what}: {name!r} is complex ({tensor.dtype}); the engine holds real weights")
+
+
+def _overflow_threshold(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to Inf when cast to ``dtype`` (round to nearest even: the largest finite
+    value plus half its ulp; fp16: 65520)."""
+    info = torch.finfo(dtype)
+    return (2.0 - info.eps / 2) * 2.0 ** (math.frexp(info.max)[1] - 1)
+
+
+def _value_flags(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """0-d bool on the tensor's device: every value finite and held finite by ``dtype`` (one min / max pass, NaN
+    propagating through it; no host read)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return None
+    if tensor.dtype == torch.float64 and dtype.is_floating_point and dtype != torch.float64:
+        return torch.isfinite(tensor.detach().to(dtype)).all()      # fp64 casts round twice: the cast decides
+    low, high = torch.aminmax(tensor.detach())
+    limit = _overflow_threshold(dtype) if dtype.is_floating_point else math.inf
+    return (high < limit) & (low > -limit)
+
+
+def _value_problem(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> str:
+    t = tensor.detach()
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        return f"{name!r} holds {bad} NaN or Inf value(s)"
+    big = float(t.abs().max())
+    return (f"{name!r} overflows the engine's {str(dtype).replace('torch.', '')} (largest |value| {big:.6g}; "
+            f"{torch.finfo(dtype).max:.6g} is the largest it holds: it would be held as Inf)")
+
+
+def check_values(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 manifest: Mapping[str, tuple[int, ...]] | None = None, *,
+                 what: str = "refit refused before any weight moved") -> dict[str, tuple[int, ...]]:
+    """Check a whole refit stream before any of it moves; returns ``{name: shape}``. Refused by name
+    (:class:`~moealign.errors.RefitError` / :class:`~moealign.errors.InputTypeError`): a value that is not a tensor,
+    a meta tensor, NaN / Inf, a value that overflows the engine's ``dtype`` (an fp16 engine would hold Inf), and,
+    with ``manifest``, a name or shape it did not announce, a name twice, an announced name missing (``what``
+    heads the message). One host read per device at the end (the bad tensor is found again only when one is bad)."""
+    seen: dict[str, tuple[int, ...]] = {}
+    flags: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for name, tensor in named:
+        _check_tensor(name, tensor, what)
+        shape = tuple(tensor.shape)
+        if name in seen:
+            raise RefitError(f"{what}: {name!r} comes twice in the stream")
+        if manifest is not None and (name not in manifest or tuple(manifest[name]) != shape):
+            raise RefitError(f"{what}: {name!r} {shape} is not what the manifest "
+                             f"announced ({manifest.get(name, 'absent')})")
+        seen[name] = shape
+        flag = _value_flags(tensor, dtype)
+        if flag is not None:
+            flags.setdefault(flag.device, []).append((name, tensor, flag))
+    for device, entries in flags.items():
+        if not bool(torch.stack([f for _, _, f in entries]).all()):
+            problems = [_value_problem(n, t, dtype) for n, t, f in entries if not bool(f)]
+            raise RefitError(f"{what} ({len(problems)} tensor(s)): "
+                             + "; ".join(problems[:4]) + (" and more" if len(problems) > 4 else ""))
+    if manifest is not None and len(seen) != len(manifest):
+        missing = sorted(set(manifest) - set(seen))
+        raise RefitError(f"{what}: the stream lacks {len(missing)} announced "
+                         f"tensor(s): {missing[:4]}")
+    return seen
 
 
 def _check_refit_version() -> None:
@@ -233,16 +434,17 @@ def apply_cpu_experts_prepack() -> CPUExpertsPrepack:
 
 
 def _runner(worker):
-    from .rollout import _worker_runner
+    from .rollout import worker_runner
 
-    return _worker_runner(worker)
+    return worker_runner(worker)
 
 
 def _rpc_begin(worker, key: str) -> bool:
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-    if key in _WORKER_STATE:
-        raise RefitError(f"a refit {key!r} is already under way in this worker")
+    if _WORKER_STATE:
+        raise RefitError(f"refit {key!r} refused: a refit ({', '.join(sorted(_WORKER_STATE))}) is already under way "
+                         f"in this worker")
     runner = _runner(worker)
     handle = apply_cpu_experts_prepack()
     try:
@@ -264,13 +466,14 @@ def _rpc_load(worker, key: str, chunk: list) -> int:
     return len(chunk)
 
 
-def _rpc_finish(worker, key: str) -> list[str]:
-    """Process the layers, put the kernels' tensors back, undo the patch, reset caches; the parameters not loaded."""
+def _rpc_finish(worker, key: str) -> list[str] | None:
+    """Process the layers, put the kernels' tensors back, undo the patch, reset caches; the parameters not loaded
+    (``None``: no refit ``key`` was under way in this worker, e.g. its begin failed)."""
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     state = _WORKER_STATE.pop(key, None)
     if state is None:
-        return ["<no refit under way in this worker>"]
+        return None
     runner = _runner(worker)
     try:
         finalize_layerwise_reload(runner.model, runner.model_config)
@@ -284,50 +487,81 @@ def _rpc_finish(worker, key: str) -> list[str]:
     return sorted(names - state["loaded"])
 
 
-def _finite(chunk: list) -> list:
-    """``chunk``, after one host read saying every floating tensor in it is finite (a NaN / Inf tensor is named, and
-    refused before it reaches a worker)."""
-    floats = [(n, t) for n, t in chunk if t.is_floating_point()]
-    if floats and not bool(torch.stack([torch.isfinite(t).all() for _, t in floats]).all()):
-        bad = next(n for n, t in floats if not bool(torch.isfinite(t).all()))
-        raise RefitError(f"refit stream: {bad!r} holds NaN or Inf")
-    return chunk
-
-
-def _chunks(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list]:
+def _chunks(named: Iterable[tuple[str, torch.Tensor]], limit: int, dtype: torch.dtype | None) -> Iterator[list]:
+    """Bounded chunks of ``named``; with ``dtype``, each chunk's values checked (one host read per chunk) before it
+    is sent (``None``: the whole stream was checked before the first chunk)."""
     chunk, size = [], 0
+
+    def checked(chunk):
+        if dtype is not None:
+            check_values(chunk, dtype, what="refit stream")
+        return chunk
+
     for name, tensor in named:
         chunk.append((name, tensor.detach().contiguous()))
         size += tensor.numel() * tensor.element_size()
         if size >= limit:
-            yield _finite(chunk)
+            yield checked(chunk)
             chunk, size = [], 0
     if chunk:
-        yield _finite(chunk)
+        yield checked(chunk)
 
 
-def refit_weights(llm: Any, named: Iterable[tuple[str, torch.Tensor]], manifest: Mapping[str, tuple[int, ...]], *,
+def _source(named) -> tuple[Any, bool]:
+    """``(a function returning a fresh stream, whether the stream can be read twice)``."""
+    if isinstance(named, Mapping):
+        return (lambda: iter(named.items())), True
+    if isinstance(named, (list, tuple)):
+        return (lambda: iter(named)), True
+    if callable(named) and not hasattr(named, "__next__"):
+        return named, True
+    if isinstance(named, Iterable):
+        return (lambda: named), False
+    raise InputTypeError(f"named must be a mapping, a sequence or an iterable of (name, tensor), or a function "
+                         f"returning one; got {type(named).__name__}")
+
+
+def refit_weights(llm: Any, named, manifest: Mapping[str, tuple[int, ...]], *,
                   chunk_bytes: int = CHUNK_BYTES) -> RefitResult:
-    """Push ``named`` (``(checkpoint name, full unsharded tensor)``, streamed lazily) into every worker of ``llm`` in
-    place (see the module docstring). ``manifest`` (``{name: shape}`` of exactly what ``named`` yields) is checked
-    against the engine's checkpoint before any work (:func:`check_manifest`); a stream that then yields a name or
-    shape outside the manifest, or leaves a parameter of the engine unloaded, raises
-    :class:`~moealign.errors.RefitError` (the engine's weights are then undefined: refit again or reopen it)."""
+    """Push ``named`` (``(checkpoint name, full unsharded tensor)``) into every worker of ``llm`` in place (see the
+    module docstring). ``named`` is a mapping, a list / tuple, a function returning a fresh iterable (read twice:
+    the check, then the stream; what :func:`moealign.rl.refit` passes), or a one-shot iterable.
+
+    Before any tensor moves: ``manifest`` (``{name: shape}`` of exactly what ``named`` yields) against the engine's
+    checkpoint (:func:`check_manifest`); the engine alive and not in another refit (:func:`engine_busy`: refused
+    by name); and, when ``named`` can be read twice, every value (:func:`check_values`: a tensor, not meta, finite,
+    within the engine's dtype, exactly the manifest; the second read, the stream, is then checked for names and
+    shapes only). A one-shot iterable is checked chunk by chunk as it streams:
+    a bad value found late raises :class:`~moealign.errors.RefitError` saying how many tensors had already been
+    replaced (the engine then serves a mix of old and new weights until the next full refit)."""
     _check_refit_version()
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
-    layout = checkpoint_layout(_engine_model_path(llm))
+    llm = as_llm(llm)
+    if not isinstance(manifest, Mapping):
+        raise InputTypeError(f"manifest must be a mapping of name -> shape, got {type(manifest).__name__}")
+    layout = checkpoint_layout(engine_model_path(llm))
     check_manifest(manifest, layout)
+    dtype = engine_dtype(llm)
+    source, twice = _source(named)
+    with engine_busy(llm, "refit") as engine:
+        _check_workers(llm)
+        if twice:
+            check_values(source(), dtype, manifest)
+        return _stream(llm, engine, source(), manifest, chunk_bytes, dtype, twice)
+
+
+def _stream(llm, engine: _EngineState, named, manifest, chunk_bytes: int, dtype: torch.dtype,
+            prechecked: bool) -> RefitResult:
     key = uuid.uuid4().hex
     t0 = time.perf_counter()
-    tensors = nbytes = chunks = 0
+    tensors = nbytes = chunks = sent = 0
     seen: set[str] = set()
 
     def checked():
         nonlocal tensors, nbytes
         for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise RefitError(f"refit stream: {name!r} is a {type(tensor).__name__}, not a tensor")
+            _check_tensor(name, tensor)
             if name not in manifest or tuple(tensor.shape) != tuple(manifest[name]) or name in seen:
                 raise RefitError(f"refit stream: {name!r} {tuple(tensor.shape)} is not what the manifest announced "
                                  f"({manifest.get(name, 'absent')}{', twice' if name in seen else ''})")
@@ -336,20 +570,44 @@ def refit_weights(llm: Any, named: Iterable[tuple[str, torch.Tensor]], manifest:
             nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    workers = len(llm.collective_rpc(_rpc_begin, args=(key,)))
-    unloaded: list = []
+    def mixed(what: str) -> str:
+        if not sent:
+            return f"{what}; no weight had moved (the engine still holds its previous weights)"
+        again = " (the stream differed from the one checked before the send)" if prechecked else ""
+        return (f"{what}{again}; {sent} of {len(manifest)} tensors had already been replaced: the engine now "
+                f"serves a MIX of old and new weights until a full refit succeeds")
+
     try:
-        for chunk in _chunks(checked(), chunk_bytes):
+        workers = len(llm.collective_rpc(_rpc_begin, args=(key,)))
+    except BaseException as exc:
+        _finish(llm, engine, key, quiet=True)          # the workers whose begin ran put their layers back
+        if isinstance(exc, MoealignError):
+            raise
+        raise RefitError(f"refit could not begin in every vLLM worker ({type(exc).__name__}: {exc}); no weight "
+                         f"moved") from exc
+    failure: BaseException | None = None
+    try:
+        for chunk in _chunks(checked(), chunk_bytes, None if prechecked else dtype):
             llm.collective_rpc(_rpc_load, args=(key, chunk))
+            sent += len(chunk)
             chunks += 1
-    finally:
-        unloaded = llm.collective_rpc(_rpc_finish, args=(key,))
+    except BaseException as exc:
+        failure = exc
+    unloaded = _finish(llm, engine, key, quiet=failure is not None)
+    if failure is not None:
+        if isinstance(failure, Exception):
+            raise RefitError(mixed(f"refit failed: {failure}" if isinstance(failure, MoealignError) else
+                                   f"refit failed ({type(failure).__name__}: {failure})")) from failure
+        raise failure                                     # KeyboardInterrupt and the like: as they are
     missing = sorted(set(manifest) - seen)
     if missing:
-        raise RefitError(f"refit stream ended without {len(missing)} announced tensors: {missing[:4]}")
-    for rank, names in enumerate(unloaded):
+        raise RefitError(mixed(f"refit stream ended without {len(missing)} announced tensors: {missing[:4]}"))
+    for rank, names in enumerate(unloaded or []):
+        if names is None:
+            raise RefitError(mixed(f"vLLM worker {rank} had no refit {key!r} under way when it was finished"))
         if names:
-            raise RefitError(f"refit left {len(names)} parameters of vLLM worker {rank} unloaded: {names[:4]}")
+            raise RefitError(mixed(f"refit left {len(names)} parameters of vLLM worker {rank} unloaded: "
+                                   f"{names[:4]}"))
     reset = getattr(llm, "reset_prefix_cache", None)
     if callable(reset):
         reset()
@@ -357,23 +615,40 @@ def refit_weights(llm: Any, named: Iterable[tuple[str, torch.Tensor]], manifest:
                        seconds=time.perf_counter() - t0)
 
 
+def _finish(llm, engine: _EngineState, key: str, *, quiet: bool) -> list | None:
+    """The finish phase in every worker; a failure there marks the engine broken (every later refit refused)."""
+    try:
+        return llm.collective_rpc(_rpc_finish, args=(key,))
+    except BaseException as exc:
+        engine.broken = f"{type(exc).__name__}: {exc}"
+        if quiet:
+            return None
+        raise RefitError(f"refit failed while vLLM finished the reload ({engine.broken}): the engine's weights are "
+                         f"undefined; open a new LLM") from exc
+
+
 # --------------------------------------------------------------------------------------------------
 # reading back what the workers hold
 # --------------------------------------------------------------------------------------------------
 
 
-def _read_linear(module, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A linear layer's weight as its kernel computes with it (``[out, in]`` of this rank): the parameter, or
-    where the CPU build moved it into a packed / oneDNN kernel (parameter left empty), ``cpu_linear(I)^T``."""
-    if param.numel() > 0 or not callable(getattr(module, "cpu_linear", None)):
+def _read_linear(module, param: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, bool]:
+    """A linear layer's (or the LM head's) weight where its forward reads it (``[out, in]`` of this rank): where
+    the CPU build routes the forward through ``cpu_linear`` (a packed / oneDNN / sgl copy of the weight, the
+    parameter emptied or, for the LM head, kept beside it), ``cpu_linear(I)^T`` (exact: every output is one product
+    with 1.0); the parameter where the forward reads the parameter (no kernel, or moealign's tree forward)."""
+    kernel = getattr(module, "cpu_linear", None)
+    if getattr(module, "_moealign_tree", False) or not callable(kernel):
         return param.detach(), False
-    k = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+    if k is None:
+        k = param.shape[1] if param.dim() == 2 and param.numel() > 0 else (
+            getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None))
     if not isinstance(k, int) or k < 1:
-        raise UnsupportedEngineError(f"{type(module).__name__}: its weight is packed into a CPU kernel and its input "
+        raise UnsupportedEngineError(f"{type(module).__name__}: its weight is read through a CPU kernel and its input "
                                      f"size is not stated; it cannot be read back")
     eye = torch.eye(k, dtype=param.dtype, device=param.device)
     with torch.no_grad():
-        return module.cpu_linear(eye, param, None).t().contiguous(), True
+        return kernel(eye, param, None).t().contiguous(), True
 
 
 def _rpc_held(worker) -> dict:
@@ -442,7 +717,15 @@ def _rpc_held(worker) -> dict:
         elif mname.endswith(("embed_tokens", "lm_head")):
             idx = module.shard_indices
             rows = int(idx.org_vocab_end_index - idx.org_vocab_start_index)
-            put(pname, param.detach()[:rows], ("rows", int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)))
+            shard = ("rows", int(idx.org_vocab_start_index), int(idx.org_vocab_end_index))
+            if mname.endswith("lm_head") and leaf == "weight":
+                # the logits come from the LM head's kernel copy (cpu_linear), not from the parameter it keeps
+                t, packed = _read_linear(module, param, int(getattr(module, "embedding_dim", 0) or 0) or None)
+                put(pname, t[:rows], shard, packed)
+                if packed and param.numel() > 0 and not torch.equal(param.detach()[:rows], t[:rows]):
+                    put(f"{pname}[parameter]", param.detach()[:rows], shard)    # the two copies differ: name both
+            else:                   # the embedding reads its parameter (F.embedding)
+                put(pname, param.detach()[:rows], shard)
         elif mname.endswith("mlp.gate"):
             t, packed = _read_linear(module, param)
             put(pname, t, ("full",), packed)
@@ -455,11 +738,13 @@ def _rpc_held(worker) -> dict:
 
 
 def held_tensors(llm: Any) -> list[dict]:
-    """Per worker (rank order), what it holds: ``{transformers name: (digest, shape, dtype, shard, packed)}``."""
+    """Per worker (rank order), what it holds: ``{transformers name: (digest, shape, dtype, shard, packed)}``;
+    refused by name during a refit of the same engine and on a shut-down one."""
     _check_refit_version()
-    if getattr(llm, "llm_engine", None) is None:
-        raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
-    return llm.collective_rpc(_rpc_held)
+    llm = as_llm(llm)
+    with engine_busy(llm, "reading the engine's weights", exclusive=False):
+        _check_workers(llm, "have its weights read")
+        return llm.collective_rpc(_rpc_held)
 
 
 def _expected(full: torch.Tensor, shard: tuple) -> torch.Tensor:
@@ -493,6 +778,8 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
     :class:`WeightCheck` (``.check()`` raises naming each mismatch); never raises for a mismatch itself."""
     t0 = time.perf_counter()
     state = dict(named.items() if isinstance(named, Mapping) else named)
+    for name, tensor in state.items():
+        _check_tensor(name, tensor, "refit verification")
     if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]      # tied embeddings
     per_rank = held_tensors(llm)
@@ -530,6 +817,9 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
                 result.mismatches.append((name, rank, f"held shape {tuple(shape)}, the trainer's "
                                                       f"{tuple(want.shape)}"))
             elif tensor_fingerprint(want) != digest:
-                result.mismatches.append((name, rank, "held bytes differ"))
+                where = ("the kernel's copy the forward reads" if packed else
+                         "the parameter (its kernel copy differs from it)" if name.endswith("[parameter]") else
+                         "the parameter")
+                result.mismatches.append((name, rank, f"held bytes differ ({where})"))
     result.seconds = time.perf_counter() - t0
     return result

@@ -28,9 +28,10 @@ a :class:`~moealign.handle.PatchHandle` (scope ``"instance"``) undone when the c
 Prefix caching is refused (cached prompt positions are never forwarded, so they would have no routes), as are
 speculative decoding, async scheduling, monolithic MoE kernels and a temperature below vLLM's greedy threshold
 (1e-5: vLLM then samples greedily and never truncates). The record's metadata (:func:`record_meta`): the
-fingerprint of the checkpoint config vLLM loaded, the MoE layers, experts and top-k of its live routers, and the
-router signature of the checkpoint's router weights, read from its safetensors files (vLLM's CPU build repacks
-the live gate weights into a oneDNN kernel and leaves the parameter empty); so it matches
+fingerprint of the checkpoint's config.json as written (not of the config vLLM loaded, which vLLM edits), the MoE
+layers, experts and top-k of its live routers, and the router signature of the checkpoint's router weights, read
+from its safetensors files (vLLM's CPU build repacks the live gate weights into a oneDNN kernel and leaves the
+parameter empty); so it matches
 :func:`moealign.patches.hf.record_meta` of the same checkpoint.
 
 Sample ``i`` draws from its own seed (``seed + i``). vLLM 0.32's CPU build cannot rewind such a per-request
@@ -67,15 +68,16 @@ from ...record import (
     RolloutRecord,
     Sample,
     SamplingParams,
-    config_fingerprint,
     router_samples,
     router_signature,
 )
+from ...record.meta import checkpoint_fingerprint
 from ...routing_replay.routes import compact_routes, route_dtype
 from .._version import require_attr
 from .engine import vllm_version
 
-__all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta"]
+__all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta", "cached_record_meta",
+           "worker_runner"]
 
 #: vLLM samples greedily below this temperature (``vllm.v1.sample.sampler._SAMPLING_EPS``): no kept set exists.
 VLLM_GREEDY_TEMPERATURE = MIN_TEMPERATURE   # vLLM's _SAMPLING_EPS: below it vLLM samples greedily
@@ -181,7 +183,7 @@ def _engine_routers(llm: Any) -> list[tuple[int, str, int, int]]:
     return _agreed(llm.collective_rpc(_rpc_routers), "holds other MoE routers", UnsupportedEngineError)
 
 
-def _cached_meta(llm: Any) -> RecordMeta:
+def cached_record_meta(llm: Any) -> RecordMeta:
     """:func:`record_meta` once per engine (it describes the checkpoint vLLM loaded and its routers, which a
     rollout does not change; reading the checkpoint's router weights costs milliseconds per call)."""
     model = str(llm.llm_engine.model_config.model)
@@ -192,8 +194,12 @@ def _cached_meta(llm: Any) -> RecordMeta:
     return cached[1]
 
 
+_cached_meta = cached_record_meta
+
+
 def record_meta(llm: Any) -> RecordMeta:
-    """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint config vLLM loaded,
+    """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint's config.json as written
+    (:func:`~moealign.record.meta.checkpoint_fingerprint`; vLLM edits the config it loaded),
     the MoE layers, experts and top-k of its live routers (read in the workers, any TP size) and the router
     signature of the checkpoint's router weights (so it matches :func:`moealign.patches.hf.record_meta` of the
     same checkpoint in any dtype)."""
@@ -216,7 +222,7 @@ def record_meta(llm: Any) -> RecordMeta:
     return RecordMeta(
         engine="vllm",
         engine_version=version,
-        model_fingerprint=config_fingerprint(hf_config.to_dict()),
+        model_fingerprint=checkpoint_fingerprint(str(model_config.model)),   # the file, not vLLM's edited config
         num_layers=int(hf_config.num_hidden_layers),
         moe_layers=moe_layers,
         num_experts=num_experts,
@@ -438,8 +444,12 @@ class VllmRecorder(PatchHandle):
 _WORKER_HANDLES: dict[str, PatchHandle] = {}   # in each worker process: the handles attached there, by key
 
 
-def _worker_runner(worker):
+def worker_runner(worker):
+    """(In a worker) its checked V1 model runner (for moealign's ``collective_rpc`` functions)."""
     return _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
+
+
+_worker_runner = worker_runner
 
 
 def _rpc_attach(worker, key: str, build, args: tuple) -> bool:
