@@ -146,103 +146,134 @@ class _Run:
         metrics = side_metrics(record, side, masked=self.mask and record.has_kept_sets)
         return {k: metrics[k] for k in STEP_METRICS}
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop, in the order of the docstring
     def run(self, prompts: list[str]) -> dict:
-        from ..patches.vllm.rollout import generate_with_record
-
+        """The loop: the engine set to this trainer's weights (:meth:`_start`), then ``steps`` times
+        :meth:`_step` (rollout, reward + train, measure, refit, verify)."""
         cfg = self.cfg
         self.log(f"{self.name}: levers {self.levers}, correction {cfg.correction}, {cfg.steps} steps, "
                  f"{len(prompts)} prompts x {cfg.group_size}, lr {cfg.lr:g}, staleness {cfg.staleness}")
         t0 = time.perf_counter()
+        header = self._start(prompts)
+        repeated = [p for p in prompts for _ in range(cfg.group_size)]
+        steps: list[dict] = []
+        for step in range(cfg.steps):
+            steps.append(self._step(step, repeated, steps[-1] if steps else None, header))
+            self._log_step(steps[-1])
+        header["elapsed_s"] = round(time.perf_counter() - t0, 3)
+        header["steps"] = steps
+        return header
+
+    def _start(self, prompts: list[str]) -> dict:
+        """The engine refit to this trainer's weights and verified; the standalone probe calibrated (step 0's gap on
+        identical weights); whether the next rollout certifies each refit (the aligned loop); the run's header."""
+        cfg = self.cfg
         start = refit(self.llm, self.trainer)            # the engine starts from this trainer's weights
         start_check = verify_refit(self.llm, self.trainer)
-        probe = None
+        self.probe = None
         if cfg.verify:
             seqs = [torch.tensor(self.tokenizer(p)["input_ids"][:32]) for p in prompts[:cfg.probe_sequences]]
             seqs = [s for s in seqs if s.numel() > 25]
             if seqs:
-                probe = Probe(seqs)
-                probe.calibrate(self.llm, self.trainer)
-        header = {"name": self.name, "levers": self.levers, "replay": self.replay, "sampling_mask": self.mask,
-                  "initial_refit": {"seconds": round(start.seconds, 6), "verify": start_check.to_dict()},
-                  "probe": None if probe is None else {"sequences": len(probe.sequences), "scored_tokens":
-                                                       probe.score_last, "step0_gap": probe.step0_gap,
-                                                       "bound": probe.bound}}
+                self.probe = Probe(seqs)
+                self.probe.calibrate(self.llm, self.trainer)
         # the aligned loop (replay + sampling mask, no staleness) certifies each refit with the next rollout itself:
         # its mean |delta log p| between the engines on identical weights, replayed routes and the same kept sets,
-        # over every response token, within the probe's factor x its step-0 value; the last refit gets the standalone probe
-        rollout_probe = cfg.verify and self.replay and self.mask and not cfg.staleness and probe is not None
-        rollout_bound = None
-        history: dict[int, dict] = {}                    # staleness: weight version -> the trainer's tensors
-        repeated = [p for p in prompts for _ in range(cfg.group_size)]
-        steps = []
-        for step in range(cfg.steps):
-            times = {}
+        # over every response token, within the probe's factor x its step-0 value; the last refit gets the standalone
+        # probe
+        self.rollout_probe = bool(cfg.verify and self.replay and self.mask and not cfg.staleness
+                                  and self.probe is not None)
+        self.rollout_bound = None
+        self.history: dict[int, dict] = {}               # staleness: weight version -> the trainer's tensors
+        probe = self.probe
+        return {"name": self.name, "levers": self.levers, "replay": self.replay, "sampling_mask": self.mask,
+                "initial_refit": {"seconds": round(start.seconds, 6), "verify": start_check.to_dict()},
+                "probe": None if probe is None else {"sequences": len(probe.sequences), "scored_tokens":
+                                                     probe.score_last, "step0_gap": probe.step0_gap,
+                                                     "bound": probe.bound}}
+
+    def _step(self, step: int, prompts: list[str], previous: dict | None, header: dict) -> dict:
+        """One step, its six phases in order, each timed."""
+        from ..patches.vllm.rollout import generate_with_record
+
+        cfg, times = self.cfg, {}
+
+        def timed(name, fn, *args):
             t = time.perf_counter()
-            record = generate_with_record(self.llm, repeated, sampling=cfg.sampling,
-                                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed + step * len(repeated))
-            times["rollout"] = time.perf_counter() - t
-            t = time.perf_counter()
-            out, fwd = self._train(record)
-            times["train"] = time.perf_counter() - t
-            engine_gap = out.pop("engine_gap")
-            if rollout_probe and step == 0:
-                rollout_bound = max(probe.factor * engine_gap, probe.floor)
-                header["rollout_probe"] = {"step0_gap": engine_gap, "bound": rollout_bound,
-                                           "tokens": record.num_response_tokens}
-            elif rollout_probe and steps and steps[-1]["verify"] is not None:
-                prev = steps[-1]["verify"]               # the refit after the previous step, certified by this rollout
-                prev.update({"probe": "next rollout", "probe_gap": engine_gap, "probe_bound": rollout_bound,
-                             "probe_max": None})
-                prev["ok"] = bool(prev["weights"]["ok"] and not prev.get("config_mismatches")
-                                  and engine_gap <= rollout_bound)
-                # the rollout decoded with the refit's weights: its forward and decode path were probed
-                prev["not_checked"] = [x for x in prev.get("not_checked", [])
-                                       if not x.startswith(("the forward", "decode path"))]
-            t = time.perf_counter()
-            out["metrics"] = self._measure(record, fwd)
-            times["measure"] = time.perf_counter() - t
-            t = time.perf_counter()
-            expected = None
-            if cfg.staleness:
-                history[step + 1] = _snapshot(self.trainer)
-                version = step + 1 - cfg.staleness       # the engine serves the weights of N steps earlier
-                for old in [v for v in history if v < version]:
-                    del history[old]
-                if version >= 1:
-                    expected = history[version]
-                    result = refit(self.llm, expected)
-                else:
-                    result = None                        # the engine keeps theta_0 until N steps have passed
-            else:
-                result = refit(self.llm, self.trainer)
-            times["refit"] = time.perf_counter() - t
-            t = time.perf_counter()
-            check = None
-            if cfg.verify and result is not None:
-                standalone = probe if not rollout_probe or step == cfg.steps - 1 else None
-                check = verify_refit(self.llm, self.trainer, expected=expected, probe=standalone)
-            times["verify"] = time.perf_counter() - t
-            times["total"] = sum(times.values())
-            out.update({"step": step, "samples": len(record), "response_tokens": record.num_response_tokens,
-                        "refit": None if result is None else {"seconds": round(result.seconds, 6),
-                                                              "tensors": result.tensors, "bytes": result.bytes,
-                                                              "workers": result.workers},
-                        "verify": None if check is None else {
-                            **check.to_dict(), "probe": "standalone" if check.probe_gap is not None else None},
-                        "time": {k: round(v, 6) for k, v in times.items()}})
-            steps.append(out)
-            m = out["metrics"]
-            bits = "" if "aligned" not in out else (
-                ", bitwise equal" if out["aligned"]["bitwise_equal"] else
-                f", NOT bitwise equal ({out['aligned']['tokens_differing']} tokens)")
-            self.log(f"{self.name} step {step}{bits}: reward {out['reward_mean']:.3f}, kl_k3 {m['kl_k3']:.3g}, "
-                     f"max|dlogp| {m['max_abs_logp_diff']:.3g}, router flips {m['router_flip_rate']:.4f}, refit "
-                     f"{'-' if result is None else f'{result.seconds * 1e3:.0f} ms'}, verify "
-                     f"{'-' if check is None else ('ok' if check.ok else 'FAILED')}")
-        header["elapsed_s"] = round(time.perf_counter() - t0, 3)
-        header["steps"] = steps
-        return header
+            value = fn(*args)
+            times[name] = time.perf_counter() - t
+            return value
+
+        record = timed("rollout", lambda: generate_with_record(
+            self.llm, prompts, sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed + step * len(prompts)))
+        out, fwd = timed("train", self._train, record)
+        self._certify_previous_refit(step, out.pop("engine_gap"), record, previous, header)
+        out["metrics"] = timed("measure", self._measure, record, fwd)
+        result, expected = timed("refit", self._refit, step)
+        check = timed("verify", self._verify, step, result, expected)
+        times["total"] = sum(times.values())
+        out.update({"step": step, "samples": len(record), "response_tokens": record.num_response_tokens,
+                    "refit": None if result is None else {"seconds": round(result.seconds, 6),
+                                                          "tensors": result.tensors, "bytes": result.bytes,
+                                                          "workers": result.workers},
+                    "verify": None if check is None else {
+                        **check.to_dict(), "probe": "standalone" if check.probe_gap is not None else None},
+                    "time": {k: round(v, 6) for k, v in times.items()}})
+        return out
+
+    def _certify_previous_refit(self, step: int, engine_gap: float, record, previous: dict | None,
+                                header: dict) -> None:
+        """The aligned loop: step 0's engine gap sets the bound; each later rollout, decoded with the previous
+        refit's weights, certifies that refit (its verification's probe is this rollout)."""
+        if not self.rollout_probe:
+            return
+        if step == 0:
+            self.rollout_bound = max(self.probe.factor * engine_gap, self.probe.floor)
+            header["rollout_probe"] = {"step0_gap": engine_gap, "bound": self.rollout_bound,
+                                       "tokens": record.num_response_tokens}
+        elif previous is not None and previous["verify"] is not None:
+            prev = previous["verify"]
+            prev.update({"probe": "next rollout", "probe_gap": engine_gap, "probe_bound": self.rollout_bound,
+                         "probe_max": None})
+            prev["ok"] = bool(prev["weights"]["ok"] and not prev.get("config_mismatches")
+                              and engine_gap <= self.rollout_bound)
+            # the rollout decoded with the refit's weights: its forward and decode path were probed
+            prev["not_checked"] = [x for x in prev.get("not_checked", [])
+                                   if not x.startswith(("the forward", "decode path"))]
+
+    def _refit(self, step: int):
+        """``(refit result or None, the tensors the engine should now hold or None: the trainer's)``; with staleness
+        the engine serves the weights of N steps earlier (and keeps theta_0 until N steps have passed)."""
+        cfg = self.cfg
+        if not cfg.staleness:
+            return refit(self.llm, self.trainer), None
+        self.history[step + 1] = _snapshot(self.trainer)
+        version = step + 1 - cfg.staleness
+        for old in [v for v in self.history if v < version]:
+            del self.history[old]
+        if version < 1:
+            return None, None
+        expected = self.history[version]
+        return refit(self.llm, expected), expected
+
+    def _verify(self, step: int, result, expected):
+        """The refit verified (tensors; the standalone probe unless the next rollout will certify it)."""
+        if not self.cfg.verify or result is None:
+            return None
+        standalone = self.probe if not self.rollout_probe or step == self.cfg.steps - 1 else None
+        return verify_refit(self.llm, self.trainer, expected=expected, probe=standalone)
+
+    def _log_step(self, out: dict) -> None:
+        m = out["metrics"]
+        bits = "" if "aligned" not in out else (
+            ", bitwise equal" if out["aligned"]["bitwise_equal"] else
+            f", NOT bitwise equal ({out['aligned']['tokens_differing']} tokens)")
+        refit_ms = "-" if out["refit"] is None else f"{out['refit']['seconds'] * 1e3:.0f} ms"
+        verify = "-" if out["verify"] is None else ("ok" if out["verify"]["ok"] else "FAILED")
+        self.log(f"{self.name} step {out['step']}{bits}: reward {out['reward_mean']:.3f}, kl_k3 {m['kl_k3']:.3g}, "
+                 f"max|dlogp| {m['max_abs_logp_diff']:.3g}, router flips {m['router_flip_rate']:.4f}, refit "
+                 f"{refit_ms}, verify {verify}")
 
 
 def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None) -> dict:
