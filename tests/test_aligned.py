@@ -6,6 +6,7 @@ every step of an RL loop through in-place refits; each canonical op left stock o
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -82,6 +83,31 @@ class TestFullyAlignedFp32:
         # the test's own check, not the report's: score the saved record again
         trained, rollout = _score(RolloutRecord.load(str(path)), fp32_trainer)
         assert torch.equal(trained, rollout)
+        # issue 34 (3): same checkpoint, a saved record: no "another checkpoint" warning
+        assert report["warnings"] == []
+
+    def test_weights_warning_compares_like_with_like(self, fp32_run, fp32_trainer):
+        """The record's contract (vLLM's weights under the canonical forward) against the aligned trainer's: digests
+        stated (the check is not vacuous), equal; negative control: one expert weight of the trainer's layer 2
+        changed, the warning names layer 2 alone."""
+        from moealign.mismatch.run import weights_warnings
+        from moealign.record import RolloutRecord
+
+        contract = RolloutRecord.load(str(fp32_run[1])).contract
+        assert sorted(contract["weights"]["digests"]) == ["bfloat16", "float16", "float32"]
+        assert weights_warnings(contract, fp32_trainer) == []
+        name, param = next((n, p) for n, p in fp32_trainer.model.named_parameters()
+                           if ".layers.2." in n and ".experts." in n)
+        saved = param.detach().clone()
+        with torch.no_grad():
+            param.mul_(1.5)
+        try:
+            warned = weights_warnings(contract, fp32_trainer)
+        finally:
+            with torch.no_grad():
+                param.copy_(saved)
+        assert len(warned) == 1 and "differ in layer 2 (digests at float32 rounding)" in warned[0], (name, warned)
+        assert weights_warnings(contract, fp32_trainer) == []
 
     @pytest.mark.parametrize("op", OPS)
     def test_each_op_left_stock_on_the_trainer_leaves_a_gap(self, fp32_run, fp32_trainer, op):
@@ -91,6 +117,34 @@ class TestFullyAlignedFp32:
         trained, rollout = _score(RolloutRecord.load(str(fp32_run[1])), fp32_trainer, skip=(op,))
         assert not torch.equal(trained, rollout)
         assert float((trained - rollout).abs().max()) > 0
+
+
+@needs_vllm
+def test_bf16_aligned_record_has_no_weights_warning(tmp_path):
+    """Issue 34 (3) as reported: `mismatch --aligned --save-record` (bf16) warned that the record came from another
+    checkpoint (vLLM's experts digested under their vLLM names and in the CPU build's prepacked layout). Negative
+    control: the record loaded against a copy of the checkpoint with one expert weight of layer 2 changed warns,
+    naming layer 2 alone; against the checkpoint itself it does not."""
+    from safetensors.torch import load_file, save_file
+
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.rollout import MismatchConfig
+    from moealign.mismatch.run import run_mismatch
+
+    record = tmp_path / "record.safetensors"
+    report = _run(num_prompts=2, max_new_tokens=4, save_record=str(record))
+    assert report["aligned"]["bitwise_equal"] and report["rollout"]["dtype"] == "bf16"
+    assert report["warnings"] == []
+    other = tmp_path / "other"
+    shutil.copytree(embedded_model_path(), other)
+    tensors = load_file(str(other / "model.safetensors"))
+    tensors["model.layers.2.mlp.experts.0.down_proj.weight"] *= 1.5
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    for model, want in ((other, ["layer 2 (digests at bfloat16 rounding)"]), (embedded_model_path(), [])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scored = run_mismatch(MismatchConfig(model=str(model), load_record=str(record), device="cpu"))
+        assert [w.split("differ in ", 1)[1].split(":")[0] for w in scored["warnings"]] == want, scored["warnings"]
 
 
 @needs_vllm

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from ..contract import name_layers, weight_difference
+from ..errors import UnsupportedConversionError
 from ..routing_replay.flips import foreign_routes
 from .engines import describe_engine
 from .report import (
@@ -88,6 +89,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     device = cfg.resolved_device()
     model_path = cfg.model_path()
     fault = cfg.fault
+    check_train_family(cfg)
 
     # 1. the rollout record
     rollout_contract, pad_token_id = None, None
@@ -116,7 +118,10 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
 
     # 2. the training engine's scores, without and with routing replay
     log(train_message(cfg, record))
-    trainer = make_train_engine(cfg, model_path, device)
+    try:
+        trainer = make_train_engine(cfg, model_path, device)
+    except UnsupportedConversionError as exc:          # a feature of this config Megatron's local spec lacks
+        raise UnsupportedConversionError(_train_hf_hint(str(exc), _model_type(cfg))) from None
     if fault is not None and fault.kind == "replay-off":
         log(f"fault injected: {fault.describe()}")
         trainer = ReplayOffTrainer(trainer)
@@ -152,6 +157,35 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
     return report
+
+
+def _model_type(cfg: MismatchConfig):
+    from ..model_config import read_model_config
+
+    return read_model_config(cfg.model_path())["model_type"]
+
+
+def _train_hf_hint(message: str, model_type) -> str:
+    """``message`` + where the transformers trainer runs ``model_type`` (a registered family: every one runs there)."""
+    from ..families import FAMILIES
+
+    if model_type not in FAMILIES or "--train hf" in message:
+        return message
+    return f"{message}; the transformers trainer runs {model_type} models: --train hf"
+
+
+def check_train_family(cfg: MismatchConfig) -> None:
+    """``--train megatron`` with a checkpoint whose family has no Megatron conversion (OLMoE): refused before any
+    work, the message naming ``--train hf`` (:class:`~moealign.errors.UnsupportedConversionError`)."""
+    if cfg.train_engine != "megatron":
+        return
+    from ..patches.megatron.checkpoint import check_family_convertible
+
+    model_type = _model_type(cfg)
+    try:
+        check_family_convertible(model_type)
+    except UnsupportedConversionError as exc:
+        raise UnsupportedConversionError(_train_hf_hint(str(exc), model_type)) from None
 
 
 def route_warnings(sides: dict) -> list[str]:

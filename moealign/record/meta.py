@@ -1,6 +1,6 @@
 """The record's metadata: :class:`SamplingParams` (one sample's), :class:`RecordMeta` (the model and engine that
 made the record), the bounds every record obeys and the model fingerprints it is checked against
-(:func:`config_fingerprint`, :func:`router_signature`, :func:`router_samples`)."""
+(:func:`config_fingerprint`, :func:`checkpoint_fingerprint`, :func:`router_signature`, :func:`router_samples`)."""
 
 from __future__ import annotations
 
@@ -263,6 +263,18 @@ def config_fingerprint(config: dict) -> str:
         raise RecordError("config_fingerprint: the config has no model_type")
     text = json.dumps(picked, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def checkpoint_fingerprint(model_dir, flag: str = "--model") -> str:
+    """The record fingerprint of the checkpoint in ``model_dir``: :func:`config_fingerprint` of its ``config.json``
+    as written (read by :func:`moealign.model_config.read_model_config`; ``flag`` names the option in its errors).
+
+    The one definition every engine uses (:func:`moealign.patches.hf.record_meta`,
+    :func:`moealign.patches.vllm.record_meta`, ``record convert``): never an engine's config object, which the
+    engine may have edited after reading the file (vLLM writes ``sliding_window=None`` over a checkpoint's ``0``)."""
+    from ..model_config import read_model_config   # moealign.model_config imports this package: read at call time
+
+    return config_fingerprint(read_model_config(model_dir, flag))
 
 
 def router_signature(router_weights: Iterable[torch.Tensor]) -> tuple[float, ...]:

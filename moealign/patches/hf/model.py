@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -12,13 +13,14 @@ import torch
 from ...errors import UnsupportedModelError
 from ...families import FAMILIES, MoEFamily, get_family, register_family
 from ...record import RecordMeta, config_fingerprint, router_samples, router_signature
+from ...record.meta import checkpoint_fingerprint
 from ...routing_replay.gates import (
     RouterScoring,
 )
 from .._version import check_engine_version, engine_version
 
 __all__ = ["SUPPORTED_TRANSFORMERS", "FAMILIES", "MoEFamily", "register_family", "MoEModelInfo", "describe_model",
-           "record_meta"]
+           "checkpoint_dir", "model_fingerprint", "record_meta"]
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 
@@ -96,15 +98,34 @@ def describe_model(model: torch.nn.Module) -> MoEModelInfo:
     )
 
 
+def checkpoint_dir(model: torch.nn.Module) -> str | None:
+    """The local checkpoint directory ``model`` was loaded from (its ``config._name_or_path`` holding a
+    config.json), or None (a model built in memory, or loaded from a hub name)."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not isinstance(path, str) or not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    return path
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """The record fingerprint of ``model``: of its checkpoint's config.json as written
+    (:func:`~moealign.record.meta.checkpoint_fingerprint`, the definition every engine uses), or, for a model with
+    no local checkpoint, of its config as ``save_pretrained`` would write it (``config.to_dict()``)."""
+    path = checkpoint_dir(model)
+    if path is not None:
+        return checkpoint_fingerprint(path)
+    return config_fingerprint(model.config.to_dict())
+
+
 def record_meta(model: torch.nn.Module, *, engine: str = "transformers", info: MoEModelInfo | None = None) -> RecordMeta:
-    """The :class:`RecordMeta` of ``model`` (fingerprint from its config and router weights)."""
+    """The :class:`RecordMeta` of ``model`` (fingerprint from its checkpoint's config, :func:`model_fingerprint`,
+    and its router weights)."""
     info = info or describe_model(model)
-    config = model.config.to_dict()
     dtype = next(model.parameters()).dtype
     return RecordMeta(
         engine=engine,
         engine_version=info.transformers_version,
-        model_fingerprint=config_fingerprint(config),
+        model_fingerprint=model_fingerprint(model),
         num_layers=info.num_layers,
         moe_layers=info.moe_layers,
         num_experts=info.num_experts,

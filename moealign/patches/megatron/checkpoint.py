@@ -29,7 +29,18 @@ transformer-engine. Layout facts the mapping relies on:
 Loading checks that every transformers tensor is consumed and every Megatron parameter filled, and
 raises :class:`CheckpointMismatchError` naming the missing / unused keys. With tensor parallelism the
 full tensors are sliced by each parameter's own ``partition_dim`` (GLU ``fc1`` slices gate and up
-separately; ``linear_qkv`` slices whole query groups); expert and pipeline parallelism are refused.
+separately; ``linear_qkv`` slices whole query groups).
+
+Sharded worlds (Megatron's own ``parallel_state``, one process per rank): :func:`load_hf_into_megatron` loads, on
+each rank, only that rank's shards: its pipeline stage's decoder layers (global layer = the stage's offset + the
+local index, read from each layer's ``layer_number``), the embedding on the first stage, the final norm and the
+output layer on the last (with tied embeddings a later last stage fills ``output_layer.weight`` from the
+embedding), its local experts (global expert ``ep_rank * num_local_experts + i``, as Megatron numbers them) and
+the tensor-parallel slices of all of them. Given a checkpoint path it reads only those tensors from the
+safetensors file(s) (``safe_open``, one tensor or expert-row slice at a time; experts stored fused or one by one).
+:func:`check_parallel_layout` refuses the layouts Megatron cannot build, before any process starts.
+:func:`iter_hf_tensors_from_megatron` yields whole tensors (a single rank, or a pipeline stage's own);
+:func:`iter_hf_shards_from_megatron` yields any rank's own pieces with their offsets in the full tensors.
 
 mbridge / Megatron-Bridge (evaluated from the mbridge 0.15.1 and megatron-bridge 0.3.1 wheels):
 mbridge builds the transformer-engine layer spec (``use_transformer_engine=True``, TE fused names such as
@@ -39,17 +50,22 @@ Megatron-Bridge requires transformer-engine and ``transformers<5``. Neither runs
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
-from ...errors import CheckpointMismatchError, UnsupportedConversionError
+from ...errors import CheckpointMismatchError, ConfigError, MissingFileError, UnsupportedConversionError
 from ...families import FAMILIES, MoEFamily, TensorPair
 from .version import megatron_version
 
 __all__ = [
     "convertible_families",
+    "check_family_convertible",
     "UnsupportedConversionError",
     "CheckpointMismatchError",
     "megatron_config_from_hf",
@@ -59,6 +75,12 @@ __all__ = [
     "hf_state_dict_from_megatron",
     "iter_hf_tensors_from_megatron",
     "megatron_state_dict_from_hf",
+    "ParallelLayout",
+    "check_parallel_layout",
+    "HFCheckpoint",
+    "open_hf_checkpoint",
+    "HFShard",
+    "iter_hf_shards_from_megatron",
 ]
 
 
@@ -105,7 +127,13 @@ def _rope_theta(config) -> float:
 def _family(config) -> MoEFamily:
     """The registered family of ``config``, if it has a Megatron conversion (else
     :class:`UnsupportedConversionError` with the family's reason)."""
-    model_type = _get(config, "model_type")
+    return check_family_convertible(_get(config, "model_type"))
+
+
+def check_family_convertible(model_type) -> MoEFamily:
+    """The registered family of ``model_type`` if it has a Megatron conversion; else
+    :class:`UnsupportedConversionError` naming why (the family's reason, or the families that convert). Decided by
+    the model_type alone: a check before any work (a config's own features are checked when it is converted)."""
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     spec = family.megatron if family is not None else None
     if spec is not None and not spec.convertible:
@@ -250,17 +278,41 @@ def megatron_layer_spec(config):
 
 
 def build_megatron_from_hf(hf_model: torch.nn.Module, *, parallel_output: bool = True, **config_kwargs):
-    """Build a Megatron ``GPTModel`` equivalent to ``hf_model`` and load its weights (this TP rank's slices).
+    """Build a Megatron ``GPTModel`` equivalent to ``hf_model`` and load its weights (this rank's shards).
 
-    Needs ``megatron.core.parallel_state`` initialised (expert and pipeline parallel size 1).
-    ``config_kwargs`` go to :func:`megatron_config_from_hf`. ``parallel_output=True`` (Megatron's default)
-    returns vocab-parallel logits when TP > 1.
+    Needs ``megatron.core.parallel_state`` initialised; in a sharded world the model is this rank's pipeline stage
+    (see :func:`build_megatron_stage`). ``config_kwargs`` go to :func:`megatron_config_from_hf`.
+    ``parallel_output=True`` (Megatron's default) returns vocab-parallel logits when TP > 1.
     """
+    return build_megatron_stage(hf_model.config, hf_model.state_dict(), parallel_output=parallel_output,
+                                **config_kwargs)
+
+
+def build_megatron_stage(hf_config, checkpoint, *, parallel_output: bool = True, **config_kwargs):
+    """This rank's ``GPTModel`` (its pipeline stage: ``pre_process`` on the first, ``post_process`` on the last) for
+    the transformers config ``hf_config``, with this rank's shards of ``checkpoint`` loaded
+    (:func:`load_hf_into_megatron`: a state dict, or a checkpoint directory / safetensors file read tensor by tensor).
+
+    Needs ``megatron.core.parallel_state`` initialised with the sizes the config states (``config_kwargs`` such as
+    ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` / ``expert_model_parallel_size`` go to
+    :func:`megatron_config_from_hf`; the parallel sizes default to ``parallel_state``'s)."""
     megatron_version()
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    hf_config = hf_model.config
-    config = megatron_config_from_hf(hf_config, **config_kwargs)
+    kwargs = dict(config_kwargs)
+    first = last = True
+    if ps.model_parallel_is_initialized():
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+        kwargs.setdefault("tensor_model_parallel_size", tp)
+        kwargs.setdefault("pipeline_model_parallel_size", pp)
+        kwargs.setdefault("expert_model_parallel_size", ep)
+        kwargs.setdefault("expert_tensor_parallel_size", etp)
+        if pp > 1:
+            kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    config = megatron_config_from_hf(hf_config, **kwargs)
     theta = _rope_theta(hf_config)
     model = GPTModel(
         config=config,
@@ -272,9 +324,107 @@ def build_megatron_from_hf(hf_model: torch.nn.Module, *, parallel_output: bool =
         rotary_percent=1.0,
         rotary_base=int(theta) if float(theta).is_integer() else theta,
         parallel_output=parallel_output,
+        pre_process=first,
+        post_process=last,
     )
-    load_hf_into_megatron(model, hf_model.state_dict(), hf_config)
+    load_hf_into_megatron(model, checkpoint, hf_config)
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# parallel layouts
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A Megatron world: ``world = tp * pp * dp`` ranks; the experts are carved from the ``dp * tp`` ranks of a
+    stage as Megatron does (expert tensor parallel ``etp`` = ``tp``, Megatron's default; ``ep`` ranks per expert
+    group; ``edp = dp * tp / (etp * ep)`` expert-data-parallel copies)."""
+
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def etp(self) -> int:
+        return self.tp
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.tp // (self.etp * self.ep)
+
+    def as_dict(self) -> dict:
+        """The report's ``train.parallel``: ``{"tp", "ep", "pp", "dp", "world"}``."""
+        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp, "world": self.world}
+
+    def __str__(self) -> str:
+        return f"TP {self.tp} x EP {self.ep} x PP {self.pp} (DP {self.dp}, world {self.world})"
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _config_view(hf_config):
+    if isinstance(hf_config, dict):
+        from ...model_config import ConfigView
+
+        return ConfigView(**hf_config)
+    return hf_config
+
+
+def check_parallel_layout(hf_config, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
+                          world: int | None = None) -> ParallelLayout:
+    """The :class:`ParallelLayout` of TP ``tp`` x EP ``ep`` x PP ``pp`` for a transformers config (a config object,
+    or a ``config.json`` dict), or :class:`~moealign.errors.ConfigError` naming the first thing Megatron cannot
+    build: ``world`` not divisible by TP x PP, EP not dividing the experts, PP not dividing the layers, EP not
+    dividing the data-parallel x tensor-parallel ranks (Megatron carves the expert grid ETP x EP out of them; ETP =
+    TP), TP not dividing the heads, query groups, vocabulary or MLP widths. ``dp`` (or ``world``) defaults to the
+    smallest world Megatron accepts: ``dp = ep``. Pure: no process, no Megatron import; a family without a
+    Megatron conversion is :class:`~moealign.errors.UnsupportedConversionError`."""
+    tp, ep, pp = _positive("tp", tp), _positive("ep", ep), _positive("pp", pp)
+    if world is not None:
+        world = _positive("world", world)
+        if world % (tp * pp):
+            raise ConfigError(f"a world of {world} ranks is not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
+        if dp is not None and _positive("dp", dp) * tp * pp != world:
+            raise ConfigError(f"dp={dp} with TP {tp} x PP {pp} is a world of {dp * tp * pp}, not {world}")
+        dp = world // (tp * pp)
+    dp = ep if dp is None else _positive("dp", dp)
+    config = _config_view(hf_config)
+    family = _check_expressible(config)
+    experts = int(family.num_experts(config))
+    layers = int(config.num_hidden_layers)
+    if experts % ep:
+        raise ConfigError(f"expert parallel size {ep} does not divide the model's {experts} experts")
+    if layers % pp:
+        raise ConfigError(f"pipeline parallel size {pp} does not divide the model's {layers} decoder layers (Megatron's "
+                          f"even split; uneven first / last stages are not set up here)")
+    if (dp * tp) % (tp * ep):
+        raise ConfigError(f"expert parallel size {ep} does not divide the data-parallel x tensor-parallel ranks of a "
+                          f"stage (DP {dp} x TP {tp} = {dp * tp}) as Megatron requires: its expert grid ETP {tp} x EP "
+                          f"{ep} must tile them (world {tp * pp * dp}; use a data-parallel size that EP divides)")
+    heads = int(config.num_attention_heads)
+    groups = int(_get(config, "num_key_value_heads") or heads)
+    sizes = [("attention heads", heads), ("query groups (num_key_value_heads)", groups),
+             ("vocabulary", int(config.vocab_size)), ("expert MLP width", int(family.megatron.expert_ffn_size(config)))]
+    if not all(_moe_layer_pattern(config)):
+        sizes.append(("dense MLP width (intermediate_size)", int(config.intermediate_size)))
+    shared = _get(config, "shared_expert_intermediate_size")
+    if shared:
+        sizes.append(("shared expert width", int(shared)))
+    for what, size in sizes:
+        if size % tp:
+            raise ConfigError(f"tensor parallel size {tp} does not divide the model's {what} ({size})")
+    return ParallelLayout(tp=tp, ep=ep, pp=pp, dp=dp)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,12 +434,16 @@ def build_megatron_from_hf(hf_model: torch.nn.Module, *, parallel_output: bool =
 
 @dataclass(frozen=True)
 class _Group:
-    """``hf_keys`` <-> ``mcore_keys``: ``to_mcore(list of HF tensors) -> list of Megatron tensors`` and back."""
+    """``hf_keys`` <-> ``mcore_keys``: ``to_mcore(list of HF tensors) -> list of Megatron tensors`` and back.
+    ``rows``: the group maps rows ``[start, stop)`` of dim 0 of its transformers tensors (a rank's local experts);
+    None: whole tensors. ``expert``: the transformers tensors carry the expert axis in front (dim 0)."""
 
     hf_keys: tuple[str, ...]
     mcore_keys: tuple[str, ...]
     to_mcore: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     to_hf: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    rows: tuple[int, int] | None = None
+    expert: bool = False
 
 
 def _same(hf: str, mc: str) -> _Group:
@@ -305,7 +459,8 @@ def _glu(hf_gate: str, hf_up: str, mc: str) -> _Group:
 
 
 def _qkv(hf_config, q: str, k: str, v: str, mc: str) -> _Group:
-    """Per query group: [q heads of the group, k, v] (weights ``[rows, hidden]`` or biases ``[rows]``)."""
+    """Per query group: [q heads of the group, k, v] (weights ``[rows, hidden]`` or biases ``[rows]``). The group
+    count is read from the tensors: the same functions map a tensor-parallel rank's slice (whole query groups)."""
     groups = int(_get(hf_config, "num_key_value_heads") or hf_config.num_attention_heads)
     per_group = hf_config.num_attention_heads // groups
     head_dim = _head_dim(hf_config)
@@ -313,26 +468,31 @@ def _qkv(hf_config, q: str, k: str, v: str, mc: str) -> _Group:
     def to_mcore(t):
         q_, k_, v_ = t
         tail = q_.shape[1:]
-        parts = (q_.reshape(groups, per_group * head_dim, *tail), k_.reshape(groups, head_dim, *tail),
-                 v_.reshape(groups, head_dim, *tail))
-        return [torch.cat(parts, dim=1).reshape(groups * (per_group + 2) * head_dim, *tail)]
+        g = k_.shape[0] // head_dim
+        parts = (q_.reshape(g, per_group * head_dim, *tail), k_.reshape(g, head_dim, *tail),
+                 v_.reshape(g, head_dim, *tail))
+        return [torch.cat(parts, dim=1).reshape(g * (per_group + 2) * head_dim, *tail)]
 
     def to_hf(t):
         qkv = t[0]
         tail = qkv.shape[1:]
-        q_, k_, v_ = qkv.reshape(groups, (per_group + 2) * head_dim, *tail).split(
+        g = qkv.shape[0] // ((per_group + 2) * head_dim)
+        q_, k_, v_ = qkv.reshape(g, (per_group + 2) * head_dim, *tail).split(
             [per_group * head_dim, head_dim, head_dim], dim=1)
         return [x.reshape(-1, *tail).clone() for x in (q_, k_, v_)]
 
     return _Group((q, k, v), (mc,), to_mcore, to_hf)
 
 
-def _experts(hf_gate_up: str, hf_down: str, mc_prefix: str, num_experts: int) -> list[_Group]:
-    fc1 = tuple(f"{mc_prefix}.local_experts.{e}.linear_fc1.weight" for e in range(num_experts))
-    fc2 = tuple(f"{mc_prefix}.local_experts.{e}.linear_fc2.weight" for e in range(num_experts))
+def _experts(hf_gate_up: str, hf_down: str, mc_prefix: str, start: int, count: int, total: int) -> list[_Group]:
+    """Experts ``[start, start + count)`` of ``total`` (Megatron's local experts ``0 .. count - 1`` of this EP rank)."""
+    fc1 = tuple(f"{mc_prefix}.local_experts.{e}.linear_fc1.weight" for e in range(count))
+    fc2 = tuple(f"{mc_prefix}.local_experts.{e}.linear_fc2.weight" for e in range(count))
     unstack = lambda t: list(t[0].unbind(0))            # noqa: E731
     stack = lambda t: [torch.stack(t, dim=0)]           # noqa: E731
-    return [_Group((hf_gate_up,), fc1, unstack, stack), _Group((hf_down,), fc2, unstack, stack)]
+    rows = None if (start, count) == (0, total) else (start, start + count)
+    return [_Group((hf_gate_up,), fc1, unstack, stack, rows, True),
+            _Group((hf_down,), fc2, unstack, stack, rows, True)]
 
 
 def _pair(hf_config, pair: TensorPair, hf: str, mc: str) -> _Group:
@@ -346,18 +506,67 @@ def _pair(hf_config, pair: TensorPair, hf: str, mc: str) -> _Group:
     return _qkv(hf_config, *names, target)
 
 
-def _mapping(hf_config) -> list[_Group]:
-    """Every tensor of the transformers model, grouped with the Megatron parameters it becomes."""
+@dataclass(frozen=True)
+class _Shard:
+    """What one rank holds: ``layers`` the global decoder layer of each local layer (local index = position),
+    experts ``[expert_start, expert_start + local_experts)``, the embedding (``first``), final norm and output
+    layer (``last``)."""
+
+    layers: tuple[int, ...]
+    expert_start: int
+    local_experts: int
+    first: bool = True
+    last: bool = True
+
+
+def _whole(hf_config) -> _Shard:
+    return _Shard(tuple(range(int(hf_config.num_hidden_layers))), 0, _num_experts(hf_config))
+
+
+def _model_shard(model: torch.nn.Module, hf_config) -> _Shard:
+    """The shard ``model`` (this rank's GPTModel) holds: its decoder layers by ``layer_number`` (global, 1-based),
+    its stage's ends (``pre_process`` / ``post_process``) and this rank's experts in Megatron's numbering."""
+    from megatron.core import parallel_state as ps
+
+    experts = _num_experts(hf_config)
+    decoder = getattr(model, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        return _whole(hf_config)
+    numbers = tuple(int(layer.layer_number) - 1 for layer in layers)
+    ep_size = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    ep_rank = ps.get_expert_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    if experts % ep_size:
+        raise CheckpointMismatchError(f"expert parallel size {ep_size} does not divide the {experts} experts")
+    local = experts // ep_size
+    return _Shard(numbers, ep_rank * local, local, bool(getattr(model, "pre_process", True)),
+                  bool(getattr(model, "post_process", True)))
+
+
+def _mapping(hf_config, shard: _Shard | None = None) -> list[_Group]:
+    """Every tensor of the transformers model (or of one rank's ``shard``), grouped with the Megatron parameters
+    it becomes (Megatron names local to the rank: its stage's layers from 0, its experts from 0)."""
     spec = _check_expressible(hf_config).megatron
     tied = bool(_get(hf_config, "tie_word_embeddings", False))
-    groups = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-              _same("model.norm.weight", "decoder.final_layernorm.weight")]
-    if not tied:
-        groups.append(_same("lm_head.weight", "output_layer.weight"))
+    total = _num_experts(hf_config)
+    shard = shard or _whole(hf_config)
+    groups = []
+    if shard.first:
+        groups.append(_same("model.embed_tokens.weight", "embedding.word_embeddings.weight"))
+    if shard.last:
+        groups.append(_same("model.norm.weight", "decoder.final_layernorm.weight"))
+        if not tied:
+            groups.append(_same("lm_head.weight", "output_layer.weight"))
+        elif not shard.first:         # a later last stage holds its own copy of the tied embedding
+            groups.append(_same("model.embed_tokens.weight", "output_layer.weight"))
     attention_extra = spec.attention_tensors(hf_config)
     sparse_extra = spec.sparse_mlp_tensors(hf_config)
-    for i, sparse in enumerate(_moe_layer_pattern(hf_config)):
-        hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+    pattern = _moe_layer_pattern(hf_config)
+    for j, i in enumerate(shard.layers):
+        if not 0 <= i < len(pattern):
+            raise CheckpointMismatchError(f"the Megatron model holds decoder layer {i}, the checkpoint has "
+                                          f"{len(pattern)} layers")
+        hf, mc = f"model.layers.{i}", f"decoder.layers.{j}"
         attn = f"{hf}.self_attn"
         groups += [
             _same(f"{hf}.input_layernorm.weight", f"{mc}.input_layernorm.weight"),
@@ -367,13 +576,13 @@ def _mapping(hf_config) -> list[_Group]:
             _same(f"{attn}.o_proj.weight", f"{mc}.self_attention.linear_proj.weight"),
         ]
         groups += [_pair(hf_config, pair, hf, mc) for pair in attention_extra]
-        if not sparse:
+        if not pattern[i]:
             groups += [_glu(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight", f"{mc}.mlp.linear_fc1.weight"),
                        _same(f"{hf}.mlp.down_proj.weight", f"{mc}.mlp.linear_fc2.weight")]
             continue
         groups.append(_same(f"{hf}.mlp.gate.weight", f"{mc}.mlp.router.weight"))
         groups += _experts(f"{hf}.mlp.experts.gate_up_proj", f"{hf}.mlp.experts.down_proj", f"{mc}.mlp.experts",
-                           _num_experts(hf_config))
+                           shard.expert_start, shard.local_experts, total)
         groups += [_pair(hf_config, pair, hf, mc) for pair in sparse_extra]
     return groups
 
@@ -387,22 +596,182 @@ def _key_report(missing, unused, what_missing: str, what_unused: str) -> str:
     return "; ".join(parts)
 
 
+# --------------------------------------------------------------------------------------------------
+# where the transformers tensors come from: a state dict, or safetensors files read tensor by tensor
+# --------------------------------------------------------------------------------------------------
+
+
+class _DictSource:
+    def __init__(self, state_dict):
+        self.state_dict = state_dict
+
+    def names(self) -> set[str]:
+        return set(self.state_dict)
+
+    def check(self, wanted: set[str], ignorable: set[str]) -> None:
+        missing = wanted - self.names()
+        unused = self.names() - wanted - ignorable
+        if missing or unused:
+            raise CheckpointMismatchError("transformers state dict does not match the Megatron mapping: " +
+                                          _key_report(missing, unused, "missing transformers keys",
+                                                      "transformers keys nothing consumes"))
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        tensor = self.state_dict[name]
+        return tensor if rows is None else tensor[rows[0]:rows[1]]
+
+
+class HFCheckpoint:
+    """A transformers checkpoint on disk, read tensor by tensor (``safetensors.safe_open``; no full-model load):
+    :meth:`get` returns one tensor in transformers' in-memory names (experts fused, ``experts.gate_up_proj`` /
+    ``down_proj``), or rows ``[start, stop)`` of its dim 0 (a range of experts), from whichever layout the files
+    hold (fused, or one expert at a time under the family's checkpoint names). Made by
+    :func:`open_hf_checkpoint`."""
+
+    def __init__(self, files: dict[str, str], hf_config, where: str):
+        self.where = where
+        self._file_of = files                      # stored name -> file
+        self._handles: dict[str, object] = {}
+        family = _family(hf_config)
+        self._alias: dict[str, str] = {}                                # in-memory name -> stored name
+        self._gate_up: dict[str, list[tuple[str, str]]] = {}            # fused -> per expert (gate, up)
+        self._down: dict[str, list[str]] = {}                           # fused -> per expert down
+        tensors = family.checkpoint_tensors(hf_config)
+        for usual, fused in tensors.alternatives:
+            f_router = next(n for n in fused if n.endswith(".gate.weight"))
+            f_gate_up = next(n for n in fused if n.endswith(".experts.gate_up_proj"))
+            f_down = next(n for n in fused if n.endswith(".experts.down_proj"))
+            if f_gate_up in files or f_down in files:
+                continue                                                # stored fused, as transformers 5 holds them
+            u_router = next(n for n in usual if n.endswith(".gate.weight") and ".experts." not in n)
+            per_expert = [n for n in usual if ".experts." in n]
+            if len(per_expert) % 3:
+                raise CheckpointMismatchError(f"{where}: the family's one-by-one expert names are not gate/up/down "
+                                              f"triples ({per_expert[:3]} ...)")
+            triples = [per_expert[i:i + 3] for i in range(0, len(per_expert), 3)]
+            if f_router not in files:
+                self._alias[f_router] = u_router
+            self._gate_up[f_gate_up] = [(g, u) for g, u, _ in triples]
+            self._down[f_down] = [d for _, _, d in triples]
+
+    def stored_names(self) -> set[str]:
+        return set(self._file_of)
+
+    def sources(self, name: str) -> list[str]:
+        """The stored names in-memory tensor ``name`` is read from."""
+        if name in self._file_of:
+            return [name]
+        if name in self._alias:
+            return [self._alias[name]]
+        if name in self._gate_up:
+            return [n for pair in self._gate_up[name] for n in pair]
+        if name in self._down:
+            return list(self._down[name])
+        return [name]
+
+    def check(self, wanted: set[str], ignorable: set[str]) -> None:
+        stored = self.stored_names()
+        needed = {n: self.sources(n) for n in wanted}
+        missing = {n for n, srcs in needed.items() if any(src not in stored for src in srcs)}
+        used = {src for srcs in needed.values() for src in srcs}
+        unused = stored - used - ignorable
+        if missing or unused:
+            raise CheckpointMismatchError(f"{self.where} does not match the Megatron mapping: " +
+                                          _key_report(missing, unused, "missing transformers tensors",
+                                                      "stored tensors nothing consumes"))
+
+    def _read(self, stored: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self._file_of.get(stored)
+        if path is None:
+            raise CheckpointMismatchError(f"{self.where} has no tensor {stored!r}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt", device="cpu")
+        if rows is None:
+            return handle.get_tensor(stored)
+        return handle.get_slice(stored)[rows[0]:rows[1]]
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """In-memory tensor ``name`` (rows ``[start, stop)`` of dim 0 when given)."""
+        if name in self._file_of:
+            return self._read(name, rows)
+        if name in self._alias:
+            return self._read(self._alias[name], rows)
+        if name in self._gate_up:
+            pairs = self._gate_up[name]
+            chosen = pairs if rows is None else pairs[rows[0]:rows[1]]
+            return torch.stack([torch.cat([self._read(g), self._read(u)], dim=0) for g, u in chosen])
+        if name in self._down:
+            downs = self._down[name]
+            chosen = downs if rows is None else downs[rows[0]:rows[1]]
+            return torch.stack([self._read(d) for d in chosen])
+        raise CheckpointMismatchError(f"{self.where} has no tensor {name!r}")
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def open_hf_checkpoint(path: str | os.PathLike, hf_config) -> HFCheckpoint:
+    """A checkpoint directory (``model.safetensors``, or ``model.safetensors.index.json`` and its shards) or one
+    ``.safetensors`` file, for reading tensor by tensor (:class:`HFCheckpoint`). Only the headers are read here."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if root.is_dir():
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            from ..._files import read_json_file
+
+            weight_map = read_json_file(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointMismatchError(f"{index}: no weight_map")
+            shards = sorted({str(root / f) for f in weight_map.values()})
+        elif (root / "model.safetensors").is_file():
+            shards = [str(root / "model.safetensors")]
+        else:
+            raise MissingFileError(f"{root}: no model.safetensors or model.safetensors.index.json")
+    elif root.is_file():
+        shards = [str(root)]
+    else:
+        raise MissingFileError(f"{root}: no such checkpoint directory or safetensors file")
+    files: dict[str, str] = {}
+    for shard in shards:
+        if not os.path.isfile(shard):
+            raise MissingFileError(f"{shard}: a shard the index names is missing")
+        with safe_open(shard, framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                files[name] = shard
+    return HFCheckpoint(files, hf_config, str(root))
+
+
+def _source(checkpoint, hf_config):
+    if isinstance(checkpoint, HFCheckpoint):
+        return checkpoint
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return open_hf_checkpoint(checkpoint, hf_config)
+    if hasattr(checkpoint, "keys") and hasattr(checkpoint, "__getitem__"):
+        return _DictSource(checkpoint)
+    raise CheckpointMismatchError(f"the checkpoint must be a state dict, a checkpoint path or an HFCheckpoint, got "
+                                  f"{type(checkpoint).__name__}")
+
+
+def _check_source(source, hf_config) -> None:
+    """Every transformers name of the full mapping present, nothing left over (names only; nothing read)."""
+    wanted = {k for g in _mapping(hf_config) for k in g.hf_keys}
+    tied = bool(_get(hf_config, "tie_word_embeddings", False))
+    source.check(wanted, {"lm_head.weight"} if tied else set())      # the tied alias of the embedding
+
+
 def megatron_state_dict_from_hf(hf_state_dict: dict, hf_config) -> dict[str, torch.Tensor]:
     """Full (unsliced) Megatron tensors from a transformers state dict; raises
     :class:`CheckpointMismatchError` naming missing transformers keys and keys nothing consumes."""
-    groups = _mapping(hf_config)
-    wanted = {k for g in groups for k in g.hf_keys}
-    tied = bool(_get(hf_config, "tie_word_embeddings", False))
-    ignorable = {"lm_head.weight"} if tied else set()      # the tied alias of the embedding
-    missing = wanted - set(hf_state_dict)
-    unused = set(hf_state_dict) - wanted - ignorable
-    if missing or unused:
-        raise CheckpointMismatchError("transformers state dict does not match the Megatron mapping: " +
-                                      _key_report(missing, unused, "missing transformers keys",
-                                                  "transformers keys nothing consumes"))
+    source = _DictSource(hf_state_dict)
+    _check_source(source, hf_config)
     out = {}
-    for g in groups:
-        tensors = g.to_mcore([hf_state_dict[k] for k in g.hf_keys])
+    for g in _mapping(hf_config):
+        tensors = g.to_mcore([source.get(k, g.rows) for k in g.hf_keys])
         out.update(zip(g.mcore_keys, tensors))
     return out
 
@@ -413,13 +782,12 @@ def megatron_state_dict_from_hf(hf_state_dict: dict, hf_config) -> dict[str, tor
 
 
 def _parallel_ranks(name: str) -> tuple[int, int]:
-    """(rank, world size) of the tensor-parallel group that shards parameter ``name``."""
+    """(rank, world size) of the tensor-parallel group that shards parameter ``name`` (the expert tensor-parallel
+    group for experts)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() != 1:
-        raise UnsupportedConversionError("pipeline parallelism: the converter maps all layers onto one stage")
-    if ps.get_expert_model_parallel_world_size() != 1:
-        raise UnsupportedConversionError("expert parallelism: the converter maps all experts onto one rank")
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
     if ".experts." in name:
         return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -444,52 +812,97 @@ def _tp_slice(name: str, full: torch.Tensor, param: torch.Tensor, config) -> tor
     return full.chunk(size, dim=dim)[rank]
 
 
-def load_hf_into_megatron(megatron_model: torch.nn.Module, hf_state_dict: dict, hf_config) -> None:
-    """Copy a transformers state dict into ``megatron_model`` (in place, this TP rank's slices).
+def load_hf_into_megatron(megatron_model: torch.nn.Module, hf_state_dict, hf_config) -> None:
+    """Copy a transformers checkpoint into ``megatron_model`` (in place): this rank's shards only (its pipeline
+    stage's layers and ends, its experts, its tensor-parallel slices; see the module docstring).
 
-    Every transformers tensor must be consumed and every Megatron parameter filled, with matching
-    shapes; otherwise :class:`CheckpointMismatchError` names the keys.
+    ``hf_state_dict``: a state dict, a checkpoint directory / ``.safetensors`` path (only this rank's tensors are
+    read, one at a time) or an :class:`HFCheckpoint`. Every transformers tensor of the checkpoint must be mapped
+    (names only are compared for what other ranks hold) and every Megatron parameter filled, with matching shapes;
+    otherwise :class:`CheckpointMismatchError` names the keys.
     """
     megatron_version()
-    full = megatron_state_dict_from_hf(hf_state_dict, hf_config)
+    source = _source(hf_state_dict, hf_config)
+    _check_source(source, hf_config)
+    groups = _mapping(hf_config, _model_shard(megatron_model, hf_config))
     params = dict(megatron_model.named_parameters())
-    missing = set(params) - set(full)
-    unused = set(full) - set(params)
+    mapped = {k for g in groups for k in g.mcore_keys}
+    missing = set(params) - mapped
+    unused = mapped - set(params)
     if missing or unused:
         raise CheckpointMismatchError("Megatron model does not match the mapping: " +
                                       _key_report(missing, unused, "Megatron parameters left unfilled",
                                                   "mapped tensors with no Megatron parameter"))
     config = megatron_model.config
     with torch.no_grad():
-        for name, param in params.items():
-            local = _tp_slice(name, full[name], param, config)
-            if local.shape != param.shape:
-                raise CheckpointMismatchError(f"{name}: converted tensor has shape {tuple(local.shape)}, the "
-                                              f"Megatron parameter {tuple(param.shape)}")
-            param.copy_(local)
+        for g in groups:
+            tensors = g.to_mcore([source.get(k, g.rows) for k in g.hf_keys])
+            for name, full in zip(g.mcore_keys, tensors):
+                param = params[name]
+                local = _tp_slice(name, full, param, config)
+                if local.shape != param.shape:
+                    raise CheckpointMismatchError(f"{name}: converted tensor has shape {tuple(local.shape)}, the "
+                                                  f"Megatron parameter {tuple(param.shape)}")
+                param.copy_(local)
 
 
-def iter_hf_tensors_from_megatron(megatron_model: torch.nn.Module, hf_config, *, meta: bool = False):
-    """``(transformers name, tensor)`` of a (TP=1) Megatron model, one mapping group at a time (a weight refit
-    streams these: at most one group's tensors exist beyond the model's own). ``meta=True`` yields meta-device
-    tensors (names and shapes only, nothing copied: the refit's manifest, checked before any weight moves).
+# --------------------------------------------------------------------------------------------------
+# the inverse: Megatron -> transformers names
+# --------------------------------------------------------------------------------------------------
 
-    Raises :class:`CheckpointMismatchError` if a mapped parameter is missing or a parameter is unmapped, before
-    the first tensor is yielded."""
-    megatron_version()
-    for name, param in megatron_model.named_parameters():
-        if getattr(param, "tensor_model_parallel", False) and _parallel_ranks(name)[1] != 1:
-            raise UnsupportedConversionError("tensor parallelism in hf_state_dict_from_megatron: gather the "
-                                             "slices first (TP=1 only)")
+
+class HFShard(NamedTuple):
+    """One rank's piece of a transformers tensor: ``tensor == full[offsets[0]:offsets[0] + tensor.shape[0], ...]``
+    for the transformers tensor ``name`` of shape ``full_shape`` (offsets all 0 and ``tensor.shape == full_shape``
+    for a whole tensor)."""
+
+    name: str
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    full_shape: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return tuple(self.tensor.shape) == tuple(self.full_shape)
+
+
+def _mapped_params(megatron_model, hf_config, meta: bool):
+    shard = _model_shard(megatron_model, hf_config)
     params = {name: (p.detach().to("meta") if meta else p.detach()) for name, p in megatron_model.named_parameters()}
-    groups = _mapping(hf_config)
+    raw = dict(megatron_model.named_parameters())
+    groups = _mapping(hf_config, shard)
     wanted = {k for g in groups for k in g.mcore_keys}
     missing, unused = wanted - set(params), set(params) - wanted
     if missing or unused:
         raise CheckpointMismatchError("Megatron model does not match the mapping: " +
                                       _key_report(missing, unused, "mapped Megatron parameters missing",
                                                   "Megatron parameters with no transformers key"))
-    return _iter_groups(groups, params, bool(_get(hf_config, "tie_word_embeddings", False)))
+    return shard, groups, params, raw
+
+
+def iter_hf_tensors_from_megatron(megatron_model: torch.nn.Module, hf_config, *, meta: bool = False):
+    """``(transformers name, tensor)`` of a Megatron model, one mapping group at a time (a weight refit streams
+    these: at most one group's tensors exist beyond the model's own). ``meta=True`` yields meta-device tensors
+    (names and shapes only, nothing copied: the refit's manifest, checked before any weight moves).
+
+    Whole tensors only: a single rank, or a pipeline stage (its own layers and ends). A rank holding tensor- or
+    expert-parallel pieces is refused (:class:`UnsupportedConversionError`): use
+    :func:`iter_hf_shards_from_megatron`, which yields each piece with its offsets. Raises
+    :class:`CheckpointMismatchError` if a mapped parameter is missing or a parameter is unmapped, before the first
+    tensor is yielded."""
+    megatron_version()
+    for name, param in megatron_model.named_parameters():
+        if getattr(param, "tensor_model_parallel", False) and _parallel_ranks(name)[1] != 1:
+            raise UnsupportedConversionError("tensor parallelism in hf_state_dict_from_megatron: gather the "
+                                             "slices first (TP=1 only), or take each rank's pieces with "
+                                             "iter_hf_shards_from_megatron")
+    shard, groups, params, _ = _mapped_params(megatron_model, hf_config, meta)
+    if shard.local_experts != _num_experts(hf_config):
+        raise UnsupportedConversionError(f"expert parallelism: this rank holds experts {shard.expert_start}.."
+                                         f"{shard.expert_start + shard.local_experts - 1} of "
+                                         f"{_num_experts(hf_config)}; take its pieces with "
+                                         f"iter_hf_shards_from_megatron")
+    return _iter_groups(groups, params, bool(_get(hf_config, "tie_word_embeddings", False)) and shard.first)
 
 
 def _iter_groups(groups, params, tied: bool):
@@ -499,8 +912,43 @@ def _iter_groups(groups, params, tied: bool):
             if key == "model.embed_tokens.weight":
                 embedding = tensor
             yield key, tensor
-    if tied:
+    if tied and embedding is not None:
         yield "lm_head.weight", embedding
+
+
+def iter_hf_shards_from_megatron(megatron_model: torch.nn.Module, hf_config, *, meta: bool = False):
+    """This rank's own tensors in transformers names, as :class:`HFShard` pieces (``name``, ``tensor``, ``offsets``
+    in the full tensor, ``full_shape``): its pipeline stage's layers and ends, its experts (rows of the fused
+    ``experts.*`` tensors), its tensor-parallel slices (whole query groups of q / k / v, the gate and up halves of
+    a GLU, columns of row-parallel weights, vocabulary rows). Every rank together yields every element once per
+    data-parallel copy. ``meta=True``: meta-device tensors. Nothing is gathered."""
+    megatron_version()
+    shard, groups, params, raw = _mapped_params(megatron_model, hf_config, meta)
+    total = _num_experts(hf_config)
+    for g in groups:
+        param = raw[g.mcore_keys[0]]
+        split = bool(getattr(param, "tensor_model_parallel", False))
+        rank, size = _parallel_ranks(g.mcore_keys[0]) if split else (0, 1)
+        dim = int(getattr(param, "partition_dim", 0)) if split else 0
+        for key, tensor in zip(g.hf_keys, g.to_hf([params[k] for k in g.mcore_keys])):
+            offsets = [0] * tensor.dim()
+            full = list(tensor.shape)
+            if g.expert:
+                offsets[0] = g.rows[0] if g.rows is not None else 0
+                full[0] = total
+            if size > 1:
+                hf_dim = dim + 1 if g.expert else dim
+                if g.expert and _is_glu_fc1(g.mcore_keys[0], megatron_model.config):
+                    # fused [gate; up] rows: this rank holds a slice of each half, two pieces of the full tensor
+                    half = tensor.shape[hf_dim] // 2
+                    full[hf_dim] = size * tensor.shape[hf_dim]
+                    for part, base in ((0, 0), (1, full[hf_dim] // 2)):
+                        offsets[hf_dim] = base + rank * half
+                        yield HFShard(key, tensor.narrow(hf_dim, part * half, half), tuple(offsets), tuple(full))
+                    continue
+                offsets[hf_dim] = rank * tensor.shape[hf_dim]
+                full[hf_dim] = size * tensor.shape[hf_dim]
+            yield HFShard(key, tensor, tuple(offsets), tuple(full))
 
 
 def hf_state_dict_from_megatron(megatron_model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:

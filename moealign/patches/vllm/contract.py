@@ -5,8 +5,16 @@ Region dtypes from the parameters as the workers hold them (routers: each MoE bl
 :func:`~moealign.patches.vllm.precision.audit_vllm` (one generated token); TP / EP sizes from the worker's
 ``VllmConfig``. Weight digests: vLLM's stacked parameters are un-fused back to the transformers names
 (``qkv_proj`` -> ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_up_proj`` -> ``gate_proj`` / ``up_proj``, the experts'
-``w13_weight`` / ``w2_weight`` -> ``gate_up_proj`` / ``down_proj``) for the qwen3_moe family at TP = 1; another
-family or TP > 1 states ``"digests": {}`` with a note saying why.
+``w13_weight`` / ``w2_weight`` -> ``gate_up_proj`` / ``down_proj``, whether vLLM holds them on the ``mlp.experts``
+module or on its ``mlp.experts.routed_experts`` child) for the qwen3_moe family at TP = 1; another family or TP > 1
+states ``"digests": {}`` with a note saying why.
+
+Digests are of the weights *as loaded*, never of a kernel's re-laid-out copy: vLLM's CPU build prepacks the experts'
+``w13_weight`` / ``w2_weight`` after loading (same shape, the elements in another order) and moves the linear layers
+into oneDNN kernels (parameters left empty). The tree / canonical forward (``MOEALIGN_VLLM_PATCHES=tree``,
+``--aligned``) keeps the linear layers as loaded and a copy of each experts module's weights taken before the
+prepack (``_moealign_tree_weights``, what its experts compute with): those are digested. Experts held only in a
+kernel's layout, or empty parameters, give no digests (a note says why) rather than digests of other bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from ...contract import check_contract, weight_digests
 from ...errors import ConfigError
 from ...precision.policy import PrecisionPolicy, get_policy
 
-__all__ = ["contract_of", "hf_named_tensors"]
+__all__ = ["contract_of", "hf_named_tensors", "as_loaded"]
 
 _DIGEST_FAMILIES = ("qwen3_moe",)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -33,8 +41,14 @@ def _name(dtype: torch.dtype) -> str:
 from ...contract import bulk_dtype as _bulk
 
 
+_EXPERTS_RE = re.compile(r"^(.*\.mlp\.experts)(?:\.routed_experts)?\.(w13_weight|w2_weight)$")
+_EXPERTS_HF = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+
 def hf_named_tensors(named, hf_config: dict):
-    """``(transformers name, tensor)`` of a qwen3_moe vLLM model's ``named_parameters()`` at TP = 1."""
+    """``(transformers name, tensor)`` of a qwen3_moe vLLM model's ``named_parameters()`` at TP = 1 (the experts'
+    ``[mlp.experts.][routed_experts.]w13_weight`` / ``w2_weight`` become ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, transformers 5's fused experts; the tensors are taken as given, see :func:`as_loaded`)."""
     heads, kv = int(hf_config["num_attention_heads"]), int(hf_config.get("num_key_value_heads") or 0)
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     kv = kv or heads
@@ -48,12 +62,35 @@ def hf_named_tensors(named, hf_config: dict):
             base = name[:-len("gate_up_proj.weight")]
             gate, up = t.chunk(2, dim=0)
             yield from ((f"{base}gate_proj.weight", gate), (f"{base}up_proj.weight", up))
-        elif name.endswith("mlp.experts.w13_weight"):
-            yield name[:-len("w13_weight")] + "gate_up_proj", t
-        elif name.endswith("mlp.experts.w2_weight"):
-            yield name[:-len("w2_weight")] + "down_proj", t
+        elif _EXPERTS_RE.match(name):
+            base, leaf = _EXPERTS_RE.match(name).groups()
+            yield f"{base}.{_EXPERTS_HF[leaf]}", t
         else:
             yield name, t
+
+
+def as_loaded(model: torch.nn.Module, named) -> tuple[list, str | None]:
+    """``(named, why_not)``: ``named`` (``(name, parameter)`` of ``model``) with each experts module's ``w13_weight``
+    / ``w2_weight`` replaced by the copy taken before vLLM re-laid them out (``_moealign_tree_weights``, kept by the
+    tree / canonical forward), or ``why_not``: the first parameter held in a kernel's layout (an experts module
+    without that copy, or an empty parameter: a linear layer moved into a packed kernel), with ``named`` unusable."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, t in named:
+        module_name, _, leaf = name.rpartition(".")
+        if leaf in _EXPERTS_HF:
+            copy = getattr(modules.get(module_name), "_moealign_tree_weights", None)
+            if copy is None:
+                return [], (f"vLLM holds the experts' weights in its MoE kernel's layout (e.g. {name}; its CPU build "
+                            f"prepacks them after loading), so the weights as loaded cannot be read back; the tree or "
+                            f"canonical forward (MOEALIGN_VLLM_PATCHES=tree, --aligned) keeps a copy as loaded")
+            t = copy[0] if leaf == "w13_weight" else copy[1]
+        elif t.numel() == 0:
+            packed = [n for n, p in named if p.numel() == 0]
+            return [], (f"vLLM re-laid out {len(packed)} parameters after loading (its kernels hold them packed, e.g. "
+                        f"{packed[0]}), so the weights as loaded cannot be read back")
+        out.append((name, t))
+    return out, None
 
 
 def _attention_backend(runner) -> str | None:
@@ -94,16 +131,20 @@ def _rpc_contract(worker) -> dict:
         weights = {"dtype": _bulk(p for _, p in named), "algorithm": "sha256", "digests": {},
                    "note": f"no digests for the {family} family: un-fusing vLLM's stacked parameters is written for "
                            f"{', '.join(_DIGEST_FAMILIES)}"}
-    elif any(p.numel() == 0 for _, p in named):
-        packed = [n for n, p in named if p.numel() == 0]
-        weights = {"dtype": _bulk(p for _, p in named), "algorithm": "sha256", "digests": {},
-                   "note": f"no digests: vLLM re-laid out {len(packed)} parameters after loading (its kernels hold "
-                           f"them packed, e.g. {packed[0]}), so the weights as loaded cannot be read back"}
     else:
-        state = dict(hf_named_tensors(named, hf_config))
-        if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        weights = weight_digests(state.items(), int(hf_config["num_hidden_layers"]))
+        loaded, why_not = as_loaded(model, named)
+        if why_not is not None:
+            weights = {"dtype": _bulk(p for _, p in named), "algorithm": "sha256", "digests": {},
+                       "note": f"no digests: {why_not}"}
+        else:
+            state = dict(hf_named_tensors(loaded, hf_config))
+            vocab = int(hf_config["vocab_size"])
+            for key in ("model.embed_tokens.weight", "lm_head.weight"):   # vLLM pads the vocabulary rows at TP = 1
+                if key in state and state[key].shape[0] > vocab:
+                    state[key] = state[key][:vocab]
+            if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+            weights = weight_digests(state.items(), int(hf_config["num_hidden_layers"]))
     return {"dtypes": dtypes, "kernels": {"attention": _attention_backend(runner), "moe": moe},
             "parallel": {"tp": tp, "ep": tp if getattr(parallel, "enable_expert_parallel", False) else 1, "sp": 1,
                          "cp": int(getattr(parallel, "decode_context_parallel_size", 1) or 1)},
