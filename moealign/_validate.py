@@ -128,3 +128,10 @@ def check_devices(tensors, error_cls: type[Exception]) -> torch.device:
             raise error_cls(f"{name} is on the meta device (a shape without data): move the inputs to a real "
                             f"device (cpu or cuda) first")
     return items[0][1].device if items else torch.device("cpu")
+
+
+def short_repr(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (with ``...``): a bad value named in an error without printing
+    all of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

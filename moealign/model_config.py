@@ -19,8 +19,11 @@ from pathlib import Path
 from ._files import parse_json, read_input_bytes
 from .errors import ConfigError, MissingFileError
 from .record import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB
+from .record.meta import config_fingerprint
+from ._validate import short_repr
 
-__all__ = ["MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers", "check_max_new_tokens"]
+__all__ = ["MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers", "check_max_new_tokens",
+           "checkpoint_fingerprint"]
 
 #: The most bytes a config.json may hold.
 MAX_CONFIG_BYTES = 16 << 20
@@ -71,11 +74,11 @@ def read_model_config(model_dir: str | os.PathLike, flag: str = "--model") -> di
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise ConfigError(f"{where}: config.json {name} must be an integer in [{lo}, {hi}], got "
-                              f"{_short(value)}")
+                              f"{short_repr(value, 60)}")
     dense = config.get("mlp_only_layers")
     if dense is not None and (not isinstance(dense, list) or len(dense) > MAX_LAYERS
                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in dense)):
-        raise ConfigError(f"{where}: config.json mlp_only_layers must be a list of layer numbers, got {_short(dense)}")
+        raise ConfigError(f"{where}: config.json mlp_only_layers must be a list of layer numbers, got {short_repr(dense, 60)}")
     return config
 
 
@@ -103,6 +106,11 @@ def check_max_new_tokens(config: dict, max_new_tokens: int, model: str = "the mo
                           f"(max_position_embeddings), prompt included")
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def checkpoint_fingerprint(model_dir, flag: str = "--model") -> str:
+    """The record fingerprint of the checkpoint in ``model_dir``: :func:`config_fingerprint` of its ``config.json``
+    as written (read by :func:`moealign.model_config.read_model_config`; ``flag`` names the option in its errors).
+
+    The one definition every engine uses (:func:`moealign.patches.hf.record_meta`,
+    :func:`moealign.patches.vllm.record_meta`, ``record convert``): never an engine's config object, which the
+    engine may have edited after reading the file (vLLM writes ``sliding_window=None`` over a checkpoint's ``0``)."""
+    return config_fingerprint(read_model_config(model_dir, flag))

@@ -7,7 +7,7 @@ vLLM -> transformers (``--train hf``); olmoe, which Megatron's local spec cannot
 and is refused on Megatron by a one-line message naming ``--train hf``. Issue 34 (5): vLLM's record of a qwen2_moe
 checkpoint carried another model fingerprint than the trainer's (vLLM writes ``sliding_window=None`` over the
 checkpoint's ``0`` in the config it holds); the fingerprint is now the checkpoint's config.json as written on both
-engines (:func:`moealign.record.meta.checkpoint_fingerprint`). Negative control: a record loaded against a checkpoint
+engines (:func:`moealign.model_config.checkpoint_fingerprint`). Negative control: a record loaded against a checkpoint
 whose config differs in one architecture field is still refused."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_every_family_runs_on_its_engines(checkpoints, runs):
     failed = {f"{m} vllm -> {t}": err.strip().splitlines()[-1:] for (m, t), (code, err, _, _) in runs.items() if code}
     assert failed == {}
     from moealign.record import RolloutRecord
-    from moealign.record.meta import checkpoint_fingerprint
+    from moealign.model_config import checkpoint_fingerprint
 
     for (model_type, train), (_, _, report, record) in runs.items():
         assert report["rollout"]["engine"] == "vllm"

@@ -206,7 +206,7 @@ def _obj(value, where: str) -> dict:
     return value
 
 
-def _short(value, limit: int = 80) -> str:
+def _clip(value, limit: int = 80) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -266,10 +266,10 @@ def _sampling(entry: dict, default: SamplingParams, where: str) -> SamplingParam
         if key in _PENALTIES:
             if value in (None, _PENALTIES[key]) or value == []:   # the neutral value changes nothing
                 continue
-            raise InputError(f"{where}: sampling_params {key}={_short(value)}: the engine sampled from a penalised "
+            raise InputError(f"{where}: sampling_params {key}={_clip(value)}: the engine sampled from a penalised "
                              f"distribution a record cannot state (its log-probs are not the model's); convert "
                              f"rollouts sampled without {', '.join(sorted(_PENALTIES))}")
-        raise InputError(f"{where}: sampling_params has the unknown key {_short(repr(key))} (known: "
+        raise InputError(f"{where}: sampling_params has the unknown key {_clip(repr(key))} (known: "
                          f"{', '.join(_SAMPLING_KEYS)}; accepted without effect on the distribution: "
                          f"{', '.join(sorted(_SAMPLING_INERT))})")
     try:
@@ -517,7 +517,7 @@ def _read_slime(path: str, a: _Args) -> list[Sample]:
             if (not isinstance(loss_mask, list) or len(loss_mask) != R
                     or not all(isinstance(x, (int, float)) and x in (0, 1) for x in loss_mask)):
                 raise InputError(f"{where}: loss_mask must be a list of {R} zeros and ones (one per response token), "
-                                 f"got {_short(loss_mask)}")
+                                 f"got {_clip(loss_mask)}")
         if loss_mask is not None and not all(int(x) == 1 for x in loss_mask):
             raise InputError(f"{where}: loss_mask holds 0 (non-trainable tokens, e.g. tool output): their log-probs "
                              f"are placeholders and a record has no per-token loss mask")
@@ -574,7 +574,7 @@ def convert_to_record(fmt: str, path: str, model: RecordMeta, *, engine_version:
             RecursionError) as exc:
         # the input boundary: a field of a type no check above foresaw is still the input's fault, never a traceback
         raise InputError(f"{path}: a malformed {fmt} field ({type(exc).__name__}: "
-                         f"{_short(' '.join(str(exc).split()))})") from None
+                         f"{_clip(' '.join(str(exc).split()))})") from None
     meta = dataclasses.replace(model, engine=FORMATS[fmt], engine_version=engine_version)
     try:
         return RolloutRecord(meta, samples)

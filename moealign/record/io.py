@@ -18,16 +18,23 @@ import hashlib
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._files import atomic_write, parse_json
-from ..errors import MissingFileError, MoealignWarning, RecordError, RecordFormatError, RecordMismatchError
+from .._validate import short_repr
+from ..errors import (
+    MissingFileError,
+    MoealignWarning,
+    RecordError,
+    RecordFormatError,
+    RecordMismatchError,
+)
 from ..routing_replay.routes import RouteError
 from ..routing_replay.sampling_mask import validate_kept_sets
-from .layouts import split_kept_sets, concat_kept_sets
-from .meta import FORMAT_VERSION, RecordMeta, SamplingParams, _short
+from .layouts import concat_kept_sets, split_kept_sets
+from .meta import FORMAT_VERSION, RecordMeta, SamplingParams
 from .sample import Sample
 
 if TYPE_CHECKING:
@@ -92,7 +99,7 @@ def read_record(path: str | os.PathLike, *, expect: RecordMeta | None = None, re
     tensors, metadata = _read_safetensors(path)
     version = metadata[_VERSION_KEY]
     if version not in (str(FORMAT_VERSION), str(_OLD_FORMAT_VERSION)):
-        raise RecordFormatError(f"{path}: record format version {_short(version)[1:-1]}, this moealign reads "
+        raise RecordFormatError(f"{path}: record format version {short_repr(version)[1:-1]}, this moealign reads "
                                 f"version {FORMAT_VERSION} (and {_OLD_FORMAT_VERSION})")
     current = version == str(FORMAT_VERSION)
     if _checksum(tensors, metadata if current else None) != metadata[_CHECKSUM_KEY]:
@@ -136,18 +143,18 @@ def _read_safetensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str
             metadata = dict(f.metadata() or {})
             if any(key not in metadata for key in (_VERSION_KEY, _META_KEY, _CHECKSUM_KEY)):
                 raise RecordFormatError(f"{path}: a safetensors file, but not a moealign rollout record "
-                                        f"(metadata keys {_short(sorted(metadata))})")
+                                        f"(metadata keys {short_repr(sorted(metadata))})")
             names = list(f.keys())
             unknown = sorted(set(names) - set(_FILE_TENSORS))
             if unknown:
-                raise RecordFormatError(f"{path}: record file has unknown tensors {_short(unknown)}")
+                raise RecordFormatError(f"{path}: record file has unknown tensors {short_repr(unknown)}")
             tensors = {k: f.get_tensor(k) for k in names}
     except RecordFormatError:
         raise
     except Exception as exc:  # safetensors raises SafetensorError / OSError / others on bad bytes
         size = os.path.getsize(path)
         raise RecordFormatError(f"{path}: truncated or corrupt record file ({size} bytes): "
-                                f"{type(exc).__name__}: {_short(str(exc))}") from None
+                                f"{type(exc).__name__}: {short_repr(str(exc))}") from None
     return tensors, metadata
 
 

@@ -1,6 +1,6 @@
 """The record's metadata: :class:`SamplingParams` (one sample's), :class:`RecordMeta` (the model and engine that
 made the record), the bounds every record obeys and the model fingerprints it is checked against
-(:func:`config_fingerprint`, :func:`checkpoint_fingerprint`, :func:`router_signature`, :func:`router_samples`)."""
+(:func:`config_fingerprint`, :func:`router_signature`, :func:`router_samples`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from typing import Iterable, Sequence
 import torch
 
 from .._files import parse_json
-from ..errors import MoealignWarning, RecordError, RecordFormatError, RecordMismatchError
+from .._validate import short_repr
+from ..errors import (
+    MoealignWarning,
+    RecordError,
+    RecordFormatError,
+    RecordMismatchError,
+)
 from ..families import arch_keys
 from ..routing_replay.routes import INT16_MAX_EXPERTS, route_dtype
 
@@ -120,7 +126,7 @@ class RecordMeta:
         for name, hi in (("num_layers", MAX_LAYERS), ("num_experts", MAX_EXPERTS), ("vocab_size", MAX_VOCAB),
                          ("top_k", MAX_EXPERTS)):
             if getattr(self, name) > hi:
-                raise RecordError(f"meta: {name} must be at most {hi}, got {_short(getattr(self, name))}")
+                raise RecordError(f"meta: {name} must be at most {hi}, got {short_repr(getattr(self, name))}")
         if self.num_layers < 1:
             raise RecordError(f"meta: num_layers must be >= 1, got {self.num_layers}")
         if len(self.router_signature) % 2:
@@ -183,7 +189,7 @@ class RecordMeta:
         for name in ("num_layers", "moe_layers", "num_experts", "top_k", "vocab_size", "model_fingerprint"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                problems.append(f"{name}: record has {_short(a)}, {what} has {_short(b)}")
+                problems.append(f"{name}: record has {short_repr(a)}, {what} has {short_repr(b)}")
         sa, sb = self.router_signature, other.router_signature
         if not (sa and sb):
             lacking = [side for side, sig in (("the record", sa), (f"the {what}", sb)) if not sig]
@@ -241,11 +247,6 @@ def _meta_seq(name: str, value):
     return value
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 # --------------------------------------------------------------------------------------------------
 # fingerprints
 # --------------------------------------------------------------------------------------------------
@@ -263,18 +264,6 @@ def config_fingerprint(config: dict) -> str:
         raise RecordError("config_fingerprint: the config has no model_type")
     text = json.dumps(picked, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def checkpoint_fingerprint(model_dir, flag: str = "--model") -> str:
-    """The record fingerprint of the checkpoint in ``model_dir``: :func:`config_fingerprint` of its ``config.json``
-    as written (read by :func:`moealign.model_config.read_model_config`; ``flag`` names the option in its errors).
-
-    The one definition every engine uses (:func:`moealign.patches.hf.record_meta`,
-    :func:`moealign.patches.vllm.record_meta`, ``record convert``): never an engine's config object, which the
-    engine may have edited after reading the file (vLLM writes ``sliding_window=None`` over a checkpoint's ``0``)."""
-    from ..model_config import read_model_config   # moealign.model_config imports this package: read at call time
-
-    return config_fingerprint(read_model_config(model_dir, flag))
 
 
 def router_signature(router_weights: Iterable[torch.Tensor]) -> tuple[float, ...]:

@@ -363,7 +363,7 @@ class KeptMasks:
         return mask
 
 
-def _scaled(logits: torch.Tensor, r0: int, r1: int, temperature: float, masks: KeptMasks | None) -> torch.Tensor:
+def scaled_logits(logits: torch.Tensor, r0: int, r1: int, temperature: float, masks: KeptMasks | None) -> torch.Tensor:
     """Rows ``[r0, r1)`` of ``logits / T`` in the compute dtype, ``-inf`` outside the kept sets."""
     scores = logits[r0:r1].to(compute_dtype(logits)) / temperature
     return scores if masks is None else scores.masked_fill(~masks(r0, r1), float("-inf"))
@@ -377,7 +377,7 @@ def dense_kept_logprob(logits: torch.Tensor, tokens: torch.Tensor, kept, tempera
     """
     num_rows, vocab = logits.shape
     masks = None if kept is None else KeptMasks(kept[0], kept[1], logits.device, vocab)
-    out = [torch.log_softmax(_scaled(logits, r0, r1, temperature, masks), dim=-1)
+    out = [torch.log_softmax(scaled_logits(logits, r0, r1, temperature, masks), dim=-1)
            .gather(1, tokens[r0:r1, None]).squeeze(1) for r0, r1 in row_chunks(num_rows, vocab)]
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -57,7 +57,7 @@ from .sampling_mask import (
     nonfinite_message,
     nonfinite_rows,
     row_chunks,
-    _scaled,
+    scaled_logits,
     check_tokens_in_kept,
 )
 
@@ -207,7 +207,7 @@ def vocab_parallel_kept_logprob(
             masks = KeptMasks(kept[0], kept[1], logits_shard.device, width, vocab_start, whole=False)
         nonfinite = nonfinite_rows(logits_shard)
         with torch.no_grad():      # the shift: -inf where this slice keeps nothing of the row
-            local_max = torch.cat([_scaled(logits_shard, r0, r1, temperature, masks).amax(dim=-1)
+            local_max = torch.cat([scaled_logits(logits_shard, r0, r1, temperature, masks).amax(dim=-1)
                                    for r0, r1 in row_chunks(num_rows, width)])
         local_max = torch.where(nonfinite, float("inf"), local_max)
     except RouteError as exc:
@@ -235,7 +235,7 @@ def vocab_parallel_kept_logprob(
         raise RouteError(f"logits row {row} holds NaN or Inf on another tensor-parallel rank's vocabulary slice")
 
     # log p = (logit[token] / T - max) - log(sum over the kept set of exp(logit / T - max)), summed over ranks
-    sum_exp = torch.cat([(_scaled(logits_shard, r0, r1, temperature, masks) - row_max[r0:r1, None]).exp().sum(dim=-1)
+    sum_exp = torch.cat([(scaled_logits(logits_shard, r0, r1, temperature, masks) - row_max[r0:r1, None]).exp().sum(dim=-1)
                          for r0, r1 in row_chunks(num_rows, width)])
     local_token = tokens.to(device=device, dtype=torch.int64) - vocab_start
     owns = (local_token >= 0) & (local_token < width)

@@ -13,7 +13,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ...families import FAMILIES, MoEFamily, get_family, register_family
 from ...record import RecordMeta, config_fingerprint, router_samples, router_signature
-from ...record.meta import checkpoint_fingerprint
+from ...model_config import checkpoint_fingerprint
 from ...routing_replay.gates import (
     RouterScoring,
 )
@@ -109,7 +109,7 @@ def checkpoint_dir(model: torch.nn.Module) -> str | None:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """The record fingerprint of ``model``: of its checkpoint's config.json as written
-    (:func:`~moealign.record.meta.checkpoint_fingerprint`, the definition every engine uses), or, for a model with
+    (:func:`~moealign.model_config.checkpoint_fingerprint`, the definition every engine uses), or, for a model with
     no local checkpoint, of its config as ``save_pretrained`` would write it (``config.to_dict()``)."""
     path = checkpoint_dir(model)
     if path is not None:

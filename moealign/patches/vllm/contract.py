@@ -104,9 +104,9 @@ def _attention_backend(runner) -> str | None:
 
 def _rpc_contract(worker) -> dict:
     """In a vLLM worker: this rank's dtypes, sizes, kernels and (TP = 1, a digest family) weight digests."""
-    from .rollout import _worker_runner
+    from .rollout import worker_runner
 
-    runner = _worker_runner(worker)
+    runner = worker_runner(worker)
     model = runner.model
     config = runner.vllm_config
     hf_config = config.model_config.hf_config.to_dict()

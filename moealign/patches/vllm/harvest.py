@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from ..._optional import require
-from ..._validate import LOG_PROB_TOLERANCE
+from ..._validate import LOG_PROB_TOLERANCE, short_repr
 from ...errors import (
     ConfigError,
     EngineError,
@@ -109,7 +109,7 @@ def _record_sampling(sampling, index: int) -> tuple[SamplingParams, int | None]:
                           f"vLLM sampled greedily, which a record cannot state")
     changed = [f"{name}={getattr(sampling, name)!r}" for name, neutral in _NEUTRAL_VALUES.items()
                if getattr(sampling, name, neutral) != neutral]
-    changed += [f"{name}={_short(getattr(sampling, name))}" for name in _NEUTRAL_UNSET
+    changed += [f"{name}={short_repr(getattr(sampling, name))}" for name in _NEUTRAL_UNSET
                 if not _unset(getattr(sampling, name, None))]
     if changed:
         raise ConfigError(f"{where}: the vLLM request changed the sampling distribution beyond temperature / top-k / "
@@ -124,11 +124,6 @@ def _record_sampling(sampling, index: int) -> tuple[SamplingParams, int | None]:
 
 def _unset(value) -> bool:
     return value is None or (isinstance(value, (list, tuple, dict, set)) and not value)
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_int(value, name: str) -> int:

@@ -172,7 +172,7 @@ def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(
             if needed not in roles:
                 deviations.append(f"rank {rank}: no {needed} parameter was found to audit")
         for name, (role, dtype) in sorted(report["parameters"].items()):
-            if _short(dtype) != want[role]:
+            if _dtype_short(dtype) != want[role]:
                 deviations.append(f"rank {rank}: {role} {name} holds {dtype} parameters, policy: {want[role]}")
         computed = report["computed"]
         if not computed:
@@ -180,14 +180,14 @@ def audit_vllm(llm: Any, policy: str | PrecisionPolicy, *, prompt: str = "def f(
         for name, dtype in sorted(computed.items()):
             role = "lm_head" if name.endswith("logits_processor") else "router"
             expected = dtype_name(router_compute) if role == "router" and router_compute is not None else want[role]
-            if _short(dtype) != expected:
+            if _dtype_short(dtype) != expected:
                 deviations.append(f"rank {rank}: {name} computed {dtype}, policy: {expected}")
     if deviations:
         raise PrecisionAuditError(policy.name, deviations)
     return per_rank[0]
 
 
-def _short(dtype: str) -> str:
+def _dtype_short(dtype: str) -> str:
     return dtype_name(getattr(torch, dtype))
 
 

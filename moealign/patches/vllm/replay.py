@@ -28,7 +28,10 @@ what ran; :func:`force_routes` attaches one to an in-process engine directly:
   softmax over all experts, top-k, optional division by the sum) is ``RouterScoring("softmax", renormalize)``
   (not checked against the CUDA kernel: no GPU test yet). Each is the family's scoring (Qwen3-MoE: softmax, top-k,
   renormalised) up to rounding; the vLLM form is used so that forcing the ids vLLM itself chose gives vLLM's own
-  weights (bitwise on the CPU router with ``renormalize``). Any other router is refused.
+  weights (bitwise on the CPU router with ``renormalize``). DeepSeek-V3's sigmoid grouped top-k on the CPU router
+  (``use_grouped_topk``, a correction bias) is ``RouterScoring("sigmoid", renormalize, the router's
+  routed_scaling_factor, n_group, topk_group)``: the unbiased float32 scores at the forced ids, bitwise vLLM's own at
+  its ids. Any other router is refused.
 
 **Verification** (``verify=True``, the default): each MoE layer's ``RoutedExperts.forward_modular`` (an instance
 attribute that calls the class's method at each call, so a class-level patch such as the tree experts still runs)
@@ -67,7 +70,7 @@ from ...routing_replay.gates import RouterScoring, replay_gate_weights
 from ...routing_replay.routes import expand_routes
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
 from .._version import require_attr
-from .rollout import InWorkers, VllmRecorder, _check_llm, _latest, model_runner, moe_routers, record_meta
+from .rollout import InWorkers, VllmRecorder, check_llm, latest_rows, model_runner, moe_routers, record_meta
 
 __all__ = ["RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
 
@@ -83,6 +86,8 @@ def vllm_router_scoring(router: Any, family_scoring: RouterScoring | None = None
     from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
 
     name = type(router).__name__
+    if type(router) is CPURouter and router.use_grouped_topk:
+        return _grouped_sigmoid_scoring(router, family_scoring)
     if type(router) not in (CPURouter, FusedTopKRouter):
         raise UnsupportedEngineError(f"vLLM router {name}: routes can be forced through CPURouter and "
                                      f"FusedTopKRouter (plain softmax top-k) only")
@@ -104,6 +109,32 @@ def vllm_router_scoring(router: Any, family_scoring: RouterScoring | None = None
             return RouterScoring("softmax_topk", renormalize=False, weights_in_fp32=False)
         return RouterScoring("softmax", renormalize=False, weights_in_fp32=False)
     return RouterScoring("softmax", renormalize=renormalize, weights_in_fp32=True)
+
+
+def _grouped_sigmoid_scoring(router: Any, family_scoring: RouterScoring | None) -> RouterScoring:
+    """DeepSeek-V3 on vLLM's CPU router (``cpu_router._grouped_topk``): float32 sigmoid scores of the logits; the
+    choice on the scores plus ``e_score_correction_bias`` within the best groups; weights = the unbiased scores at the
+    chosen ids, divided by their sum when ``renormalize`` (no epsilon: moealign's 1e-20 leaves a float32 sum of k
+    sigmoid scores unchanged), times the router's ``routed_scaling_factor`` (1.0 when vLLM scales the layer's output
+    instead), float32. The replay weights at the ids vLLM chose are its own, bitwise."""
+    name = type(router).__name__
+    if router.scoring_func != "sigmoid" or router.custom_routing_function is not None:
+        raise UnsupportedEngineError(f"vLLM router {name}: grouped top-k scored with {router.scoring_func!r}"
+                                     f"{' and a custom routing function' if router.custom_routing_function else ''}: "
+                                     f"routes can be forced through DeepSeek-V3's sigmoid grouped top-k only")
+    scoring = RouterScoring("sigmoid", renormalize=bool(router.renormalize),
+                            scaling_factor=float(router.routed_scaling_factor), n_group=int(router.num_expert_group),
+                            topk_group=int(router.topk_group), weights_in_fp32=True)
+    if family_scoring is not None:
+        mine = (family_scoring.score, family_scoring.renormalize, family_scoring.n_group, family_scoring.topk_group)
+        theirs = (scoring.score, scoring.renormalize, scoring.n_group, scoring.topk_group)
+        if mine != theirs:
+            raise UnsupportedEngineError(f"vLLM's {name} routes (score, renormalize, n_group, topk_group) = {theirs}, "
+                                         f"the model family {mine}")
+        if router.e_score_correction_bias is None:
+            raise UnsupportedEngineError(f"vLLM's {name} has no e_score_correction_bias: the checkpoint's config.json "
+                                         f"lacks topk_method 'noaux_tc'")
+    return scoring
 
 
 class RouteForcer(PatchHandle):
@@ -346,7 +377,7 @@ class RouteForcer(PatchHandle):
             if i not in by_sample:
                 raise ReplayError(f"no engine step of sample {i} was seen")
             mine = (row_req == by_sample[i]).nonzero().flatten()
-            last = _latest(row_pos[mine], torch.arange(n))
+            last = latest_rows(row_pos[mine], torch.arange(n))
             if bool((last < 0).any()):
                 raise ReplayError(f"sample {i}: no route ran for position {int((last < 0).nonzero()[0, 0])}")
             out.append(routes[mine[last]].to(torch.int64))
@@ -358,7 +389,7 @@ def _check_engine(llm) -> None:
     if getattr(config.cache_config, "enable_prefix_caching", False):
         raise ReplayConfigError("the LLM has prefix caching on: cached positions are never forwarded, so their routes "
                                 "could not be forced; open it with enable_prefix_caching=False")
-    _check_llm(llm)
+    check_llm(llm)
 
 
 def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True, verify: bool = True) -> RouteForcer:

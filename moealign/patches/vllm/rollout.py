@@ -71,7 +71,7 @@ from ...record import (
     router_samples,
     router_signature,
 )
-from ...record.meta import checkpoint_fingerprint
+from ...model_config import checkpoint_fingerprint
 from ...routing_replay.routes import compact_routes, route_dtype
 from .._version import require_attr
 from .engine import vllm_version
@@ -172,7 +172,7 @@ def _checkpoint_router_weights(path: str, layers: Sequence[int], num_experts: in
 
 def _rpc_routers(worker) -> list[tuple[int, str, int, int]]:
     """(In each worker) ``(layer, name, top_k, experts)`` of every MoE router of the worker's live model."""
-    runner = _worker_runner(worker)
+    runner = worker_runner(worker)
     return [(layer, name, int(r.top_k), int(r.global_num_experts)) for layer, name, r in moe_routers(runner.model)]
 
 
@@ -199,7 +199,7 @@ _cached_meta = cached_record_meta
 
 def record_meta(llm: Any) -> RecordMeta:
     """The :class:`RecordMeta` of the model ``llm`` runs: the fingerprint of the checkpoint's config.json as written
-    (:func:`~moealign.record.meta.checkpoint_fingerprint`; vLLM edits the config it loaded),
+    (:func:`~moealign.model_config.checkpoint_fingerprint`; vLLM edits the config it loaded),
     the MoE layers, experts and top-k of its live routers (read in the workers, any TP size) and the router
     signature of the checkpoint's router weights (so it matches :func:`moealign.patches.hf.record_meta` of the
     same checkpoint in any dtype)."""
@@ -449,13 +449,12 @@ def worker_runner(worker):
     return _checked_runner(require_attr(worker, "model_runner", f"vLLM's {type(worker).__name__}"))
 
 
-_worker_runner = worker_runner
 
 
 def _rpc_attach(worker, key: str, build, args: tuple) -> bool:
     if key in _WORKER_HANDLES:
         raise EngineError(f"a moealign patch {key!r} is already attached in this worker")
-    _WORKER_HANDLES[key] = build(_worker_runner(worker), *args)
+    _WORKER_HANDLES[key] = build(worker_runner(worker), *args)
     return True
 
 
@@ -538,7 +537,7 @@ def _read_recorder(recorder: VllmRecorder):
     return recorder._flat()
 
 
-def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+def latest_rows(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
     """Per entry of ``wanted`` (positions), the index of the last row of ``keys`` equal to it (-1 if none)."""
     size = int(max(int(wanted.max()) if wanted.numel() else 0, int(keys.max()) if keys.numel() else 0)) + 1
     last = torch.full((size,), -1, dtype=torch.int64)
@@ -547,7 +546,7 @@ def _latest(keys: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
     return last[wanted]
 
 
-def _check_llm(llm) -> None:
+def check_llm(llm) -> None:
     if getattr(llm, "llm_engine", None) is None:
         raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
     config = llm.llm_engine.vllm_config
@@ -628,7 +627,7 @@ def generate_with_record(
     check_positive_int(max_new_tokens, "max_new_tokens", ConfigError)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63 - len(prompts or ()):
         raise ConfigError(f"seed must be an int in [0, 2**63 - len(prompts)), got {seed!r}")
-    _check_llm(llm)
+    check_llm(llm)
     meta = _cached_meta(llm)
     inputs = _prompt_inputs(prompts, tokenizer, meta.vocab_size)
 
@@ -721,7 +720,7 @@ def _assemble(outputs, captured, sampling: SamplingParams, record_kept_sets: boo
                               f"{int(Ls[b])} tokens (the last sampled token is never forwarded)")
         sizes = Ls - 1
         wanted = torch.repeat_interleave(Rs * stride, sizes) + _ranges(torch.zeros(n, dtype=torch.int64), sizes)
-        last = _latest(req * stride + pos, wanted)
+        last = latest_rows(req * stride + pos, wanted)
         if bool((last < 0).any()):
             b, gap = sample_at(int((last < 0).nonzero()[0, 0]), sizes)
             raise ReplayError(f"{labels[b]}: no route was recorded for position {gap} (prefix caching, or a step the "
@@ -738,7 +737,7 @@ def _assemble(outputs, captured, sampling: SamplingParams, record_kept_sets: boo
     sizes = Ls - Ps
     mine = (length_of[k_req] >= 0).nonzero().flatten()
     wanted = torch.repeat_interleave(Rs * stride, sizes) + _ranges(Ps, sizes)
-    last = _latest(k_req[mine] * stride + k_pos[mine], wanted)
+    last = latest_rows(k_req[mine] * stride + k_pos[mine], wanted)
     if bool((last < 0).any()):
         b, gap = sample_at(int((last < 0).nonzero()[0, 0]), sizes)
         raise ReplayError(f"{labels[b]}: no sampler row was recorded for response position {gap}")
