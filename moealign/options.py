@@ -24,7 +24,7 @@ from .model_config import check_max_new_tokens, read_model_config
 from .record import SamplingParams
 
 __all__ = ["SHARED_FIELDS", "COUNT_BOUNDS", "add_shared_options", "given_options", "check_device", "check_count", "check_seed",
-           "check_sampling", "check_checkpoint", "check_model"]
+           "check_sampling", "check_checkpoint", "check_model", "check_aligned_run"]
 
 #: ``(flag, config field)`` of every shared option that a config takes (``--json``, ``--fail-above``, ``-q``, ``-v``
 #: are shared too, but the commands act on them themselves).
@@ -183,3 +183,22 @@ def check_model(model: str | None, model_path: str, max_new_tokens: int) -> dict
     config = check_checkpoint(model) if model is not None else read_model_config(model_path)
     check_max_new_tokens(config, max_new_tokens, "the model" if model else "the embedded model")
     return config
+
+
+def check_aligned_run(model_path: str, *, rollout_precision: str, train_precision: str, device: str,
+                      rollout_tp: int) -> None:
+    """``--aligned``, the checks every command makes (each refusal names its reason): one plain precision on both
+    sides (fp32 or bf16), the CPU (the canonical attention serves vLLM's CPU backend), a checkpoint whose every op the
+    canonical forward covers (:func:`~moealign.precision.canonical.check_canonical_model`) and a rollout TP size its
+    trees cut (:func:`~moealign.precision.canonical.check_canonical_tp`)."""
+    from .precision.canonical import check_canonical_model, check_canonical_tp
+
+    if rollout_precision != train_precision or rollout_precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not rollout "
+                          f"{rollout_precision} / train {train_precision}")
+    if device != "cpu":
+        raise ConfigError(f"--aligned on {device}: the canonical attention serves vLLM's CPU attention backend; "
+                          "vLLM's CUDA backends are not covered yet (use --device cpu)")
+    config = read_model_config(model_path)
+    check_canonical_model(config)
+    check_canonical_tp(config, rollout_tp, "--rollout-tp")

@@ -51,3 +51,16 @@ def test_both_commands_refuse_a_bad_value_with_the_same_words(argv, words, capsy
         lines[command] = err.split("error: ", 1)[1]
     if argv[0] not in ("--top-p",):                          # rl-check names its own (0, 1] range first
         assert lines["mismatch"] == lines["rl-check"], lines
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--aligned", "--rollout-tp", "3"], "--rollout-tp 3: the canonical forward cuts its trees at power-of-two TP"),
+    (["--aligned", "--rollout-tp", "4"], "does not split into whole 32-wide tree leaves per rank"),
+    (["--aligned", "--rollout-precision", "fp16", "--train-precision", "fp16"], "one plain precision"),
+])
+def test_aligned_is_checked_the_same_way_by_both_commands(argv, words, capsys):
+    # rl-check --aligned never checked the vLLM TP cut that mismatch --aligned checks (issue 36)
+    for command in ("mismatch", "rl-check"):
+        assert main([command, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, (command, err)

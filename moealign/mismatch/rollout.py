@@ -19,7 +19,7 @@ from ..errors import ConfigError, EngineError, MoealignError
 from ..embedded import MAX_PROMPTS_BYTES
 from ..checkpoint_check import check_checkpoint_tensors
 from ..model_config import read_model_config
-from ..options import check_count, check_device, check_model, check_sampling, check_seed
+from ..options import check_aligned_run, check_count, check_device, check_model, check_sampling, check_seed
 from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -197,22 +197,14 @@ class MismatchConfig:
         if self.rollout_engine != "vllm" or self.train_engine != "megatron":
             raise ConfigError(f"--aligned covers --rollout vllm --train megatron (the canonical forward is installed "
                               f"in those two engines), not --rollout {self.rollout_engine} --train {self.train_engine}")
-        if self.rollout_precision != self.train_precision or self.rollout_precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not rollout "
-                              f"{self.rollout_precision} / train {self.train_precision}")
         if self.batch_invariant or self.attention is not None:
             raise ConfigError("--aligned is the canonical forward; --batch-invariant / --attention select other ops")
         if self.report_dir is not None or self.inject_fault is not None:
             raise ConfigError("--aligned with --report / --inject-fault: --aligned --diagnose names the op a residual "
                               "comes from; --aligned-skip OP leaves an op stock (a negative control)")
-        if self.resolved_device() != "cpu":
-            raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
-                              "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")
-        from ..precision.canonical import check_canonical_model, check_canonical_tp
-
-        config = read_model_config(self.model_path())
-        check_canonical_model(config)
-        check_canonical_tp(config, self.rollout_tp or 1, "--rollout-tp")
+        check_aligned_run(self.model_path(), rollout_precision=self.rollout_precision,
+                          train_precision=self.train_precision, device=self.resolved_device(),
+                          rollout_tp=self.rollout_tp or 1)
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..options import check_count, check_device, check_model, check_sampling, check_seed
+from ..options import check_aligned_run, check_count, check_device, check_model, check_sampling, check_seed
 from ..record import MIN_TEMPERATURE, SamplingParams
 
 __all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "STEP_METRICS", "parse_fail_above", "check_fail_above"]
@@ -161,21 +161,14 @@ class RLCheckConfig:
 
     def _check_aligned(self) -> None:
         """``--aligned``: the canonical forward's coverage, checked before any work (each refusal names it)."""
-        if self.rollout_precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not "
-                              f"{self.rollout_precision}")
         for flag, bad in (("--levers " + self.levers, self.levers != "all"),
                           (f"--staleness {self.staleness}", self.staleness != 0), ("--compare", self.compare)):
             if bad:
                 raise ConfigError(f"--aligned certifies the fully aligned, on-policy loop (replay + sampling mask, "
                                   f"identical weights): drop {flag}")
-        if self.resolved_device() != "cpu":
-            raise ConfigError(f"--aligned on {self.resolved_device()}: the canonical attention serves vLLM's CPU "
-                              "attention backend; vLLM's CUDA backends are not covered yet (use --device cpu)")
-        from ..model_config import read_model_config
-        from ..precision.canonical import check_canonical_model
-
-        check_canonical_model(read_model_config(self.model_path()))
+        check_aligned_run(self.model_path(), rollout_precision=self.rollout_precision,
+                          train_precision=self.train_precision, device=self.resolved_device(),
+                          rollout_tp=self.rollout_tp)
 
     @property
     def replay(self) -> bool:
