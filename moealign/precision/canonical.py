@@ -48,7 +48,6 @@ are elementwise-product kernels, not GEMMs (see ``tools/bench_aligned.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -60,6 +59,9 @@ from .tree import node_dtype_for, tree_linear, tree_sum
 __all__ = [
     "LEAF_WIDTH",
     "OPS",
+    "SPEC",
+    "engine_ops",
+    "route_ids",
     "CanonicalError",
     "c_exp",
     "c_log",
@@ -84,8 +86,38 @@ __all__ = [
 #: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree).
 LEAF_WIDTH = 32
 
+#: The canonical forward's spec: each op, what it covers, and where each engine binding installs it (None: that
+#: engine has no such op to patch; the scorer runs it under :func:`log_softmax_mode`). The one list both bindings
+#: (:mod:`moealign.patches.vllm.canonical`, :mod:`moealign.patches.megatron.canonical`), the audit and the diagnosis
+#: read.
+SPEC = {
+    "linear": ("every linear layer but the router and the LM head: c_linear (the leaf tree, TP-invariant)",
+               {"vllm": "UnquantizedLinearMethod.apply, RowParallelLinear.forward (the tree forward)",
+                "megatron": "ColumnParallelLinear / RowParallelLinear.forward"}),
+    "norm": ("RMSNorm (with vLLM's fused residual add): c_rms_norm",
+             {"vllm": "RMSNorm.forward_native / forward_cpu", "megatron": "torch.nn.RMSNorm.forward"}),
+    "rope": ("rotary embedding, NeoX style, from the canonical table: c_rope",
+             {"vllm": "RotaryEmbedding.forward", "megatron": "apply_rotary_pos_emb (as the attention reads it)"}),
+    "attention": ("each query row over its own valid keys: c_attention",
+                  {"vllm": "CPUAttentionBackendImpl.forward (+ a shadow KV cache)",
+                   "megatron": "DotProductAttention.forward"}),
+    "router": ("fp32 router logits; top-k (ties: the lower id) in ascending ids; c_gates",
+               {"vllm": "GateLinear, FusedTopKRouter._compute_routing", "megatron": "TopKRouter.gating / routing"}),
+    "experts": ("per (token, expert) c_experts, combined in ascending expert id: c_combine",
+                {"vllm": "RoutedExperts.forward_modular (the tree forward's experts)", "megatron": "MoELayer.forward"}),
+    "lm_head": ("the output layer: c_linear", {"vllm": "UnquantizedEmbeddingMethod.apply",
+                                               "megatron": "the output ColumnParallelLinear"}),
+    "log_softmax": ("the processed log-probs: c_log_softmax",
+                    {"vllm": "TopKTopPSampler.forward_cpu / forward_native", "megatron": None}),
+}
+
 #: The canonical ops, as the engines' patches, the audit and the diagnosis name them.
-OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head", "log_softmax")
+OPS = tuple(SPEC)
+
+
+def engine_ops(engine: str) -> tuple[str, ...]:
+    """The ops of :data:`SPEC` an engine binding installs (``"vllm"`` or ``"megatron"``)."""
+    return tuple(op for op, (_, where) in SPEC.items() if where.get(engine) is not None)
 
 _LN2_HI = 6.93147180369123816490e-01      # fdlibm's split of ln 2: n * _LN2_HI is exact for |n| < 2**11
 _LN2_LO = 1.90821492927058770002e-10
@@ -250,13 +282,19 @@ def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.to(x.dtype)
 
 
+def route_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """The routing step's one form: a ``[T, E]`` bool routing map (an engine's own selection, or replayed routes) ->
+    the ``k`` chosen experts of each token in ascending expert id ``[T, k]`` (no host sync)."""
+    return kept_first(routing_map.reshape(routing_map.shape[0], -1))[:, :k]
+
+
 def kept_first(keep: torch.Tensor) -> torch.Tensor:
     """For a bool mask ``[..., L]``, the indices with the True entries first, each group in index order (a stable
     sort on the device: no host sync). ``kept_first(routing_map)[:, :k]``: the chosen experts, ascending."""
     return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
 
 
-def _attention_forward(q, k, v, keep, max_elements, prefix):
+def _attention_rows(q, k, v, keep, max_elements, prefix):
     Q, H, d = q.shape
     L = k.shape[1]
     k, v = k.expand(Q, -1, -1, -1), v.expand(Q, -1, -1, -1)          # views: a shared key set costs nothing
@@ -289,7 +327,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, max_elements, prefix):
         ctx.save_for_backward(q, k, v, keep)
-        return _attention_forward(q, k, v, keep, max_elements, prefix)
+        return _attention_rows(q, k, v, keep, max_elements, prefix)
 
     @staticmethod
     def backward(ctx, grad):
@@ -326,7 +364,7 @@ def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Attention.apply(q, k, v, keep, max_elements, prefix)
-    return _attention_forward(q, k, v, keep, max_elements, prefix)
+    return _attention_rows(q, k, v, keep, max_elements, prefix)
 
 
 def c_topk(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -22,7 +22,6 @@ scale, packed sequences at run time, and any module of a class the canonical for
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -32,7 +31,7 @@ from ...precision import canonical as C
 
 __all__ = ["MEGATRON_OPS", "apply_canonical_forward", "apply_canonical_forward_from_hf"]
 
-MEGATRON_OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head")
+MEGATRON_OPS = C.engine_ops("megatron")
 
 _PASSIVE = {"GPTModel", "LanguageModelEmbedding", "VocabParallelEmbedding", "Dropout", "TransformerBlock",
             "ModuleList", "TransformerLayer", "SelfAttention", "IdentityOp", "IdentityFuncOp", "FusedScaleMaskSoftmax",
@@ -96,7 +95,7 @@ def _rope(original, base: float):
     return apply_rotary_pos_emb
 
 
-def _attention_forward(module):
+def _megatron_attention(module):
     def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
@@ -127,7 +126,7 @@ def _router_routing(module, original, renormalize: bool):
         probs, routing_map = original(logits, padding_mask=padding_mask)
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
         T, E = flat.shape
-        ids = C.kept_first(routing_map.reshape(T, E))[:, :module.topk]      # ascending, no host sync
+        ids = C.route_ids(routing_map.reshape(T, E), module.topk)
         gates = C.c_gates(flat, ids, renormalize=renormalize)
         dense = torch.zeros_like(flat).scatter(1, ids, gates)
         return dense + (probs - probs.detach()).to(dense.dtype) * 0, routing_map   # keeps Megatron's aux-loss hooks
@@ -136,7 +135,6 @@ def _router_routing(module, original, renormalize: bool):
 
 def _moe_forward(module):
     experts = module.experts.local_experts
-    num_experts = len(experts)
 
     def forward(hidden_states, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
@@ -149,7 +147,7 @@ def _moe_forward(module):
         x = hidden_states.reshape(-1, hidden)
         T = x.shape[0]
         k = module.router.topk
-        ids = C.kept_first(routing_map.reshape(T, -1))[:, :k]                # ascending, no host sync
+        ids = C.route_ids(routing_map.reshape(T, -1), k)
         gates = torch.gather(probs.reshape(T, -1), 1, ids)
         w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts])      # autograd reaches each expert's weight
         w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts])
@@ -218,7 +216,7 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
                     raise CanonicalError(f"Megatron norm {name!r} has no eps (torch's default): not covered")
                 handle.set_attr(module, "forward", _norm_forward(module), f"{name}.forward")
             elif isinstance(module, DotProductAttention) and "attention" in ops:
-                handle.set_attr(module, "forward", _attention_forward(module), f"{name}.forward")
+                handle.set_attr(module, "forward", _megatron_attention(module), f"{name}.forward")
             elif isinstance(module, TopKRouter) and "router" in ops:
                 handle.set_attr(module, "gating", _router_gating(module), f"{name}.gating")
                 handle.set_attr(module, "routing", _router_routing(module, module.routing, renormalize),

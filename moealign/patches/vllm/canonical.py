@@ -37,7 +37,7 @@ from .engine import SUPPORTED_VLLM_ENGINE
 __all__ = ["CanonicalPatch", "apply_canonical_forward", "audit_canonical", "VLLM_OPS"]
 
 #: The ops this patch can install (``linear`` covers every linear layer but the router and the LM head).
-VLLM_OPS = ("linear", "norm", "rope", "attention", "router", "experts", "lm_head", "log_softmax")
+VLLM_OPS = C.engine_ops("vllm")
 
 
 class CanonicalPatch(PatchHandle):
@@ -112,7 +112,7 @@ def _kv_update(original):
     return do_kv_cache_update
 
 
-def _attention_forward(original):
+def _vllm_attention(original):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if attn_metadata is None:
@@ -230,7 +230,7 @@ def apply_canonical_forward(ops=VLLM_OPS) -> CanonicalPatch:
         _check_signature(impl, "forward", ["self", "layer", "query", "key", "value", "kv_cache", "attn_metadata",
                                            "output"])
         _check_signature(impl, "do_kv_cache_update", ["self", "layer", "key", "value", "kv_cache", "slot_mapping"])
-        targets += [(impl, "do_kv_cache_update", _kv_update), (impl, "forward", _attention_forward)]
+        targets += [(impl, "do_kv_cache_update", _kv_update), (impl, "forward", _vllm_attention)]
     if "router" in ops:
         targets += [(require_attr(gate_linear, "GateLinear", "vllm gate_linear"), "forward", _gate_forward),
                     (require_attr(fused_topk_router, "FusedTopKRouter", "vllm fused_topk_router"),
