@@ -61,6 +61,77 @@ def megatron_cpu_mode_active() -> bool:
     return torch.cuda.current_device is _cpu_current_device
 
 
+class _CPUStream:
+    """The stand-in for ``torch.cuda.Stream`` (and its events) in the CPU mode on a machine without CUDA: CPU
+    kernels run in order, so waiting, recording and synchronising are no-ops. Megatron's all-to-all token
+    dispatcher builds a device-to-host side stream (``torch.cuda.Stream()``) and records / waits on events around
+    its split-size copies. A class, like the one it stands for (``torch.cuda.Stream | None`` annotations work)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> "_CPUStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CPUStream()
+
+
+def _cpu_current_stream(*args, **kwargs) -> _CPUStream:
+    return _CPU_STREAM
+
+
+class _CPUStreamContext:
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _TorchOnCPU:
+    """``torch`` as Megatron's pipeline schedules see it in the CPU mode: everything is torch's, but a tensor
+    created with ``device="cuda"`` (0.16.1's schedules allocate their token counter so, unconditionally) is made on
+    the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def _split_sizes_on_cpu(original):
+    """``moe_utils.maybe_move_tensor_to_cpu`` in the CPU mode: the all-to-all dispatcher asks for its split sizes
+    ``as_numpy`` (``all_to_all_single`` takes a sequence of ints, not a tensor), and the original converts only
+    tensors that were on CUDA."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 class MegatronCPUMode(PatchHandle):
     """Undo handle of :func:`enable_megatron_cpu` (a :class:`~moealign.handle.PatchHandle`, scope ``"module"``)."""
 
@@ -70,7 +141,13 @@ def enable_megatron_cpu(*, pin_cpu: bool = False) -> MegatronCPUMode:
 
     Patches, all undone by ``undo()``: ``torch.cuda.current_device`` returns ``"cpu"`` (Megatron moves
     router weights and rotary buffers to it); the tensor-parallel CUDA RNG tracker uses the CPU RNG;
-    ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; :func:`enable_megatron_without_te`
+    ``torch.cuda.get_rng_state`` / ``manual_seed`` map to the CPU ones; without CUDA, ``torch.cuda.Stream`` /
+    ``current_stream`` / ``stream`` are no-op CPU streams (the all-to-all token dispatcher's device-to-host side
+    stream and its events: CPU kernels run in order), ``torch.cuda.synchronize`` a no-op (the p2p pipeline
+    communication calls it after ``batch_isend_irecv``), and the pipeline schedules' ``torch.zeros(...,
+    device="cuda")`` token counter is made on the CPU, and the all-to-all dispatcher's split sizes become the
+    int sequences ``all_to_all_single`` takes (its ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts CUDA
+    tensors only); :func:`enable_megatron_without_te`
     (transformer-engine is never installed on CPU machines).
     Where CUDA is available it raises :class:`~moealign.errors.EngineError` (a GPU machine's Megatron runs on
     the GPU) unless ``pin_cpu=True``: the caller pins Megatron to the CPU on purpose (``--device cpu``, tests
@@ -88,6 +165,18 @@ def enable_megatron_cpu(*, pin_cpu: bool = False) -> MegatronCPUMode:
     mode.set_attr(torch.cuda, "current_device", _cpu_current_device)
     mode.set_attr(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
     mode.set_attr(torch.cuda, "manual_seed", lambda seed: None)
+    if not torch.cuda.is_available():       # (pinned on a GPU machine, the real streams work on CPU tensors)
+        mode.set_attr(torch.cuda, "Stream", _CPUStream)
+        mode.set_attr(torch.cuda, "current_stream", _cpu_current_stream)
+        mode.set_attr(torch.cuda, "stream", _CPUStreamContext)
+        mode.set_attr(torch.cuda, "synchronize", lambda device=None: None)
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    mode.set_attr(schedules, "torch", _TorchOnCPU())
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    mode.set_attr(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_cpu(moe_utils.maybe_move_tensor_to_cpu))
     mode.set_attr(mrandom, "_get_cuda_rng_state",
                   lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
     mode.set_attr(mrandom, "_set_cuda_rng_state",

@@ -1,0 +1,692 @@
+"""A sharded Megatron-core trainer: one process per rank, Megatron's own parallelism, routing replay on every rank.
+
+::
+
+    from moealign.patches.megatron.sharded import ShardedMegatronTrainer
+
+    with ShardedMegatronTrainer(model_path, tp=2, ep=2, pp=1, dispatcher="alltoall") as trainer:
+        fwd = trainer.forward(record, range(len(record)), replay=True)
+        fwd.logprobs        # per sample, the log-prob of each response token (fp32, full vocabulary)
+        fwd.flips           # router flips of the experts every router used against the record's
+        fwd.ranks           # per rank: its coordinates, its layers, what its replay verifier checked
+
+The driver (this process) validates the layout (:func:`~moealign.patches.megatron.checkpoint.check_parallel_layout`,
+a :class:`~moealign.errors.ConfigError` before any process starts) and starts ``world = tp * pp * dp`` rank processes
+(``torch.multiprocessing``, spawn; gloo on CPU, NCCL on CUDA). Each rank initialises Megatron's
+``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+expert_model_parallel_size=ep)``, builds the ``GPTModel`` of its pipeline stage and loads only its own shards of the
+checkpoint (:func:`~moealign.patches.megatron.checkpoint.build_megatron_stage`: its layers, its experts, its
+tensor-parallel slices, read tensor by tensor from the safetensors files). A forward runs Megatron's own schedule
+(``get_forward_backward_func()``, ``forward_only=True``: the p2p pipeline schedule when PP > 1) over micro-batches;
+every exchange of tensors between ranks is Megatron's (tensor-parallel all-reduces and gathers, the MoE token
+dispatcher's all-to-all or all-gather, the pipeline's send / recv). The driver talks to the ranks through one pipe
+each, for commands and results only.
+
+Data: the samples are split over the data-parallel ranks in order, each rank's share into micro-batches of
+``micro_batch_size`` rows, all padded (right) to the longest sample of the call, so every micro-batch has the same
+``[micro_batch_size, T]`` shape (the pipeline's p2p buffers and the all-gather dispatcher need it); slots left
+over are filled with copies of a real sample whose results are dropped.
+
+Replay: each rank drives Megatron's ``RouterReplay`` through :class:`~moealign.patches.megatron.RouterReplayDriver`
+for its own routers (bound by global ``layer_number``: a pipeline stage holds a subset), one ``set_routes`` per
+micro-batch in the schedule's own order, with the per-forward token check and the dispatcher verifier; after the
+schedule ``check(calls=micro-batches)`` runs on every rank. A failure names the rank and its coordinates.
+
+Failures: a rank that raises answers with its error (the driver raises the same :mod:`moealign.errors` class
+naming the rank); a rank that dies is named with its exit (:func:`moealign.exits.child_failure`) and the others are
+stopped (terminate, join, kill); no answer within ``timeout_s`` is an :class:`~moealign.errors.EngineTimeoutError`
+naming the silent ranks (also stopped). Ranks exit when the driver's process goes away.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_connections
+from typing import Sequence
+
+import torch
+
+from ... import errors as _errors_module
+from ...errors import ConfigError, EngineError, EngineTimeoutError, MoealignWarning, ReplayError
+from .checkpoint import ParallelLayout, check_parallel_layout
+
+__all__ = ["DISPATCHERS", "FAULTS", "ShardedForward", "ShardedMegatronTrainer"]
+
+#: Megatron's MoE token dispatchers the sharded trainer runs (``moe_token_dispatcher_type``).
+DISPATCHERS = ("alltoall", "allgather")
+#: Negative controls of :meth:`ShardedMegatronTrainer.forward` (``fault=``): what each rank does to its replay rows.
+FAULTS = ("shift", "swap")
+
+
+@dataclass
+class ShardedForward:
+    """One sharded forward over ``record.samples[indices]``, in record order (the fields of
+    :class:`moealign.mismatch.engines.TrainForward`, plus what the ranks report).
+
+    ``logits`` ``[n_response_tokens, V]`` float32 (the full vocabulary, gathered by Megatron's output layer),
+    ``tokens`` ``[n_response_tokens]``, ``routes`` ``[n_route_rows, n_layers, k]`` int64: the experts every router
+    used on each recorded route row (rows as in the record), layers from every pipeline stage. ``logprobs``: per
+    sample the log-prob of each response token (``log_softmax`` over the vocabulary). ``flips``: router flips of
+    ``routes`` against the record's (:func:`~moealign.routing_replay.flips.route_flip_metrics`). ``ranks``: per rank
+    its coordinates, MoE layers, micro-batches and (replay) its verifier's counts."""
+
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    routes: torch.Tensor
+    logprobs: list[torch.Tensor]
+    flips: object
+    ranks: list[dict] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------------------------------
+
+
+def _precision_fields(precision: str) -> tuple[str, dict]:
+    from ...precision.policy import UnknownPolicyError, get_policy, megatron_gaps, to_megatron_config_fields
+
+    try:
+        policy = get_policy(precision)
+    except UnknownPolicyError as exc:
+        raise ConfigError(f"unknown precision policy {precision!r}") from exc
+    gaps = megatron_gaps(policy)
+    if gaps:
+        raise ConfigError(f"the sharded Megatron trainer cannot express precision policy {policy.name!r}: "
+                          f"{'; '.join(gaps)}")
+    try:
+        fields = to_megatron_config_fields(policy, te_available=False)
+    except EngineError as exc:
+        raise ConfigError(f"the sharded Megatron trainer cannot run precision policy {policy.name!r}: Megatron's FP8 "
+                          f"needs transformer-engine layers (the local spec has none)") from exc
+    return policy.name, dict(fields)
+
+
+class ShardedMegatronTrainer:
+    """The Megatron-core trainer of the mismatch test, sharded: ``tp`` x ``ep`` x ``pp`` (``dp`` data-parallel copies;
+    default the smallest world Megatron accepts, ``dp = ep``), one process per rank (module docstring).
+
+    ``dispatcher``: ``"alltoall"`` or ``"allgather"`` (Megatron's ``moe_token_dispatcher_type``). ``precision``: a
+    :mod:`moealign.precision.policy` name Megatron's local spec can express. ``device``: ``"cpu"`` (gloo, the CPU
+    mode) or ``"cuda"`` (NCCL, one GPU per rank). ``micro_batch_size``: rows per micro-batch (default: each
+    data-parallel rank's samples over ``pp`` micro-batches). ``timeout_s``: the most a start or a command may take
+    (also the process group's timeout). ``threads``: torch threads per rank.
+
+    In the shape of :class:`moealign.mismatch.engines.TrainEngine`: ``name``, ``version``, ``dtype``, ``precision``,
+    :meth:`meta`, :meth:`forward`, :meth:`close`; ``layout`` (:class:`ParallelLayout`, ``layout.as_dict()`` is the
+    report's ``train.parallel``). A context manager (closes on exit).
+    """
+
+    name = "megatron"
+
+    def __init__(self, model_path, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
+                 dispatcher: str = "alltoall", precision: str = "fp32", device: str = "cpu",
+                 micro_batch_size: int | None = None, timeout_s: float = 300.0, threads: int = 1, seed: int = 1234):
+        from ...model_config import ConfigView, read_model_config
+
+        self._procs: list = []
+        self._conns: list = []
+        self._tmpdir: str | None = None
+        self.closed = False
+        if dispatcher not in DISPATCHERS:
+            raise ConfigError(f"unknown MoE token dispatcher {dispatcher!r}; choose one of {list(DISPATCHERS)}")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"the sharded Megatron trainer runs on 'cpu' (gloo) or 'cuda' (NCCL), not {device!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                             or micro_batch_size < 1):
+            raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        self.precision, fields = _precision_fields(precision)
+        self.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            fields["params_dtype"], str(fields["params_dtype"]).replace("torch.", ""))
+        self.model_path = str(model_path)
+        config = read_model_config(self.model_path)
+        self._config = config
+        self.layout: ParallelLayout = check_parallel_layout(config, tp=tp, ep=ep, pp=pp, dp=dp)
+        world = self.layout.world
+        if device == "cuda":
+            if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+                raise ConfigError(f"{self.layout} needs {world} CUDA devices, this machine has "
+                                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        elif world > (os.cpu_count() or 1):
+            warnings.warn(f"{self.layout}: {world} rank processes on {os.cpu_count()} CPU cores; it will be slow",
+                          MoealignWarning, stacklevel=2)
+        view = ConfigView(**config)
+        self.top_k = int(view.num_experts_per_tok)
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self.dispatcher = dispatcher
+        self.timeout_s = float(timeout_s)
+        self.pad_token_id = int(config.get("pad_token_id") or 0) if isinstance(config.get("pad_token_id"), int) else 0
+        self._meta = None
+        self.version = ""
+        self.ranks: list[dict] = []
+        spec = dict(model_path=self.model_path, config=config, tp=self.layout.tp, ep=self.layout.ep,
+                    pp=self.layout.pp, world=world, dispatcher=dispatcher, fields=fields, device=device,
+                    timeout_s=self.timeout_s, threads=threads, seed=seed, parent=os.getpid())
+        self._start(spec)
+
+    # ---------------------------------------------------------------------------------------------- processes
+
+    def _start(self, spec: dict) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="moealign-sharded-")
+        spec["init_file"] = os.path.join(self._tmpdir, "rendezvous")
+        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        try:
+            os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(spec["threads"])
+            for rank in range(spec["world"]):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_main, args=(rank, spec, child), daemon=True,
+                                   name=f"moealign-megatron-rank{rank}")
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            self.ranks = self._gather("start")
+        except BaseException:
+            self._stop()
+            raise
+        self.version = self.ranks[0]["version"]
+
+    def _what(self, rank: int) -> str:
+        info = self.ranks[rank] if rank < len(self.ranks) else None
+        if info is None:
+            return f"rank {rank}"
+        return (f"rank {rank} (tp {info['tp_rank']}, pp {info['pp_rank']}, dp {info['dp_rank']}, ep "
+                f"{info['ep_rank']})")
+
+    def _stop(self) -> None:
+        """Terminate and join every rank process (kill the ones that outlive the grace), close the pipes."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        self.closed = True
+
+    def _gather(self, what: str) -> list:
+        """Every rank's answer to the last command (in rank order); a dead, silent or failing rank raises."""
+        from ...exits import child_failure
+
+        answers: dict[int, tuple] = {}
+        deadline = time.monotonic() + self.timeout_s
+        grace_end = None
+        while len(answers) < len(self._procs):
+            pending = [r for r in range(len(self._procs)) if r not in answers]
+            now = time.monotonic()
+            limit = deadline if grace_end is None else min(deadline, grace_end)
+            if now >= limit:
+                break
+            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            wait_connections(waitables, timeout=min(1.0, limit - now))
+            for r in pending:
+                conn, proc = self._conns[r], self._procs[r]
+                try:
+                    if conn.poll():
+                        answers[r] = conn.recv()
+                        if answers[r][0] == "error" and grace_end is None:
+                            grace_end = time.monotonic() + 10.0    # the others may wait in a collective
+                        continue
+                except (EOFError, OSError):
+                    pass
+                if not proc.is_alive():
+                    proc.join(1.0)
+                    message = child_failure(f"{self._what(r)} of {self.layout}", proc.exitcode)
+                    others = [x for x in range(len(self._procs)) if x != r]
+                    self._stop()
+                    raise EngineError(f"the sharded Megatron trainer's {message} during {what}; the other ranks "
+                                      f"{others} were stopped")
+        errors = sorted((r, a) for r, a in answers.items() if a[0] == "error")
+        silent = [r for r in range(len(self._procs)) if r not in answers]
+        if errors:
+            r, (_, cls_name, message) = errors[0]
+            cls = getattr(_errors_module, cls_name, None)
+            if not (isinstance(cls, type) and issubclass(cls, _errors_module.MoealignError)):
+                cls = EngineError
+            also = [x for x, _ in errors[1:]]
+            text = f"{self._what(r)} of {self.layout} failed during {what}: {message}"
+            if also:
+                text += f" (ranks {also} failed too)"
+            if silent:
+                self._stop()
+                text += f"; ranks {silent} did not answer and were stopped"
+            raise cls(text)
+        if silent:
+            self._stop()
+            raise EngineTimeoutError(f"the sharded Megatron trainer's ranks {silent} of {self.layout} did not answer "
+                                     f"{what} within {self.timeout_s:.0f} s; every rank was stopped")
+        return [answers[r][1] for r in range(len(self._procs))]
+
+    def _command(self, what: str, payloads: list) -> list:
+        if self.closed:
+            raise EngineError("this ShardedMegatronTrainer was closed (or its world was stopped after a failure); "
+                              "start a new one")
+        for r, conn in enumerate(self._conns):
+            try:
+                conn.send(payloads[r])
+            except (BrokenPipeError, OSError):
+                pass                              # _gather names the dead rank
+        return self._gather(what)
+
+    # ---------------------------------------------------------------------------------------------- the API
+
+    def meta(self):
+        """The :class:`~moealign.record.RecordMeta` of the checkpoint (config fingerprint, router weights read from
+        the safetensors files)."""
+        if self._meta is None:
+            from ...families import get_family
+            from ...model_config import ConfigView, moe_layers
+            from ...record import RecordMeta
+            from ...model_config import checkpoint_fingerprint
+            from ...record.meta import router_samples, router_signature
+            from .checkpoint import open_hf_checkpoint
+
+            view = ConfigView(**self._config)
+            layers = moe_layers(self._config)
+            ckpt = open_hf_checkpoint(self.model_path, view)
+            try:
+                weights = [ckpt.get(f"model.layers.{i}.mlp.gate.weight").float() for i in layers]
+            finally:
+                ckpt.close()
+            self._meta = RecordMeta(
+                engine="megatron", engine_version=str(self.version), model_fingerprint=checkpoint_fingerprint(
+                    self.model_path), num_layers=int(view.num_hidden_layers), moe_layers=layers,
+                num_experts=int(get_family(view.model_type).num_experts(view)), top_k=self.top_k,
+                vocab_size=int(view.vocab_size), dtype="float32", router_signature=router_signature(weights),
+                router_samples=router_samples(weights), model_name=self.model_path)
+        return self._meta
+
+    def _plan(self, n: int) -> tuple[int, int]:
+        """(micro-batch size, micro-batches per data-parallel rank) for ``n`` samples."""
+        dp = self.layout.dp
+        per_dp = math.ceil(n / dp)
+        mbs = self.micro_batch_size or math.ceil(per_dp / min(self.layout.pp, per_dp))
+        return mbs, math.ceil(per_dp / mbs)
+
+    def forward(self, record, indices: Sequence[int], *, replay: bool, fault: str | None = None) -> ShardedForward:
+        """The logits at the response positions of ``record.samples[indices]``, the experts each router used, the
+        log-probs per sample and the router flips against the record (:class:`ShardedForward`), through Megatron's
+        schedule on every rank. ``replay=True``: every router replays its tokens' recorded experts, checked per
+        token on every rank (a failure raises :class:`~moealign.errors.ReplayError` naming the rank).
+
+        ``fault`` (negative controls, replay only): ``"shift"`` hands every router the rows of the token before
+        (routes and their tokens moved one position along the sequence), ``"swap"`` the rows of the next sample of
+        its micro-batch; each rank's token check must name it."""
+        from ...record import RolloutRecord
+        from ...routing_replay.flips import route_flip_metrics
+
+        indices = [int(i) for i in indices]
+        if not indices:
+            raise ConfigError("forward needs at least one sample index")
+        if fault is not None and (fault not in FAULTS or not replay):
+            raise ConfigError(f"fault must be one of {list(FAULTS)} and needs replay=True, got fault={fault!r}, "
+                              f"replay={replay}")
+        samples = [record.samples[i] for i in indices]
+        sub = RolloutRecord(record.meta, samples, validate=False)
+        if replay and not sub.has_routes:
+            raise ReplayError("replay=True needs a record with routes")
+        batch = sub.to_padded("right", self.pad_token_id)
+        n, T = batch.input_ids.shape
+        mbs, num_mb = self._plan(n)
+        dp = self.layout.dp
+        slots = dp * num_mb * mbs
+        rows = list(range(n)) + [n - 1] * (slots - n)            # filler slots repeat the last sample
+        routes = batch.routes if (batch.routes is not None and replay) else None
+        per_dp = []
+        for d in range(dp):
+            mbs_list = []
+            for m in range(num_mb):
+                sel = torch.tensor(rows[(d * num_mb + m) * mbs:(d * num_mb + m + 1) * mbs])
+                mbs_list.append(dict(
+                    input_ids=batch.input_ids[sel], attention_mask=batch.attention_mask[sel],
+                    response_mask=batch.response_mask[sel], route_mask=batch.route_mask[sel],
+                    routes=None if routes is None else routes[sel]))
+            per_dp.append(mbs_list)
+        command = dict(moe_layers=tuple(batch.moe_layers), seq_length=T, micro_batch_size=mbs, num_mb=num_mb,
+                       replay=bool(replay), fault=fault)
+        answers = self._command("forward", [("forward", dict(command, micro_batches=per_dp[info["dp_rank"]]))
+                                            for info in self.ranks])
+        # assemble per slot: logits from the last stage's TP rank 0, routes from every stage's TP rank 0
+        resp_counts = batch.response_mask.sum(1).tolist()
+        route_counts = batch.route_mask.sum(1).tolist()
+        slot_logits: dict[int, torch.Tensor] = {}
+        slot_routes: dict[int, dict[int, torch.Tensor]] = {}
+        for info, answer in zip(self.ranks, answers):
+            if info["tp_rank"] != 0:
+                continue
+            d = info["dp_rank"]
+            for m, out in enumerate(answer["micro_batches"]):
+                base = (d * num_mb + m) * mbs
+                sel = rows[base:base + mbs]
+                if out.get("logits") is not None:
+                    parts = out["logits"].split([resp_counts[s] for s in sel])
+                    for j, part in enumerate(parts):
+                        if base + j < n:
+                            slot_logits[base + j] = part
+                if out.get("routes") is not None:
+                    parts = out["routes"].split([route_counts[s] for s in sel])
+                    for j, part in enumerate(parts):
+                        if base + j < n:
+                            slot_routes.setdefault(base + j, {})[info["pp_rank"]] = part
+        missing = [i for i in range(n) if i not in slot_logits or len(slot_routes.get(i, {})) != self.layout.pp]
+        if missing:
+            raise EngineError(f"the sharded trainer's ranks returned no results for samples {missing[:8]}")
+        logits = torch.cat([slot_logits[i] for i in range(n)])
+        routes_used = torch.cat([torch.cat([slot_routes[i][s] for s in range(self.layout.pp)], dim=1)
+                                 for i in range(n)])
+        b, p = batch.response_mask.nonzero(as_tuple=True)
+        tokens = batch.input_ids[b, p]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None].to(logits.device))[:, 0]
+        per_sample = list(logprobs.split(resp_counts))
+        flips = None
+        if batch.routes is not None:
+            recorded = batch.routes[batch.route_mask].to(torch.int64)
+            flips = route_flip_metrics(routes_used, recorded)
+        reports = [dict(info, **answer["report"]) for info, answer in zip(self.ranks, answers)]
+        return ShardedForward(logits=logits, tokens=tokens, routes=routes_used, logprobs=per_sample, flips=flips,
+                              ranks=reports)
+
+    def set_dispatcher(self, dispatcher: str) -> None:
+        """Rebuild every rank's model with MoE token dispatcher ``dispatcher`` (``"alltoall"`` / ``"allgather"``) in
+        the same world (the checkpoint's shards are read again)."""
+        if dispatcher not in DISPATCHERS:
+            raise ConfigError(f"unknown MoE token dispatcher {dispatcher!r}; choose one of {list(DISPATCHERS)}")
+        self._command("the dispatcher rebuild", [("dispatcher", dispatcher)] * len(self._conns))
+        self.dispatcher = dispatcher
+
+    def pids(self) -> list[int]:
+        """The rank processes' ids, in rank order."""
+        return [proc.pid for proc in self._procs]
+
+    def hf_shards(self) -> list[list]:
+        """Per rank, its own tensors in transformers names
+        (:func:`~moealign.patches.megatron.checkpoint.iter_hf_shards_from_megatron`: ``(name, tensor, offsets,
+        full_shape)``), copied to this process: what a refit from this trainer streams, rank by rank."""
+        return self._command("hf_shards", [("hf_shards", None)] * len(self._conns))
+
+    def close(self) -> None:
+        """Stop every rank (a clean shutdown first, then terminate); calling it again does nothing."""
+        if self.closed:
+            return
+        for conn in self._conns:
+            try:
+                conn.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 20.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._stop()
+
+    def __enter__(self) -> "ShardedMegatronTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self.closed and self._procs:
+                self._stop()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# --------------------------------------------------------------------------------------------------
+# the rank process
+# --------------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, spec: dict, conn) -> None:
+    """One rank: set up the world and the model, then answer commands until "close" (or the driver is gone)."""
+    torch.set_num_threads(spec["threads"])
+    warnings.filterwarnings("ignore")            # Megatron's fallback / deprecation chatter, once per rank
+    state = None
+    code = 0
+    try:
+        state = _RankState(rank, spec)
+        conn.send(("ok", state.info))
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != spec["parent"]:
+                    break                         # the driver is gone: leave, do not linger as an orphan
+                continue
+            cmd, payload = conn.recv()
+            if cmd == "close":
+                break
+            try:
+                result = state.run(cmd, payload)
+                conn.send(("ok", result))
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver, named
+                conn.send(("error", type(exc).__name__, _one_line(exc)))
+    except Exception as exc:  # noqa: BLE001
+        code = 1
+        try:
+            conn.send(("error", type(exc).__name__, _one_line(exc)))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        if state is not None:
+            state.teardown()
+    os._exit(code)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().replace("\n", " ")
+    if not isinstance(exc, _errors_module.MoealignError):
+        frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+        ours = [f for f in frames if "megatron" in f.filename or "moealign" in f.filename]
+        frame = (ours or frames or [None])[-1]
+        where = f" (at {'/'.join(frame.filename.split('/')[-2:])}:{frame.lineno})" if frame else ""
+        text = f"{type(exc).__name__}: {text}{where}"
+    return text
+
+
+class _RankState:
+    """One rank's world, model and replay driver."""
+
+    def __init__(self, rank: int, spec: dict):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from ...model_config import ConfigView
+        from .version import megatron_version
+        from .world import enable_megatron_cpu, enable_megatron_without_te
+
+        self.rank, self.spec = rank, spec
+        self.mode = None
+        self.dist_ready = self.ps_ready = False
+        self.driver = None
+        version = megatron_version()
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        if spec["device"] == "cpu":
+            self.mode = enable_megatron_cpu(pin_cpu=True)
+            backend, self.device = "gloo", torch.device("cpu")
+        else:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.mode = enable_megatron_without_te()
+            backend, self.device = "nccl", torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend, init_method=f"file://{spec['init_file']}", rank=rank,
+                                world_size=spec["world"], timeout=timedelta(seconds=spec["timeout_s"]))
+        self.dist_ready = True
+        ps.initialize_model_parallel(tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"],
+                                     expert_model_parallel_size=spec["ep"])
+        self.ps_ready = True
+        model_parallel_cuda_manual_seed(spec["seed"])
+        self.hf_config = ConfigView(**spec["config"])
+        self.build(spec["dispatcher"])
+        self.info = dict(rank=rank, version=str(version), tp_rank=ps.get_tensor_model_parallel_rank(),
+                         pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+                         ep_rank=ps.get_expert_model_parallel_rank(), moe_layers=list(self.driver.moe_layers),
+                         first_stage=ps.is_pipeline_first_stage(), last_stage=ps.is_pipeline_last_stage(),
+                         local_experts=int(self.model.config.num_moe_experts) // spec["ep"])
+
+    def build(self, dispatcher: str) -> None:
+        """(Re)build this rank's model with MoE token dispatcher ``dispatcher`` and its replay driver; a previous
+        model's driver is undone and its ``RouterReplay`` instances leave Megatron's global list."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        from .checkpoint import build_megatron_stage
+        from .replay import RouterReplayDriver
+
+        if self.driver is not None:
+            old = {id(r.router_replay) for _, r in self.driver.routers}
+            self.driver.undo()
+            self.driver = None
+            registry = RouterReplay.global_router_replay_instances
+            registry[:] = [inst for inst in registry if id(inst) not in old]
+            self.model = None
+        spec = self.spec
+        self.model = build_megatron_stage(self.hf_config, spec["model_path"], parallel_output=False,
+                                          cpu=spec["device"] == "cpu", moe_token_dispatcher_type=dispatcher,
+                                          **spec["fields"])
+        self.model.to(self.device).eval()
+        self.driver = RouterReplayDriver(self.model, aux_loss="own")
+        self.dispatcher = dispatcher
+
+    def run(self, cmd: str, payload):
+        if cmd == "forward":
+            return self.forward(payload)
+        if cmd == "dispatcher":
+            self.build(payload)
+            return self.dispatcher
+        if cmd == "hf_shards":
+            from .checkpoint import iter_hf_shards_from_megatron
+
+            return [(s.name, s.tensor.detach().to("cpu").clone(), s.offsets, s.full_shape)
+                    for s in iter_hf_shards_from_megatron(self.model, self.hf_config)]
+        raise EngineError(f"unknown command {cmd!r}")
+
+    def _replay_batch(self, mb: dict, moe_layers, fault: str | None):
+        from ...routing_replay.protocol import ReplayBatch
+        from ...routing_replay.routes import expand_routes
+
+        ids, attn, routes, route_mask = mb["input_ids"], mb["attention_mask"], mb["routes"], mb["route_mask"]
+        if fault == "shift":        # every row handed the route (and token) of the position before it
+            ids, attn, routes, route_mask = (x.roll(1, dims=1) for x in (ids, attn, routes, route_mask))
+        elif fault == "swap":       # every row handed the rows of the next sample of the micro-batch
+            ids, attn, routes, route_mask = (x.roll(1, dims=0) for x in (ids, attn, routes, route_mask))
+        return ReplayBatch.padded(expand_routes(routes), input_ids=ids, attention_mask=attn,
+                                  moe_layers=moe_layers, route_mask=route_mask, allow_degenerate=True)
+
+    def forward(self, cmd: dict) -> dict:
+        import contextlib
+
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from .capture import capture_routes
+
+        micro_batches = cmd["micro_batches"]
+        replay, fault = cmd["replay"], cmd["fault"]
+        T = cmd["seq_length"]
+        dev = self.device
+        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        outputs = [dict() for _ in micro_batches]
+        data = iter(enumerate(micro_batches))
+        driver = self.driver
+        tp0 = self.info["tp_rank"] == 0
+        captured = []
+
+        def forward_step(data_iterator, model):
+            index, mb = next(data_iterator)
+            ids = mb["input_ids"].to(dev)
+            attn = mb["attention_mask"]
+            pos = (attn.cumsum(-1) - 1).clamp(min=0).to(dev)
+            mask = (causal[None, None] | (attn == 0)[:, None, None, :]).to(dev)
+            if replay:
+                driver.set_routes(self._replay_batch(mb, cmd["moe_layers"], fault))
+                with driver.forward():
+                    out = model(ids, pos, mask)
+            else:
+                out = model(ids, pos, mask)
+            captured.append((index, capture.last_forward() if tp0 else None, mb["route_mask"]))
+            capture.clear()
+
+            def loss_func(output, non_loss_data=False):
+                # last stage: logits [b, s, V]; position p - 1 scores the token at p
+                b, p = mb["response_mask"].nonzero(as_tuple=True)
+                if tp0:
+                    outputs[index]["logits"] = output[b.to(dev), (p - 1).to(dev)].float().cpu()
+                return output.new_zeros(())
+
+            return out, loss_func
+
+        report = {}
+        try:
+            with torch.no_grad(), capture_routes(self.model, routers=self.driver.routers) as capture:
+                get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=data, model=[self.model],
+                    num_microbatches=cmd["num_mb"], seq_length=T, micro_batch_size=cmd["micro_batch_size"],
+                    forward_only=True, collect_non_loss_data=True)
+            if replay:
+                driver.check(calls=cmd["num_mb"])
+                rep = driver.verify_report()
+                report = dict(replayed_calls=rep.calls, verified_rows=rep.rows, replayed_rows=rep.replayed_rows,
+                              mismatched_rows=rep.mismatched_rows, unrouted_rows=rep.unrouted_rows)
+        finally:
+            driver.clear()
+            driver.reset_counters()
+        for index, used, route_mask in captured:
+            if used is not None:
+                outputs[index]["routes"] = used[route_mask.reshape(-1).to(used.device)].cpu()
+        return dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches)))
+
+    def teardown(self) -> None:
+        with _suppress():
+            if self.driver is not None:
+                self.driver.undo()
+        if self.ps_ready:
+            from megatron.core import parallel_state as ps
+
+            with _suppress():
+                ps.destroy_model_parallel()
+        if self.dist_ready:
+            import torch.distributed as dist
+
+            with _suppress():
+                dist.destroy_process_group()
+        if self.mode is not None:
+            with _suppress():
+                self.mode.undo()
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(Exception)
