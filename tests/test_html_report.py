@@ -29,6 +29,7 @@ from moealign.errors import ConfigError, MoealignError
 from moealign.mismatch import html_report
 from moealign.mismatch.html_report import PLOT_IDS, render_html, report_json, write_report_dir
 from moealign.mismatch.plots import IS_GRID
+from moealign.report_html import RESERVED, RunColours
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
@@ -369,11 +370,11 @@ def test_the_page_leads_with_the_answer(page_html):
 
 
 def test_one_colour_per_run_name():
-    colors = html_report._Colors(["baseline"])
+    colors = RunColours(["baseline"])
     names = [f"run {i}" for i in range(200)]
     got = [colors.colour(n) for n in names]
     assert len(set(got)) == len(got) and colors.colour("baseline") not in got
-    assert not set(got) & set(html_report._RESERVED)
+    assert not set(got) & set(RESERVED)
     assert all(re.fullmatch(r"#[0-9a-f]{6}", c) for c in got)
     assert colors.colour("run 7") == got[7]                      # stable: asked again, the same colour
     page = render_html(synthetic_report())
@@ -395,7 +396,7 @@ def test_one_colour_per_run_name():
 def test_is_tail_is_small_multiples():
     """One panel per run (3 runs in the synthetic report), no legend of 2 x runs entries, the x range fitted to the
     ratios a run reaches, the band and the threshold."""
-    fig, caption = html_report._plot_is_tail(synthetic_report(), html_report._Colors())
+    fig, caption = html_report._plot_is_tail(synthetic_report(), RunColours())
     axes = [ax for ax in fig.axes if ax.get_visible()]
     assert len(axes) == 3 and all(ax.get_legend() is None for ax in axes)
     assert [ax.get_title(loc="left") for ax in axes] == ["baseline", "routing_replay", "all levers"]
@@ -407,7 +408,7 @@ def test_is_tail_is_small_multiples():
         tails["below"] = [0.3 if 0.9 < g < 1 else 0.0 for g in grid]
     report["plots"]["is_tail"]["icepop_band"] = None
     report["plots"]["is_tail"]["tis_threshold"] = None
-    fig, _ = html_report._plot_is_tail(report, html_report._Colors())
+    fig, _ = html_report._plot_is_tail(report, RunColours())
     lo, hi = fig.axes[0].get_xlim()
     assert 0.5 < lo < 0.9 and 1.1 < hi < 2, (lo, hi)
 

@@ -74,7 +74,7 @@ def test_short_run_table_and_report(short_run):
     assert "[stock] levers none" in out and "[aligned] levers all" in out
     assert out.count(" ok ") >= 4
     page = short_run["html"]
-    assert page.count("<svg") == 6 and "<script" not in page
+    assert page.count("<svg") - page.count('<svg class="swatch"') == 6 and "<script" not in page   # 6 plots
     assert "refit verified at 2/2 steps" in page
 
 

@@ -1,16 +1,20 @@
-"""``moealign rl-check``'s outputs: the per-step table, ``--fail-above`` over every step, and the HTML report's
-plots over steps (mismatch KL and router flips per step for each run, the reward curve, the refit check)."""
+"""``moealign rl-check``'s outputs: the per-step table, ``--fail-above`` over every step, and the HTML report: what it
+shows (the verdict next to the mismatch KL per step, then router flips, |Δ log p|, the reward curve and the refit
+check over steps, one colour per run, the per-step tables). How it looks (the page, the plots, the colours, the
+files) is :mod:`moealign.report_html`'s, shared with ``mismatch --report``: a run has the colour of its levers there
+(stock, no lever: the mismatch report's baseline; aligned, every lever: its all levers)."""
 
 from __future__ import annotations
 
-import html
-import io
 import math
 import os
 
 from ..errors import ConfigError
+from ..report_html import (ALL_LEVERS, NO_LEVER, NotMeasured, RunColours, answer_section, cell, esc, figure_html,
+                           finish_axes, fmt, header, mapping, new_figure, not_measured, num, page, plot_lines,
+                           plots_section, report_json, safe, table, write_report_files)
 
-__all__ = ["format_steps", "check_steps", "render_html", "write_report_dir"]
+__all__ = ["PLOT_IDS", "format_steps", "check_steps", "render_html", "write_report_dir"]
 
 
 def _g(value, spec: str = ".3g") -> str:
@@ -84,106 +88,201 @@ def check_steps(report: dict, bounds: dict[str, float]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# HTML
+# the HTML report: what it shows (how it looks is moealign/report_html.py's, shared with the mismatch report)
 # --------------------------------------------------------------------------------------------------
 
-#: One colour per run, the same in every plot.
-RUN_COLORS = {"stock": "#d62728", "aligned": "#1f77b4"}
+#: The plots of the page, in order (``<figure class="plot" id="plot-NAME">``); the first is the picture next to the
+#: verdict.
+PLOT_IDS = ("kl", "max-abs-logp-diff", "router-flips", "reward", "probe-gap", "refit-time")
+
+#: Per plot: title, y label, the value of one step, log axis, caption.
+_PLOTS = {
+    "kl": ("Mismatch KL (k3) per step", "kl_k3", lambda s: s["metrics"]["kl_k3"], True,
+           "The rollout vs train mismatch (KL k3 over the step's tokens) at every step, one line per run."),
+    "max-abs-logp-diff": ("Max |Δ log p| per step", "max |Δ log p|", lambda s: s["metrics"]["max_abs_logp_diff"],
+                          True, "The largest |Δ log p| of a token (rollout vs train) at every step, one line per run."),
+    "router-flips": ("Router flip rate per step", "router flip rate", lambda s: s["metrics"]["router_flip_rate"],
+                     False, "The fraction of routed tokens whose expert set differs between rollout and train."),
+    "reward": ("Reward per step", "mean reward", lambda s: s["reward_mean"], False,
+               "The mean verifiable reward of the step's completions, one line per run."),
+    "probe-gap": ("Refit check: probe mean |Δ log p|", "probe gap",
+                  lambda s: (s.get("verify") or {}).get("probe_gap"), True,
+                  "The refit check's probe: mean |Δ log p| of the refit engine against the trainer after each refit."),
+    "refit-time": ("Refit time per step", "seconds", lambda s: (s.get("refit") or {}).get("seconds"), False,
+                   "Wall time of the in-place refit into the running vLLM engine at every step."),
+}
+#: The smallest value drawn on a log axis (a 0 is drawn there).
+_LOG_FLOOR = 1e-16
 
 
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    text = buf.getvalue()
-    return text[text.index("<svg"):]
+def _runs(report: dict) -> list[dict]:
+    runs = report.get("runs")
+    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, (list, tuple)) else []
 
 
-def _series(run: dict, getter) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    for s in run["steps"]:
-        value = getter(s)
-        if value is not None and isinstance(value, (int, float)) and math.isfinite(value):
-            xs.append(s["step"])
-            ys.append(float(value))
-    return xs, ys
+def _steps(run: dict) -> list[dict]:
+    steps = run.get("steps")
+    return [s for s in steps if isinstance(s, dict)] if isinstance(steps, (list, tuple)) else []
 
 
-def _plot(report: dict, title: str, ylabel: str, getter, *, log: bool = False) -> str:
-    import matplotlib
+def _value(getter, step: dict) -> float | None:
+    try:
+        return num(getter(step))
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.2, 3.2))
-    for run in report["runs"]:
-        xs, ys = _series(run, getter)
+def _role(run: dict) -> str:
+    """The run's levers as a colour role (the same colour as the mismatch report's run with those levers)."""
+    return {(False, False): NO_LEVER, (True, True): ALL_LEVERS, (True, False): "routing_replay",
+            (False, True): "sampling_mask"}[(bool(run.get("replay")), bool(run.get("sampling_mask")))]
+
+
+def _plot(report: dict, name: str, colours: RunColours):
+    _, ylabel, getter, log, caption = _PLOTS[name]
+    series = {}
+    for run in _runs(report):
+        steps = _steps(run)
+        values = [_value(getter, s) for s in steps]
         if log:
-            ys = [max(y, 1e-16) for y in ys]
-        ax.plot(xs, ys, marker="o", label=run["name"], color=RUN_COLORS.get(run["name"], "#2ca02c"))
+            values = [None if v is None else max(v, _LOG_FLOOR) for v in values]
+        series[str(run.get("name", "?"))] = ([s.get("step") for s in steps], values)
+    fig, ax = new_figure(5.6, 3.3)
+    if not plot_lines(ax, series, colours):
+        raise NotMeasured("no step has a value")
     if log:
         ax.set_yscale("log")
-    ax.set_title(title)
+        caption += f" Log axis: a 0 is drawn at {_LOG_FLOOR:g}."
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _svg(fig)
+    finish_axes(ax)
+    return fig, caption
+
+
+def _max(steps: list[dict], metric: str) -> float | None:
+    values = [v for v in (_value(lambda s: s["metrics"][metric], s) for s in steps) if v is not None]
+    return max(values) if values else None
+
+
+def _run_line(run: dict, colours: RunColours) -> str:
+    steps = _steps(run)
+    checks = [bool(s["verify"].get("ok")) for s in steps if isinstance(s.get("verify"), dict)]
+    text = (f"(levers {run.get('levers')}): refit verified at {sum(checks)}/{len(checks)} steps; max router flip "
+            f"rate {_g(_max(steps, 'router_flip_rate'))}; max kl_k3 {_g(_max(steps, 'kl_k3'))}")
+    aligned = [s["aligned"] for s in steps if isinstance(s.get("aligned"), dict)]
+    if aligned:
+        text += (f"; --aligned: log-probs bitwise equal to the rollout's at "
+                 f"{sum(bool(a.get('bitwise_equal')) for a in aligned)} of {len(aligned)} steps")
+    name = str(run.get("name", "?"))
+    return f"<li>{colours.swatch(name)} <strong>{esc(name)}</strong> {esc(text)}</li>"
+
+
+def _verdict(report: dict, colours: RunColours) -> str:
+    """The answer, first on the page next to the KL plot: a headline (the judged run's worst mismatch, the other
+    run's beside it, the refit checks) and one line per run, after its colour."""
+    runs = _runs(report)
+    out = ['<div id="verdict"><h2>Verdict</h2>']
+    if not runs:
+        return "".join(out) + not_measured("verdict-text", "no runs") + "</div>"
+    judged = next((r for r in runs if r.get("name") == "aligned"), runs[-1])
+    verified = [(r, s) for r in runs for s in _steps(r) if isinstance(s.get("verify"), dict)]
+    failed = [f"{r.get('name')} step {s.get('step')}" for r, s in verified if not s["verify"].get("ok")]
+
+    def worst(run: dict) -> str:
+        steps = _steps(run)
+        return f"max kl_k3 {fmt(_max(steps, 'kl_k3'))}, max router flip rate {fmt(_max(steps, 'router_flip_rate'))}"
+
+    headline = f"{judged.get('name')}: {worst(judged)} over {len(_steps(judged))} steps"
+    others = [f"{r.get('name')}: {worst(r)}" for r in runs if r is not judged]
+    headline += (f" ({'; '.join(others)})" if others else "") + "; " + (
+        f"refit verification FAILED at {', '.join(failed)}" if failed else
+        "every refit verified" if verified else "no refit verified") + "."
+    out.append(f'<p class="headline">{esc(headline)}</p>')
+    out.append('<ul class="verdicts">' + "".join(_run_line(r, colours) for r in runs) + "</ul></div>")
+    return "".join(out)
+
+
+def _header(report: dict) -> str:
+    config, rollout, train = (mapping(report.get(k)) for k in ("config", "rollout", "train"))
+    return header("RL check", report.get("model", "unknown model"), [
+        ("rollout", esc(f"{rollout.get('engine', '?')} {config.get('rollout_precision', '?')} "
+                        f"(TP={config.get('rollout_tp', '?')})")),
+        ("train", esc(f"{train.get('engine', '?')} {config.get('train_precision', '?')}")),
+        ("reward", esc(report.get("reward", "n/a"))), ("correction", esc(report.get("correction", "n/a"))),
+        ("steps", cell(config.get("steps"))), ("lr", cell(config.get("lr"))),
+        ("staleness", cell(config.get("staleness"))), ("elapsed", f"{fmt(report.get('elapsed_s'))} s")])
+
+
+_STEP_COLUMNS = ("step", "reward", "loss", "|grad|", "kl_k3", "max |Δ log p|", "mean |Δ log p|", "router flips",
+                 "masked", "refit ms", "verify", "rollout s", "train s", "check s")
+
+
+def _step_row(s: dict, aligned: bool) -> str:
+    m, t = mapping(s.get("metrics")), mapping(s.get("time"))
+    verify, refit = s.get("verify"), s.get("refit")
+    verdict = "&mdash;" if not isinstance(verify, dict) else ("ok" if verify.get("ok") else "FAILED")
+    refit_ms = num(mapping(refit).get("seconds"))
+    check = [num(t.get("measure")), num(t.get("verify"))]
+    cells = [cell(s.get("step")), f"{fmt(s.get('reward_mean'))} ± {fmt(s.get('reward_std'))}", fmt(s.get("loss")),
+             fmt(s.get("grad_norm")), *(fmt(m.get(k)) for k in ("kl_k3", "max_abs_logp_diff", "mean_abs_logp_diff",
+                                                                 "router_flip_rate")),
+             fmt(mapping(s.get("correction")).get("masked_fraction")),
+             "&mdash;" if refit_ms is None else f"{refit_ms * 1e3:.0f}", verdict, fmt(t.get("rollout")),
+             fmt(t.get("train")), fmt(None if None in check else sum(check))]
+    if aligned:
+        cells.append(fmt(mapping(s.get("aligned")).get("bitwise_equal")) if isinstance(s.get("aligned"), dict)
+                     else "&mdash;")
+    return "<tr>" + "".join(f'<td class="num">{c}</td>' for c in cells) + "</tr>"
+
+
+def _tables(report: dict) -> str:
+    runs = _runs(report)
+    if not runs:
+        return not_measured("table-steps", "no runs")
+    out = []
+    for i, run in enumerate(runs):
+        steps = _steps(run)
+        aligned = any(isinstance(s.get("aligned"), dict) for s in steps)
+        probe = mapping(run.get("probe"))
+        on = {k: ("on" if run.get(k) else "off") for k in ("replay", "sampling_mask")}
+        caption = (f"{run.get('name', '?')}: levers {run.get('levers')}; routing replay {on['replay']}, sampling "
+                   f"mask {on['sampling_mask']}; probe bound {_g(num(probe.get('bound')))} "
+                   f"(step-0 gap {_g(num(probe.get('step0_gap')))})")
+        head = list(_STEP_COLUMNS) + (["bitwise equal (--aligned)"] if aligned else [])
+        out.append(table(f"table-steps-{i}", head, [_step_row(s, aligned) for s in steps], caption=caption))
+    return "".join(out)
+
+
+def _legend_note(colours: RunColours) -> str:
+    if not colours.used:
+        return ""
+    return ('<p class="legend-note">One colour per run in every plot, by the levers it has on: the colours of '
+            "<code>moealign mismatch --report</code> (no lever: its baseline; every lever: its all levers; routing "
+            "replay alone: routing flips; the sampling mask alone: sampling truncation).</p>")
 
 
 def render_html(report: dict) -> str:
-    """A self-contained page (inline SVG, no script): the headline, plots over steps, the per-step table."""
-    plots = [
-        _plot(report, "mismatch KL (k3) per step", "kl_k3", lambda s: s["metrics"]["kl_k3"], log=True),
-        _plot(report, "max |Δ log p| per step", "max |Δ log p|", lambda s: s["metrics"]["max_abs_logp_diff"],
-              log=True),
-        _plot(report, "router flip rate per step", "flip rate", lambda s: s["metrics"]["router_flip_rate"]),
-        _plot(report, "reward (balanced brackets)", "mean reward", lambda s: s["reward_mean"]),
-        _plot(report, "refit check: probe mean |Δ log p|", "probe gap",
-              lambda s: (s.get("verify") or {}).get("probe_gap"), log=True),
-        _plot(report, "refit time per step", "seconds",
-              lambda s: (s.get("refit") or {}).get("seconds")),
+    """The report as one self-contained page (inline CSS and SVG, no script, no external resource): the verdict
+    next to the mismatch KL per step, the other plots over steps (one colour per run), the per-step tables."""
+    if not isinstance(report, dict):
+        raise ConfigError(f"render_html: the report must be a dict, got {type(report).__name__}")
+    runs = _runs(report)
+    colours = RunColours([str(r.get("name", "?")) for r in runs],
+                         roles={str(r.get("name", "?")): _role(r) for r in runs})
+    figures = {name: figure_html(name, _PLOTS[name][0], lambda name=name: _plot(report, name, colours), colours)
+               for name in PLOT_IDS}
+    body = [
+        safe(_header, report, "header"),
+        answer_section(safe(lambda r: _verdict(r, colours), report, "verdict"), figures[PLOT_IDS[0]]),
+        plots_section([figures[name] for name in PLOT_IDS[1:]], colours, note=_legend_note(colours)),
+        '<section id="tables"><h2>Per step</h2>', safe(_tables, report, "table-steps"), "</section>",
     ]
-    verdicts = []
-    for run in report["runs"]:
-        checks = [s["verify"]["ok"] for s in run["steps"] if s.get("verify")]
-        flips = max((s["metrics"]["router_flip_rate"] for s in run["steps"]), default=float("nan"))
-        kl = max((s["metrics"]["kl_k3"] for s in run["steps"]), default=float("nan"))
-        verdicts.append(f"<li><b>{html.escape(run['name'])}</b> (levers {html.escape(run['levers'])}): refit verified "
-                        f"at {sum(checks)}/{len(checks)} steps; max router flip rate {_g(flips)}; max kl_k3 "
-                        f"{_g(kl)}</li>")
-    table = html.escape(format_steps(report))
-    figures = "".join(f"<figure>{svg}</figure>" for svg in plots)
-    return ("<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='Content-Security-Policy' "
-            "content=\"default-src 'none'; style-src 'unsafe-inline'; img-src data:\">"
-            "<title>moealign rl-check</title><style>body{font-family:sans-serif;margin:1.5em;max-width:100%}"
-            "figure{display:inline-block;margin:0.5em;max-width:46%}figure svg{max-width:100%;height:auto}"
-            "pre{overflow-x:auto;background:#f6f6f6;padding:0.5em;font-size:12px}</style></head><body>"
-            f"<h1>moealign rl-check</h1><p>{html.escape(str(report['model']))}: reward "
-            f"{html.escape(report['reward'])}, correction {html.escape(report['correction'])}</p>"
-            f"<ul>{''.join(verdicts)}</ul><div>{figures}</div><h2>Per step</h2><pre>{table}</pre></body></html>")
+    return page(f"moealign rl-check: {report.get('model', 'report')}", body)
 
 
-def write_report_dir(report: dict, directory: str) -> dict[str, str]:
-    """``DIR/report.html`` and ``DIR/report.json``, each written atomically."""
-    import json
-
-    from .._files import atomic_write
-
-    os.makedirs(directory, exist_ok=True)
-    paths = {"html": os.path.join(directory, "report.html"), "json": os.path.join(directory, "report.json")}
-
-    def write_html(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render_html(report))
-
-    def write_json(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1, allow_nan=True)
-            fh.write("\n")
-
-    atomic_write(paths["html"], write_html, flag="--report")
-    atomic_write(paths["json"], write_json, flag="--report")
-    return paths
+def write_report_dir(report: dict, directory: str | os.PathLike) -> dict[str, str]:
+    """``DIR/report.html`` and ``DIR/report.json`` (strict JSON: NaN and infinities as ``null``), both rendered
+    before either is written, each written atomically; ``DIR`` created if missing, refused if it is a file."""
+    return write_report_files(directory, lambda: (render_html(report), report_json(report)))
