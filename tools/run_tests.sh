@@ -29,7 +29,7 @@ fi
 # process and engine child would compile them again); stale files are recompiled, unchanged ones skipped
 "$VPY" -m compileall -qq -j 0 moealign >/dev/null 2>&1 || true
 set +e
-"$VPY" -m pytest -q "${xdist[@]}" "$@"
+"$VPY" -m pytest -q --durations=15 "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
