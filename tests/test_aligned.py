@@ -194,12 +194,34 @@ def test_rl_check_aligned_is_bitwise_equal_at_every_step_through_refits():
     (run,) = report["runs"]
     assert report["config"]["rollout_precision"] == report["config"]["train_precision"] == "bf16"
     assert [s["aligned"]["bitwise_equal"] for s in run["steps"]] == [True, True]
+    # the three-log-prob certificate (issue 38): rollout, recompute before the update, first training forward
+    for s in run["steps"]:
+        cert = s["aligned"]
+        assert cert["mismatch_count"] == 0 and cert["rollout_vs_recompute"] and cert["recompute_vs_train"], cert
+        assert cert["tokens"] == s["response_tokens"]
     assert all(s["verify"]["ok"] for s in run["steps"])
     # the weights did move (a nonzero gradient at step 0, deterministic for this seed): step 1 rolled out and
     # trained on refitted, changed weights
     assert run["steps"][0]["grad_norm"] > 0
     assert all(s["refit"]["tensors"] > 0 for s in run["steps"])
     assert check_steps(report, {}) == []
+
+
+def test_the_certificate_names_which_log_probs_differ():
+    import torch
+
+    from moealign.rl.loop import certificate
+
+    rollout = torch.tensor([-0.5, -1.25, -3.0])
+    same = certificate(rollout, rollout.clone(), rollout.clone())
+    assert same["bitwise_equal"] and same["mismatch_count"] == 0
+    off = rollout.clone()
+    off[1] = torch.nextafter(off[1], torch.tensor(0.0))             # one ulp on one token
+    recompute_off = certificate(rollout, off, off.clone())
+    assert not recompute_off["bitwise_equal"] and recompute_off["mismatch_count"] == 1
+    assert not recompute_off["rollout_vs_recompute"] and recompute_off["recompute_vs_train"]
+    train_off = certificate(rollout, rollout.clone(), off)
+    assert train_off["rollout_vs_recompute"] and not train_off["recompute_vs_train"] and train_off["mismatch_count"] == 1
 
 
 @pytest.mark.parametrize("argv, words", [

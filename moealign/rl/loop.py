@@ -6,7 +6,9 @@ One step (synchronous; with ``staleness = N`` the rollout engine holds the weigh
 1. **rollout**: vLLM samples ``group_size`` completions per prompt (sample ``i`` from seed ``seed + step * n + i``),
    recording log-probs, routes and kept sets (:func:`moealign.patches.vllm.rollout.generate_with_record`);
 2. **reward**: :func:`moealign.rl.reward.balanced_brackets` of each completion's text; group-relative advantages;
-3. **train**: Megatron re-computes the log-probs with the chosen levers (routing replay through Megatron's
+3. **train**: (``--aligned``: first the trainer's recompute of the log-probs, no grad, kept for the three-log-prob
+   certificate: rollout, recompute and the first training forward, bitwise equal per token, :func:`certificate`)
+   Megatron re-computes the log-probs with the chosen levers (routing replay through Megatron's
    RouterReplay, the sampling mask: the log-prob restricted to the recorded kept set), the rollout correction
    (a :mod:`moealign.correction` preset, decoupled: pi_old = the trainer's own log-probs) weights / masks the
    tokens, PPO-clip loss (ratio 1 at the point: one update per batch), backward, grad-norm clip, Adam step;
@@ -37,7 +39,7 @@ from .config import LEVERS, STEP_METRICS, RLCheckConfig
 from .refit import Probe, refit, trainer_tensors, verify_refit
 from .reward import REWARD_NAME, group_advantages, rewards
 
-__all__ = ["run_rl_check"]
+__all__ = ["run_rl_check", "certificate"]
 
 
 
@@ -47,6 +49,19 @@ def _pad(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 def _snapshot(trainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in trainer_tensors(trainer)}
+
+
+def certificate(rollout: torch.Tensor, recompute: torch.Tensor, train: torch.Tensor) -> dict:
+    """The three-log-prob certificate (NeMo-RL #4039) of one step: per token the rollout's log-prob (vLLM), the
+    trainer's recompute before the update and the first training forward's inside it, all float32; ``bitwise_equal``
+    when the three are equal bit for bit (``torch.equal``), ``mismatch_count`` the tokens where any two differ."""
+    rollout, recompute, train = (t.to(torch.float32) for t in (rollout, recompute, train))
+    differ = (rollout != recompute) | (recompute != train)
+    count = int(differ.sum())
+    return {"bitwise_equal": count == 0 and torch.equal(rollout, recompute) and torch.equal(recompute, train),
+            "tokens_differing": count, "mismatch_count": count, "tokens": int(rollout.numel()),
+            "rollout_vs_recompute": bool(torch.equal(rollout, recompute)),
+            "recompute_vs_train": bool(torch.equal(recompute, train))}
 
 
 class _Run:
@@ -93,19 +108,24 @@ class _Run:
         cfg = self.cfg
         idx = list(range(len(record)))
         lengths = [s.response_len for s in record.samples]
+
+        def logprobs(fwd):
+            with self._log_softmax():
+                if self.mask:
+                    kept = kept_sets_of(record.samples, fwd.logits.shape[-1]).to(fwd.logits.device)   # checked at build
+                    return kept_logprob(fwd.logits, fwd.tokens, kept, temperature=cfg.temperature)
+                return full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
+
+        recompute = None
+        if cfg.aligned:        # the trainer's recompute before the update (no grad), kept: the certificate's 2nd term
+            with torch.no_grad():
+                recompute = logprobs(self.trainer.forward(record, idx, replay=self.replay, capture=False))
         fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
-        with self._log_softmax():
-            if self.mask:
-                kept = kept_sets_of(record.samples, fwd.logits.shape[-1]).to(fwd.logits.device)   # checked at build
-                logp = kept_logprob(fwd.logits, fwd.tokens, kept, temperature=cfg.temperature)
-            else:
-                logp = full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
+        logp = logprobs(fwd)                              # the first training forward, inside the update
         rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(logp.device)
         aligned = None
-        if cfg.aligned:                                  # the certificate: every token's log-prob bit for bit
-            differing = int((logp.detach() != rollout_flat).sum())
-            aligned = {"bitwise_equal": bool(torch.equal(logp.detach(), rollout_flat)),
-                       "tokens_differing": differing, "tokens": int(rollout_flat.numel())}
+        if cfg.aligned:
+            aligned = certificate(rollout_flat, recompute, logp.detach())
         logp_pad = _pad(logp, lengths)
         old = logp_pad.detach()
         rollout_lp = _pad(torch.cat([s.logprobs.float() for s in record.samples]).to(old.device), lengths)

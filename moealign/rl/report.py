@@ -53,8 +53,8 @@ def format_steps(report: dict) -> str:
         aligned = [s["aligned"] for s in run["steps"] if "aligned" in s]
         if aligned:
             equal = sum(a["bitwise_equal"] for a in aligned)
-            lines.append(f"aligned (canonical forward on both engines): the trainer's log-probs bitwise equal to the "
-                         f"rollout's at {equal} of {len(aligned)} steps"
+            lines.append(f"aligned (canonical forward on both engines): the three log-probs (rollout, the trainer's "
+                         f"recompute, the first training forward) bitwise equal at {equal} of {len(aligned)} steps"
                          + ("" if equal == len(aligned) else
                             f" (steps {[s['step'] for s in run['steps'] if not s['aligned']['bitwise_equal']]} differ)"))
     return "\n".join(lines)
@@ -73,8 +73,11 @@ def check_steps(report: dict, bounds: dict[str, float]) -> list[str]:
                 failures.append(f"{run['name']} step {s['step']}: refit verification failed ({v['weights']})")
             a = s.get("aligned")
             if a is not None and not a["bitwise_equal"]:
+                pairs = [name for name, ok in (("rollout vs recompute", a.get("rollout_vs_recompute", False)),
+                                               ("recompute vs training forward", a.get("recompute_vs_train", True)))
+                         if not ok]
                 failures.append(f"{run['name']} step {s['step']}: --aligned, yet {a['tokens_differing']} of "
-                                f"{a['tokens']} log-probs differ from the rollout's")
+                                f"{a['tokens']} log-probs differ ({', '.join(pairs) or 'the certificate'})")
     if judged is not None:
         for s in judged["steps"]:
             for name, bound in bounds.items():
