@@ -2,7 +2,8 @@
 
 Both commands roll the same model out with vLLM and score it with Megatron, so they take the same flags for the
 model, the sampling, the precisions, the rollout's TP size, the device, ``--aligned``, the outputs and the log
-level. :func:`add_shared_options` adds them to a command's parser (every default ``None``: "not given", so each
+level, and the training side's parallel layout (``--train-tp`` / ``--train-ep`` / ``--train-pp``,
+``--train-dispatcher``: :func:`check_train_parallel`). :func:`add_shared_options` adds them to a command's parser (every default ``None``: "not given", so each
 command fills in its own defaults, and ``mismatch --load-record`` can refuse a rollout option that was given);
 :func:`given_options` reads them back as config fields. The checks (:func:`check_device`, :func:`check_count`,
 :func:`check_seed`, :func:`check_sampling`, :func:`check_model`) are the ones both configs
@@ -24,7 +25,8 @@ from .model_config import check_max_new_tokens, read_model_config
 from .record import SamplingParams
 
 __all__ = ["SHARED_FIELDS", "COUNT_BOUNDS", "add_shared_options", "given_options", "check_device", "check_count", "check_seed",
-           "check_sampling", "check_checkpoint", "check_model", "check_aligned_run"]
+           "check_sampling", "check_checkpoint", "check_model", "check_aligned_run", "TRAIN_PARALLEL_FIELDS",
+           "check_train_parallel", "train_parallel_note", "check_rollout_parallel"]
 
 #: ``(flag, config field)`` of every shared option that a config takes (``--json``, ``--fail-above``, ``-q``, ``-v``
 #: are shared too, but the commands act on them themselves).
@@ -32,7 +34,14 @@ SHARED_FIELDS = (("--model", "model"), ("--rollout-precision", "rollout_precisio
                  ("--train-precision", "train_precision"), ("--rollout-tp", "rollout_tp"),
                  ("--num-prompts", "num_prompts"), ("--max-new-tokens", "max_new_tokens"), ("--seed", "seed"),
                  ("--temperature", "temperature"), ("--top-p", "top_p"), ("--device", "device"),
-                 ("--aligned", "aligned"), ("--report", "report_dir"))
+                 ("--aligned", "aligned"), ("--report", "report_dir"), ("--train-tp", "train_tp"),
+                 ("--train-ep", "train_ep"), ("--train-pp", "train_pp"), ("--train-dispatcher", "train_dispatcher"),
+                 ("--rollout-ep", "rollout_ep"), ("--rollout-dp", "rollout_dp"))
+
+#: The config fields of the training side's parallel sizes (``--train-tp`` / ``--train-ep`` / ``--train-pp``, default 1
+#: each): any of them above 1 runs the sharded Megatron trainer
+#: (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`, one process per rank).
+TRAIN_PARALLEL_FIELDS = ("train_tp", "train_ep", "train_pp")
 
 
 def add_shared_options(p: argparse.ArgumentParser, *, defaults: dict, help: dict | None = None) -> None:
@@ -60,6 +69,21 @@ def add_shared_options(p: argparse.ArgumentParser, *, defaults: dict, help: dict
     p.add_argument("--temperature", type=float, help=h("temperature", "sampling temperature (at least 1e-5)"))
     p.add_argument("--top-p", type=float, help=h("top_p", "nucleus sampling (1 = off)"))
     p.add_argument("--device", help=h("device", "cpu, cuda, cuda:N or auto"))
+    from .patches.megatron.sharded import DISPATCHERS
+
+    p.add_argument("--rollout-ep", type=int, metavar="N", help=h("rollout_ep", "vLLM expert parallelism "
+                   "(enable_expert_parallel over N = TP x DP ranks); refused where it cannot run: docs/scale.md"))
+    p.add_argument("--rollout-dp", type=int, metavar="N", help=h("rollout_dp", "vLLM data-parallel size; refused "
+                   "where it cannot run: docs/scale.md"))
+    p.add_argument("--train-tp", type=int, metavar="N", help=h("train_tp", "Megatron tensor-parallel size of the trainer "
+                   "(any of --train-tp / --train-ep / --train-pp above 1: the sharded trainer, one process per rank; "
+                   "docs/scale.md)"))
+    p.add_argument("--train-ep", type=int, metavar="N", help=h("train_ep", "Megatron expert-parallel size of the trainer "
+                   "(the data-parallel size is the smallest Megatron accepts: EP)"))
+    p.add_argument("--train-pp", type=int, metavar="N", help=h("train_pp", "Megatron pipeline-parallel size of the "
+                   "trainer (Megatron's pipeline schedule over micro-batches)"))
+    p.add_argument("--train-dispatcher", choices=DISPATCHERS, help=h("train_dispatcher",
+                   "the sharded trainer's MoE token dispatcher (Megatron's moe_token_dispatcher_type)"))
     p.add_argument("--aligned", action="store_true", default=None, help=text.get("aligned",
                    "the canonical forward on both engines: bitwise equal log-probs; one precision on both sides"))
     p.add_argument("--json", metavar="PATH", help=text.get("json", "write the report as JSON"))
@@ -75,10 +99,17 @@ def add_shared_options(p: argparse.ArgumentParser, *, defaults: dict, help: dict
 
 def given_options(args: argparse.Namespace) -> dict:
     """``{config field: value}`` of the shared options given on the command line (the others are left to the
-    config's defaults)."""
-    return {field: getattr(args, field if field != "report_dir" else "report")
-            for _, field in SHARED_FIELDS
-            if getattr(args, field if field != "report_dir" else "report", None) is not None}
+    config's defaults). ``mismatch --contract`` with a sharded trainer (any ``--train-tp`` / ``--train-ep`` /
+    ``--train-pp`` above 1) is refused here, the one place that sees both: the sharded trainer has no execution
+    contract yet."""
+    given = {field: getattr(args, field if field != "report_dir" else "report")
+             for _, field in SHARED_FIELDS
+             if getattr(args, field if field != "report_dir" else "report", None) is not None}
+    if getattr(args, "contract", False) and any(given.get(field, 1) != 1 for field in TRAIN_PARALLEL_FIELDS):
+        raise ConfigError("--contract with --train-tp / --train-ep / --train-pp above 1: the sharded Megatron trainer "
+                          "has no execution contract yet (its weight digests are spread over its ranks); run --contract "
+                          "with the single-rank trainer (the same checkpoint, the same precision)")
+    return given
 
 
 def check_device(value) -> str:
@@ -107,7 +138,9 @@ def _flag(field: str) -> str:
 
 
 #: ``(low, high)`` of the shared integer options (``--max-new-tokens`` is also bounded by the model's positions).
-COUNT_BOUNDS = {"num_prompts": (1, 100_000), "max_new_tokens": (1, 100_000), "rollout_tp": (1, 4096)}
+COUNT_BOUNDS = {"num_prompts": (1, 100_000), "max_new_tokens": (1, 100_000), "rollout_tp": (1, 4096),
+                "train_tp": (1, 4096), "train_ep": (1, 4096), "train_pp": (1, 4096), "rollout_ep": (1, 4096),
+                "rollout_dp": (1, 4096)}
 
 
 def check_count(field: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -202,3 +235,71 @@ def check_aligned_run(model_path: str, *, rollout_precision: str, train_precisio
     config = read_model_config(model_path)
     check_canonical_model(config)
     check_canonical_tp(config, rollout_tp, "--rollout-tp")
+
+
+def check_train_parallel(model_path: str, *, tp, ep, pp, dispatcher, device: str):
+    """``--train-tp`` / ``--train-ep`` / ``--train-pp`` / ``--train-dispatcher``, checked before any process starts:
+    each size an integer in :data:`COUNT_BOUNDS`, a dispatcher Megatron has, and a layout Megatron can build for the
+    checkpoint (:func:`~moealign.patches.megatron.checkpoint.check_parallel_layout`: EP dividing the experts and the
+    data-parallel x tensor-parallel ranks, PP the layers, TP the heads and widths; one
+    :class:`~moealign.errors.ConfigError` naming the flags and the reason); on CUDA one GPU per rank. Returns the
+    :class:`~moealign.patches.megatron.checkpoint.ParallelLayout` (``as_dict()`` is the report's ``train.parallel``)."""
+    from .patches.megatron.checkpoint import check_parallel_layout
+    from .patches.megatron.sharded import DISPATCHERS
+
+    sizes = {"train_tp": tp, "train_ep": ep, "train_pp": pp}
+    for field, value in sizes.items():
+        check_count(field, value)
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"--train-dispatcher must be one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
+    if tp == ep == pp == 1:                          # one rank: nothing to carve (any family, any train engine)
+        from .patches.megatron.checkpoint import ParallelLayout
+
+        return ParallelLayout()
+    given = " ".join(f"{_flag(field)} {value}" for field, value in sizes.items() if value != 1)
+    try:
+        layout = check_parallel_layout(read_model_config(model_path), tp=tp, ep=ep, pp=pp)
+    except ConfigError as exc:
+        raise ConfigError(f"{given}: Megatron cannot build this layout: {exc}") from None
+    if layout.world > 1 and device != "cpu":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if layout.world > count:
+            raise ConfigError(f"{given}: {layout} needs one GPU per rank ({layout.world}); this machine has {count}")
+    return layout
+
+
+def train_parallel_note(layout, device: str) -> str | None:
+    """The one log line of a sharded trainer with more rank processes than CPU cores (it runs, slowly), else None."""
+    cores = os.cpu_count() or 1
+    if layout.world > 1 and device == "cpu" and layout.world > cores:
+        return (f"train: {layout}: {layout.world} rank processes on {cores} CPU cores; it runs, but it will be slow "
+                f"(the ranks share the cores)")
+    return None
+
+
+def check_rollout_parallel(*, tp: int, ep: int, dp: int, device: str) -> None:
+    """``--rollout-ep`` / ``--rollout-dp`` (vLLM's ``enable_expert_parallel`` and ``data_parallel_size``), checked
+    before any engine starts. 1 (the default) runs as before. Above 1 each is refused, naming why: on vLLM's CPU build
+    (0.32, tried on the embedded model) expert parallelism crashes its fused-MoE CPU kernel (SIGSEGV in
+    ``csrc/cpu/cpu_fused_moe.cpp`` on the first forward) and ``LLM(data_parallel_size=N)`` is refused by vLLM itself
+    in one process; on a GPU build moealign's route recording and forcing have not run under vLLM's expert map yet
+    (docs/scale.md says what it would need)."""
+    for field, value in (("rollout_ep", ep), ("rollout_dp", dp)):
+        check_count(field, value)
+    if ep > 1 and ep != tp * dp:
+        raise ConfigError(f"--rollout-ep {ep}: vLLM's expert-parallel size is its TP x DP ranks (--rollout-tp {tp} x "
+                          f"--rollout-dp {dp} = {tp * dp}); give --rollout-tp {ep}")
+    cpu = device == "cpu"
+    if dp > 1:
+        raise ConfigError(f"--rollout-dp {dp}: " + (
+            "vLLM refuses LLM(data_parallel_size=N) in one process (\"not supported for single-process usage and may "
+            "hang\"): data parallelism needs one engine process per DP rank, which moealign does not launch yet"
+            if cpu else "vLLM's data parallelism needs one engine process per DP rank (LLM(data_parallel_size=N) is "
+            "refused in one process); moealign does not launch them yet"))
+    if ep > 1:
+        raise ConfigError(f"--rollout-ep {ep}: " + (
+            "vLLM's CPU build cannot run expert parallelism: its fused-MoE CPU kernel (csrc/cpu/cpu_fused_moe.cpp) "
+            "crashes with SIGSEGV on the first forward under an expert map (tried: --rollout-tp 2 with "
+            "enable_expert_parallel=True); a CUDA build is needed" if cpu else
+            "route recording and forced routes have not run under vLLM's expert map on a GPU build yet (the routers "
+            "are replicated, the experts' ids become local ids per rank); not enabled until they are tested there"))

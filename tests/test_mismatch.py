@@ -41,7 +41,8 @@ def test_report_schema(small_report):
 
     v = transformers.__version__
     assert report["rollout"] == {"engine": "transformers", "precision": "bf16", "dtype": "bf16", "engine_version": v}
-    assert report["train"] == {"engine": "transformers", "precision": "fp32", "dtype": "fp32", "engine_version": v}
+    assert report["train"] == {"engine": "transformers", "precision": "fp32", "dtype": "fp32", "engine_version": v,
+                               "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "world": 1}}
     assert report["batch_invariant"] is False
     assert [r["name"] for r in report["runs"]] == list(RUN_NAMES)
     n_layers = len(report["moe_layers"])

@@ -42,7 +42,7 @@ def test_cli_train_megatron_replay_is_exact(tmp_path):
     from importlib.metadata import version
 
     assert report["train"] == {"engine": "megatron", "engine_version": version("megatron-core"), "precision": "fp32",
-                               "dtype": "fp32"}
+                               "dtype": "fp32", "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "world": 1}}
     runs = {r["name"]: r["metrics"] for r in report["runs"]}
     for name in ("routing_replay", "routing_replay+sampling_mask"):
         assert runs[name]["router_flip_rate"] == 0.0

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import ConfigError, EngineError
+from ..errors import ConfigError, EngineError, MoealignWarning
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.policy import (
     POLICIES,
@@ -69,6 +70,7 @@ __all__ = [
     "VLLMRolloutEngine",
     "HFTrainEngine",
     "MegatronTrainEngine",
+    "megatron_train_engine",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -586,7 +588,34 @@ class MegatronTrainEngine:
             self._world = None
 
 
+def megatron_train_engine(model_path: str, precision: str = "fp32", device: str = "cpu", *, tp: int = 1, ep: int = 1,
+                          pp: int = 1, dispatcher: str = "alltoall", batch_invariant: bool = False,
+                          attention: str | None = None, aligned: bool = False, aligned_skip=()) -> TrainEngine:
+    """The ``megatron`` training engine: one process (:class:`MegatronTrainEngine`) at TP = EP = PP = 1, else the
+    sharded trainer (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`: one process per rank,
+    Megatron's own parallelism, routing replay and its verifier on every rank; ``dispatcher``: its MoE token
+    dispatcher). The sharded trainer scores only: what it does not do yet is refused by name (the commands refuse
+    it earlier, with the flags: :class:`~moealign.mismatch.MismatchConfig`). Its ranks share this process's torch
+    threads (at least one each)."""
+    if tp == ep == pp == 1:
+        return MegatronTrainEngine(model_path, precision, device, batch_invariant=batch_invariant, attention=attention,
+                                   aligned=aligned, aligned_skip=aligned_skip)
+    from ..patches.megatron.sharded import ShardedMegatronTrainer
+
+    refused = [what for what, given in (("batch-invariant ops", batch_invariant), ("an attention choice", attention),
+                                        ("the canonical forward (--aligned)", aligned)) if given]
+    if refused:
+        raise ConfigError(f"the sharded Megatron trainer (TP {tp} x EP {ep} x PP {pp}) does not run "
+                          f"{', '.join(refused)} yet")
+    world = tp * pp * max(ep, 1)
+    with warnings.catch_warnings():        # the commands log the "it will be slow" line themselves, once
+        warnings.filterwarnings("ignore", message=".*it will be slow", category=MoealignWarning)
+        return ShardedMegatronTrainer(model_path, tp=tp, ep=ep, pp=pp, dispatcher=dispatcher, precision=precision,
+                                      device="cpu" if device == "cpu" else "cuda",
+                                      threads=max(1, torch.get_num_threads() // world))
+
+
 register_rollout_engine("hf", HFRolloutEngine)
 register_rollout_engine("vllm", VLLMRolloutEngine)
 register_train_engine("hf", HFTrainEngine)
-register_train_engine("megatron", MegatronTrainEngine)
+register_train_engine("megatron", megatron_train_engine)

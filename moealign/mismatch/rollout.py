@@ -19,7 +19,17 @@ from ..errors import ConfigError, EngineError, MoealignError
 from ..embedded import MAX_PROMPTS_BYTES
 from ..checkpoint_check import check_checkpoint_tensors
 from ..model_config import read_model_config
-from ..options import check_aligned_run, check_count, check_device, check_model, check_sampling, check_seed
+from ..options import (
+    TRAIN_PARALLEL_FIELDS,
+    check_aligned_run,
+    check_count,
+    check_rollout_parallel,
+    check_device,
+    check_model,
+    check_sampling,
+    check_seed,
+    check_train_parallel,
+)
 from ..record import RolloutRecord, SamplingParams
 from .engines import (
     ATTENTION,
@@ -38,10 +48,12 @@ __all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path",
 
 #: Options that only shape the rollout: with ``load_record`` the record states them, so giving one is an error.
 ROLLOUT_OPTIONS = ("rollout_engine", "rollout_precision", "rollout_dtype", "num_prompts", "max_new_tokens", "seed",
-                   "temperature", "top_p", "top_k", "min_p", "prompts_file", "rollout_tp")
+                   "temperature", "top_p", "top_k", "min_p", "prompts_file", "rollout_tp",
+                   "rollout_ep", "rollout_dp")
 #: The value each option takes when it is not given (``None`` in the dataclass means "not given").
 DEFAULTS = {"rollout_engine": "hf", "rollout_precision": "bf16", "train_precision": "fp32", "num_prompts": 32,
-            "max_new_tokens": 48, "seed": 0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+            "max_new_tokens": 48, "seed": 0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+            "train_tp": 1, "train_ep": 1, "train_pp": 1, "train_dispatcher": "alltoall"}
 
 
 def flag(name: str) -> str:
@@ -91,6 +103,13 @@ class MismatchConfig:
     rollout_tp: int | None = None       # vLLM rollout: tensor-parallel size (default 1)
     aligned: bool = False               # the canonical forward on both engines (vLLM -> Megatron; bitwise)
     aligned_skip: tuple = ()            # canonical ops left stock (negative controls)
+    rollout_ep: int | None = None       # vLLM expert parallelism (default 1; above 1 refused where it cannot run)
+    rollout_dp: int | None = None       # vLLM data parallelism (default 1; above 1 refused where it cannot run)
+    # the trainer's Megatron layout (default 1 each); any above 1: the sharded trainer, one process per rank
+    train_tp: int | None = None
+    train_ep: int | None = None
+    train_pp: int | None = None
+    train_dispatcher: str | None = None  # the sharded trainer's MoE token dispatcher: alltoall (default) / allgather
 
     def __post_init__(self):
         if self.load_record is not None:
@@ -147,8 +166,16 @@ class MismatchConfig:
             check_count("rollout_tp", self.rollout_tp)
             if self.rollout_tp > 1 and self.rollout_engine != "vllm":
                 raise ConfigError("--rollout-tp > 1 needs --rollout vllm (the transformers engine runs on one device)")
+        if self.load_record is None:
+            check_rollout_parallel(tp=self.rollout_tp or 1, ep=1 if self.rollout_ep is None else self.rollout_ep,
+                                   dp=1 if self.rollout_dp is None else self.rollout_dp, device=self.resolved_device())
         if not isinstance(self.diagnose, bool):
             raise ConfigError(f"diagnose must be a bool, got {self.diagnose!r}")
+        self.train_layout = check_train_parallel(self.model_path(), tp=self.train_tp, ep=self.train_ep,
+                                                 pp=self.train_pp, dispatcher=self.train_dispatcher,
+                                                 device=self.resolved_device())
+        if self.train_sharded:
+            self._check_sharded()
         self._check_aligned()
         if self.report_dir is not None:
             self.diagnose = True
@@ -164,6 +191,42 @@ class MismatchConfig:
                 raise ConfigError(f"--inject-fault weights:layer={fault.layer}: the model has {layers} decoder layers "
                                   f"(0 .. {layers - 1})")
         check_checkpoint_tensors(self.model_path(), config)    # last: the options' own refusals come first
+
+    @property
+    def train_sharded(self) -> bool:
+        """Any of ``train_tp`` / ``train_ep`` / ``train_pp`` above 1: the sharded Megatron trainer scores."""
+        return self.train_layout.world > 1
+
+    def train_parallel_kwargs(self) -> dict:
+        """The training engine factory's layout arguments (none for a single rank)."""
+        if not self.train_sharded:
+            return {}
+        return dict(tp=self.train_tp, ep=self.train_ep, pp=self.train_pp, dispatcher=self.train_dispatcher)
+
+    def _check_sharded(self) -> None:
+        """What the sharded trainer does not do yet, refused by name before any work (its layout was checked by
+        :func:`~moealign.options.check_train_parallel`)."""
+        from ..patches.megatron.sharded import precision_fields
+
+        given = " ".join(f"{flag(name)} {getattr(self, name)}" for name in TRAIN_PARALLEL_FIELDS
+                         if getattr(self, name) != 1)
+        if self.train_engine != "megatron":
+            raise ConfigError(f"{given} shards the Megatron trainer (--train megatron); the transformers trainer "
+                              f"(--train {self.train_engine}) runs on one device")
+        refused = [what for what, on in (
+            ("--aligned (the canonical forward is not installed on the sharded trainer's ranks yet)", self.aligned),
+            ("--diagnose / --report (the lever runs rebuild the trainer per lever set; not on the sharded trainer "
+             "yet)", self.diagnose or self.report_dir is not None),
+            ("--batch-invariant (moealign's batch-invariant ops are not set up in the rank processes)",
+             self.batch_invariant),
+            ("--attention (a transformers-engine option)", self.attention is not None)) if on]
+        if refused:
+            raise ConfigError(f"{given}: the sharded Megatron trainer does not run {'; '.join(refused)}; drop "
+                              f"{'them' if len(refused) > 1 else 'it'} or run the single-rank trainer")
+        try:
+            precision_fields(self.train_precision)
+        except ConfigError as exc:
+            raise ConfigError(f"--train-precision {self.train_precision} with {given}: {exc}") from None
 
     def _aligned_defaults(self) -> None:
         """``--aligned``: one precision for both sides (the one given, else bf16); the default engines."""

@@ -45,6 +45,7 @@ import torch
 
 from ..contract import name_layers, weight_difference
 from ..errors import UnsupportedConversionError
+from ..options import train_parallel_note
 from ..routing_replay.flips import foreign_routes
 from .engines import describe_engine
 from .report import (
@@ -90,6 +91,9 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     model_path = cfg.model_path()
     fault = cfg.fault
     check_train_family(cfg)
+    slow = train_parallel_note(cfg.train_layout, device)
+    if slow:
+        log(slow)
 
     # 1. the rollout record
     rollout_contract, pad_token_id = None, None
@@ -117,7 +121,8 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
     finish_record(cfg, record)
 
     # 2. the training engine's scores, without and with routing replay
-    log(train_message(cfg, record))
+    log(train_message(cfg, record) + (f", sharded: {cfg.train_layout}, {cfg.train_dispatcher} dispatcher"
+                                       if cfg.train_sharded else ""))
     try:
         trainer = make_train_engine(cfg, model_path, device)
     except UnsupportedConversionError as exc:          # a feature of this config Megatron's local spec lacks
@@ -129,7 +134,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         sides = score_record(record, trainer, batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant,
                              progress=progress,
                              canonical_log_softmax=cfg.aligned and "log_softmax" not in cfg.aligned_skip)
-        train_desc = describe_engine(trainer)
+        train_desc = describe_train(cfg, trainer)
         extra = {}
         if cfg.aligned:
             from .aligned import aligned_section
@@ -157,6 +162,17 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
         paths = write_report_dir(report, cfg.report_dir)
         log(f"report: {paths['html']}")
     return report
+
+
+def describe_train(cfg: MismatchConfig, trainer) -> dict:
+    """The report's ``train``: :func:`~moealign.mismatch.engines.describe_engine`, plus ``parallel`` (the layout that
+    ran: ``{"tp", "ep", "pp", "dp", "world"}``, all 1 for a single rank) and, sharded, ``dispatcher``."""
+    desc = describe_engine(trainer)
+    layout = getattr(trainer, "layout", None) or cfg.train_layout
+    desc["parallel"] = layout.as_dict()
+    if layout.world > 1:
+        desc["dispatcher"] = getattr(trainer, "dispatcher", cfg.train_dispatcher)
+    return desc
 
 
 def _model_type(cfg: MismatchConfig):

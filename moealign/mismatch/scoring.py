@@ -70,7 +70,8 @@ def make_train_engine(cfg: MismatchConfig, model_path: str, device: str) -> Trai
     return open_engine(TRAIN_ENGINES[cfg.train_engine], f"the {cfg.train_engine} training engine", model_path,
                        cfg.train_precision, device, batch_invariant=cfg.batch_invariant,
                        attention=cfg.attention if cfg.train_engine == "hf" else None,
-                       **({"aligned": True, "aligned_skip": cfg.aligned_skip} if cfg.aligned else {}))
+                       **({"aligned": True, "aligned_skip": cfg.aligned_skip} if cfg.aligned else {}),
+                       **cfg.train_parallel_kwargs())
 
 
 def train_message(cfg: MismatchConfig, record: RolloutRecord) -> str:

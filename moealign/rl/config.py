@@ -7,7 +7,17 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..options import check_aligned_run, check_count, check_device, check_model, check_sampling, check_seed
+from ..options import (
+    TRAIN_PARALLEL_FIELDS,
+    check_aligned_run,
+    check_count,
+    check_device,
+    check_rollout_parallel,
+    check_model,
+    check_sampling,
+    check_seed,
+    check_train_parallel,
+)
 from ..record import MIN_TEMPERATURE, SamplingParams
 
 __all__ = ["LEVERS", "RLCheckConfig", "DEFAULT_CORRECTION", "STEP_METRICS", "parse_fail_above", "check_fail_above"]
@@ -89,6 +99,12 @@ class RLCheckConfig:
     compare: bool = False
     device: str = "auto"
     aligned: bool = False               # the canonical forward on both engines: bitwise equal at every step
+    rollout_ep: int = 1                 # vLLM expert / data parallelism: above 1 refused where it cannot run
+    rollout_dp: int = 1
+    train_tp: int = 1                   # the trainer's Megatron layout: above 1 is refused (the sharded trainer
+    train_ep: int = 1                   # scores but does not train yet)
+    train_pp: int = 1
+    train_dispatcher: str = "alltoall"
 
     def __post_init__(self):
         for name in ("num_prompts", "max_new_tokens", "rollout_tp"):            # the shared options' bounds
@@ -128,6 +144,8 @@ class RLCheckConfig:
             setattr(self, f"{side}_precision", policy.name)
         check_device(self.device)
         config = check_model(self.model, self.model_path(), self.max_new_tokens)
+        check_rollout_parallel(tp=self.rollout_tp, ep=self.rollout_ep, dp=self.rollout_dp, device=self.resolved_device())
+        self._check_train_parallel()
         self.fail_above = check_fail_above(self.fail_above)
         if self.aligned:
             self._check_aligned()
@@ -145,6 +163,19 @@ class RLCheckConfig:
         from ..checkpoint_check import check_checkpoint_tensors
 
         check_checkpoint_tensors(self.model_path(), config)     # last: the options' own refusals come first
+
+    def _check_train_parallel(self) -> None:
+        """``--train-tp`` / ``--train-ep`` / ``--train-pp``: a layout Megatron can build (the checks ``mismatch``
+        makes), and then refused above 1: rl-check trains, and the sharded trainer only scores."""
+        layout = check_train_parallel(self.model_path(), tp=self.train_tp, ep=self.train_ep, pp=self.train_pp,
+                                      dispatcher=self.train_dispatcher, device=self.resolved_device())
+        if layout.world > 1:
+            given = " ".join(f"--{name.replace('_', '-')} {getattr(self, name)}" for name in TRAIN_PARALLEL_FIELDS
+                             if getattr(self, name) != 1)
+            raise ConfigError(f"{given}: the sharded trainer scores but does not train yet: rl-check needs its "
+                              f"backward (Megatron's forward_backward schedule with a loss, gradients reduced over its "
+                              f"data-parallel ranks, an optimizer step on every rank) and a refit from its ranks; "
+                              f"measure the sharded trainer with moealign mismatch {given}")
 
     def _precisions(self) -> None:
         if not isinstance(self.aligned, bool):

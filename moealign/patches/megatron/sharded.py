@@ -57,12 +57,21 @@ from ... import errors as _errors_module
 from ...errors import ConfigError, EngineError, EngineTimeoutError, MoealignWarning, ReplayError
 from .checkpoint import ParallelLayout, check_parallel_layout
 
-__all__ = ["DISPATCHERS", "FAULTS", "ShardedForward", "ShardedMegatronTrainer"]
+__all__ = ["DISPATCHERS", "FAULTS", "TIMERS", "ShardedForward", "ShardedMegatronTrainer", "precision_fields"]
 
 #: Megatron's MoE token dispatchers the sharded trainer runs (``moe_token_dispatcher_type``).
 DISPATCHERS = ("alltoall", "allgather")
 #: Negative controls of :meth:`ShardedMegatronTrainer.forward` (``fault=``): what each rank does to its replay rows.
 FAULTS = ("shift", "swap")
+#: The per-rank timers of a forward (seconds summed over the rank's micro-batches; each rank's
+#: ``ranks[i]["timings"]``): moealign's own replay work, in CPU time of the rank's thread (``time.thread_time``: what
+#: the rank spent, not how long it waited for a core when ranks share them), ``set_routes`` (the micro-batch's ReplayBatch built and
+#: handed to the stage's routers), ``token_check`` (the driver's forward pre-hook: every router row's token),
+#: ``verifier`` (the routing maps the dispatchers received, compared with the routes set), ``check`` (the counters
+#: read after the schedule, one host sync); and ``forward``, the rank's whole schedule in wall-clock time (Megatron's
+#: forward, the exchanges and waits between ranks, and the four above) and ``forward_cpu``, the same in the rank
+#: thread's CPU time. On CUDA the host's share of asynchronous work.
+TIMERS = ("set_routes", "token_check", "verifier", "check", "forward", "forward_cpu")
 
 
 @dataclass
@@ -75,7 +84,7 @@ class ShardedForward:
     used on each recorded route row (rows as in the record), layers from every pipeline stage. ``logprobs``: per
     sample the log-prob of each response token (``log_softmax`` over the vocabulary). ``flips``: router flips of
     ``routes`` against the record's (:func:`~moealign.routing_replay.flips.route_flip_metrics`). ``ranks``: per rank
-    its coordinates, MoE layers, micro-batches and (replay) its verifier's counts."""
+    its coordinates, MoE layers, micro-batches, (replay) its verifier's counts and its ``timings`` (:data:`TIMERS`)."""
 
     logits: torch.Tensor
     tokens: torch.Tensor
@@ -90,7 +99,10 @@ class ShardedForward:
 # --------------------------------------------------------------------------------------------------
 
 
-def _precision_fields(precision: str) -> tuple[str, dict]:
+def precision_fields(precision: str) -> tuple[str, dict]:
+    """``(policy name, Megatron config fields)`` of the precision policy ``precision`` for the sharded trainer's local
+    spec, or :class:`~moealign.errors.ConfigError` naming why it cannot express it (an fp32 router / LM head in an
+    fp16 model, FP8). Pure: no Megatron import (the commands check it before any process starts)."""
     from ...precision.policy import UnknownPolicyError, get_policy, megatron_gaps, to_megatron_config_fields
 
     try:
@@ -146,7 +158,7 @@ class ShardedMegatronTrainer:
         if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
                                              or micro_batch_size < 1):
             raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
-        self.precision, fields = _precision_fields(precision)
+        self.precision, fields = precision_fields(precision)
         self.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
             fields["params_dtype"], str(fields["params_dtype"]).replace("torch.", ""))
         self.model_path = str(model_path)
@@ -579,6 +591,34 @@ class _RankState:
         self.model.to(self.device).eval()
         self.driver = RouterReplayDriver(self.model, aux_loss="own")
         self.dispatcher = dispatcher
+        self._time_replay_work()
+
+    def _time_replay_work(self) -> None:
+        """The timers of :data:`TIMERS` around the driver's token check (a forward pre-hook before and one after
+        the driver's) and its verifier (``observe``, an instance attribute over the verifier's method)."""
+        self.timers = dict.fromkeys(TIMERS, 0.0)
+        start = [0.0]
+
+        def begin(module, args, kwargs):
+            start[0] = _cpu_clock()
+
+        def end(module, args, kwargs):
+            self.timers["token_check"] += _cpu_clock() - start[0]
+
+        self.model.register_forward_pre_hook(begin, with_kwargs=True, prepend=True)
+        self.model.register_forward_pre_hook(end, with_kwargs=True)
+        verifier = self.driver.verifier
+        if verifier is not None:
+            observe = verifier.observe
+
+            def timed_observe(*args, **kwargs):
+                t0 = _cpu_clock()
+                try:
+                    return observe(*args, **kwargs)
+                finally:
+                    self.timers["verifier"] += _cpu_clock() - t0
+
+            verifier.observe = timed_observe
 
     def run(self, cmd: str, payload):
         if cmd == "forward":
@@ -630,7 +670,9 @@ class _RankState:
             pos = (attn.cumsum(-1) - 1).clamp(min=0).to(dev)
             mask = (causal[None, None] | (attn == 0)[:, None, None, :]).to(dev)
             if replay:
+                t0 = _cpu_clock()
                 driver.set_routes(self._replay_batch(mb, cmd["moe_layers"], fault))
+                timers["set_routes"] += _cpu_clock() - t0
                 with driver.forward():
                     out = model(ids, pos, mask)
             else:
@@ -648,15 +690,22 @@ class _RankState:
             return out, loss_func
 
         report = {}
+        timers = self.timers
+        for name in timers:
+            timers[name] = 0.0
         try:
+            t_schedule, c_schedule = time.perf_counter(), _cpu_clock()
             with torch.no_grad(), capture_routes(self.model, routers=self.driver.routers) as capture:
                 get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=data, model=[self.model],
                     num_microbatches=cmd["num_mb"], seq_length=T, micro_batch_size=cmd["micro_batch_size"],
                     forward_only=True, collect_non_loss_data=True)
+            timers["forward"], timers["forward_cpu"] = time.perf_counter() - t_schedule, _cpu_clock() - c_schedule
             if replay:
+                t0 = _cpu_clock()
                 driver.check(calls=cmd["num_mb"])
                 rep = driver.verify_report()
+                timers["check"] = _cpu_clock() - t0
                 report = dict(replayed_calls=rep.calls, verified_rows=rep.rows, replayed_rows=rep.replayed_rows,
                               mismatched_rows=rep.mismatched_rows, unrouted_rows=rep.unrouted_rows)
         finally:
@@ -665,7 +714,7 @@ class _RankState:
         for index, used, route_mask in captured:
             if used is not None:
                 outputs[index]["routes"] = used[route_mask.reshape(-1).to(used.device)].cpu()
-        return dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches)))
+        return dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches), timings=dict(timers)))
 
     def teardown(self) -> None:
         with _suppress():
@@ -684,6 +733,11 @@ class _RankState:
         if self.mode is not None:
             with _suppress():
                 self.mode.undo()
+
+
+def _cpu_clock() -> float:
+    """CPU seconds of this thread (the rank's own replay work, not its waits for a core)."""
+    return time.thread_time()
 
 
 def _suppress():
