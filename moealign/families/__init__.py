@@ -33,6 +33,7 @@ __all__ = [
     "ARCH_KEYS",
     "TENSOR_KINDS",
     "FAMILIES",
+    "REFUSED",
     "MoEFamily",
     "MegatronSpec",
     "TensorPair",
@@ -299,6 +300,10 @@ class MoEFamily:
     ``num_experts(config)``: number of routed experts.
     ``scores_in_fp32``: the transformers router returns its gate weights in float32 (Mixtral) instead of the
     logits dtype.
+    ``logits_in_fp32``: the transformers router computes its logits in float32 (``x.float() @ W.float().T``,
+    DeepSeek-V3) instead of the model's dtype.
+    ``bias_attr``: the router's selection-bias buffer (DeepSeek-V3's ``e_score_correction_bias``), added to the scores
+    for the top-k choice only; ``""``: the router has none.
     ``moe_layer_pattern(config)``: per decoder layer, 1 if sparse (MoE), 0 if dense.
     ``arch_keys``: the config keys of the record fingerprint (:data:`ARCH_KEYS`, plus the family's own).
     ``megatron``: the Megatron-core conversion pieces, or why it is refused (None: nobody wrote one).
@@ -312,6 +317,8 @@ class MoEFamily:
     scoring: Callable[[Config], RouterScoring]
     num_experts: Callable[[Config], int]
     scores_in_fp32: bool = False
+    logits_in_fp32: bool = False
+    bias_attr: str = ""
     moe_layer_pattern: Callable[[Config], tuple[int, ...]] = sparse_by_step
     arch_keys: tuple[str, ...] = ARCH_KEYS
     megatron: MegatronSpec | None = None
@@ -325,6 +332,8 @@ class MoEFamily:
 
 
 FAMILIES: dict[str, MoEFamily] = {}
+#: model types refused by name (a family module's ``REFUSED_MODEL_TYPES``: a relative it does not cover, and why)
+REFUSED: dict[str, str] = {}
 
 
 def register_family(family: MoEFamily, *, overwrite: bool = False) -> None:
@@ -340,6 +349,8 @@ def register_family(family: MoEFamily, *, overwrite: bool = False) -> None:
 def get_family(model_type) -> MoEFamily:
     """The registered family of ``model_type``; raises :class:`UnsupportedModelError` naming the known ones."""
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None and isinstance(model_type, str) and model_type in REFUSED:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not covered: {REFUSED[model_type]}")
     if family is None:
         raise UnsupportedModelError(f"model_type {model_type!r} is not a MoE family moealign knows "
                                     f"(known: {sorted(FAMILIES)}); register one with register_family()")
@@ -357,10 +368,11 @@ def arch_keys(model_type) -> tuple[str, ...]:
 # the built-in families (registration: one line each)
 # --------------------------------------------------------------------------------------------------
 
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: E402  (they import the classes above)
+from . import deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: E402  (they import the classes above)
 
-_BUILTIN = (qwen3_moe, qwen2_moe, mixtral, olmoe)
+_BUILTIN = (qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3)
 
 for _module in _BUILTIN:
     register_family(_module.FAMILY)
+    REFUSED.update(getattr(_module, "REFUSED_MODEL_TYPES", {}))
 del _module

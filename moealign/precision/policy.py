@@ -144,7 +144,8 @@ class PrecisionPolicy:
     transformers only, see :func:`megatron_gaps` / :func:`vllm_gaps`). ``fp8``: FP8 linear layers.
     ``loss_scaling``: the trainer scales the loss (fp16). ``fp32_buffers``: regular expressions
     (``re.search`` on the buffer's qualified name) of floating buffers kept in float32 whatever ``dtype``
-    is (rotary frequencies are computed in fp32 by transformers and Megatron alike).
+    is (rotary frequencies are computed in fp32 by transformers and Megatron alike; DeepSeek-V3's router
+    ``e_score_correction_bias`` is held in float32 by transformers, ``_keep_in_fp32_modules_strict``, and vLLM).
     """
 
     name: str
@@ -153,7 +154,7 @@ class PrecisionPolicy:
     lm_head_dtype: torch.dtype | None = None
     fp8: Fp8Spec | None = None
     loss_scaling: LossScaling | None = None
-    fp32_buffers: tuple[str, ...] = (r"(^|\.)(original_)?inv_freq$",)
+    fp32_buffers: tuple[str, ...] = (r"(^|\.)(original_)?inv_freq$", r"(^|\.)e_score_correction_bias$")
     description: str = ""
     attention_dtype: torch.dtype | None = None
     experts_dtype: torch.dtype | None = None

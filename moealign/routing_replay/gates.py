@@ -52,6 +52,7 @@ from .routes import (
 __all__ = [
     "SCORES",
     "RouterScoring",
+    "expert_bias_update",
     "load_balancing_loss",
     "replay_gate_weights",
     "replay_recorded_gate_weights",
@@ -359,3 +360,42 @@ def load_balancing_loss(
         counts = torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(0, flat_ids, weight)
         tokens_per_expert = tokens_per_expert + counts
     return (tokens_per_expert / total_rows * (prob_sum / total_rows)).sum() * num_experts
+
+
+def expert_bias_update(
+    expert_bias: torch.Tensor,
+    ids: torch.Tensor,
+    rate: float,
+    *,
+    row_mask: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """The auxiliary-loss-free balancing step (DeepSeek-V3; Megatron's ``moe_router_enable_expert_bias``), counting
+    the GIVEN ids: ``expert_bias + rate * sign(mean load - load)``, ``load[e]`` = top-k slots of ``ids``
+    (``[tokens, k]``, any integer dtype) that go to expert ``e`` (rows where ``row_mask`` is False do not count).
+
+    Under routing replay ``ids`` are the replayed experts, the ones the tokens ran on: the bias moves towards
+    balancing the load the trainer actually computed (the rollout engine's choice), not its own top-k, which under
+    replay no token reaches. Returns a new tensor in ``expert_bias``' dtype (the bias is not a parameter: no
+    gradient); Megatron's ``get_updated_expert_bias`` computes the same from its ``tokens_per_expert``.
+    """
+    if not isinstance(expert_bias, torch.Tensor) or expert_bias.dim() != 1 or not expert_bias.is_floating_point():
+        raise RouteError(f"expert_bias must be a floating tensor [num_experts], got {describe(expert_bias)}")
+    rate = float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else float("nan")
+    if not math.isfinite(rate) or rate < 0:
+        raise RouteError(f"rate must be a finite number >= 0, got {rate!r}")
+    check_integer_tensor(ids, "ids")
+    if ids.dim() != 2:
+        raise RouteError(f"ids must have shape [tokens, k], got {tuple(ids.shape)}")
+    num_experts = expert_bias.shape[0]
+    if validate:
+        validate_routes(ids, num_experts, name="ids")
+    flat = expand_routes(ids).to(expert_bias.device).reshape(-1)
+    weight = torch.ones(flat.shape, dtype=torch.float32, device=flat.device)
+    if row_mask is not None:
+        if not isinstance(row_mask, torch.Tensor) or row_mask.shape != (ids.shape[0],):
+            raise RouteError(f"row_mask must be a bool tensor [{ids.shape[0]}], got {describe(row_mask)}")
+        weight = row_mask.to(device=flat.device, dtype=torch.float32).repeat_interleave(ids.shape[1])
+    load = torch.zeros(num_experts, dtype=torch.float32, device=flat.device).scatter_add_(0, flat, weight)
+    offset = load.mean() - load
+    return (expert_bias.detach().float() + rate * torch.sign(offset)).to(expert_bias.dtype)

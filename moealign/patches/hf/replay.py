@@ -201,6 +201,8 @@ class RoutingReplay(PatchHandle):
     def _router_forward(self, index: int, router: torch.nn.Module):
         scoring = self.info.scoring
         fp32_scores = self.info.family.scores_in_fp32
+        fp32_logits = self.info.family.logits_in_fp32        # DeepSeek-V3: x.float() @ W.float().T
+        bias_attr = self.info.family.bias_attr                # DeepSeek-V3: the selection bias (native rows only)
 
         def forward(hidden_states: torch.Tensor):
             if self._targets is None:
@@ -209,7 +211,11 @@ class RoutingReplay(PatchHandle):
                 raise ReplayError(f"a router ran outside a checked forward of {type(self.model).__name__}: call the "
                                   f"model itself (with input_ids) so the replay can check the batch it runs")
             h = hidden_states.reshape(-1, router.hidden_dim)
-            logits = F.linear(h, router.weight, getattr(router, "bias", None))
+            if fp32_logits:
+                logits = F.linear(h.float(), router.weight.float())
+            else:
+                logits = F.linear(h, router.weight, getattr(router, "bias", None))
+            expert_bias = getattr(router, bias_attr) if bias_attr else None
             target = self._targets[index]
             if target.shape[0] != h.shape[0]:
                 layer = self.info.routers[index][0]
@@ -220,10 +226,10 @@ class RoutingReplay(PatchHandle):
             if self._mask is None:
                 ids = target
             else:
-                native = select_topk(logits, router.top_k, scoring)[1]
+                native = select_topk(logits, router.top_k, scoring, expert_bias=expert_bias)[1]
                 ids = torch.where(self._mask[:, None], target, native)
             if self.aux_loss == "warn":
-                self._measure_disagreement(logits, ids, native, router.top_k, scoring)
+                self._measure_disagreement(logits, ids, native, router.top_k, scoring, expert_bias)
             out_dtype = torch.float32 if fp32_scores else logits.dtype
             if self._weights is not None:
                 weights = replay_recorded_gate_weights(self._weights[index], logits).to(out_dtype)
@@ -236,10 +242,10 @@ class RoutingReplay(PatchHandle):
 
         return forward
 
-    def _measure_disagreement(self, logits, ids, native, top_k, scoring) -> None:
+    def _measure_disagreement(self, logits, ids, native, top_k, scoring, expert_bias=None) -> None:
         with torch.no_grad():
             if native is None:
-                native = select_topk(logits, top_k, scoring)[1]
+                native = select_topk(logits, top_k, scoring, expert_bias=expert_bias)[1]
             differs = (ids.sort(-1).values != native.sort(-1).values).any(-1)
             if self._mask is not None:
                 differs &= self._mask

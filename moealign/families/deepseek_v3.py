@@ -1,0 +1,191 @@
+"""DeepSeek-V3 (``model_type="deepseek_v3"``: DeepSeek-V3 / R1 and the models that share its architecture, e.g.
+Kimi K2; the embedded ``tiny_deepseek``).
+
+Router ``DeepseekV3TopkRouter`` (transformers) / vLLM's grouped top-k: logits ``x @ W.T`` in float32, scores
+``sigmoid(logits)``; the choice is made on ``scores + e_score_correction_bias`` (the per-expert bias of the
+auxiliary-loss-free balancing) inside the best ``topk_group`` of ``n_group`` expert groups (a group ranked by the sum
+of its two best biased scores); the gate weights are the chosen *unbiased* scores, divided by their sum
+(``+ 1e-20``) when ``norm_topk_prob``, times ``routed_scaling_factor``. That is
+``RouterScoring("sigmoid", renormalize=norm_topk_prob, scaling_factor=routed_scaling_factor, n_group, topk_group)``,
+the bias given to :func:`~moealign.routing_replay.gates.select_topk` as ``expert_bias`` (``bias_attr`` below). The
+transformers router returns its weights in float32 (``scores_in_fp32``) from float32 logits whatever the model's
+dtype (``logits_in_fp32``).
+
+**Replay semantics** (every engine; ``docs/replay.md``): the replayed experts are the recorded ids as they are (no
+group limit, no bias: both decide *selection*, which the record replaces); the gate weights are the trainer's own
+sigmoid scores of those experts without the bias, normalised when ``norm_topk_prob``, times
+``routed_scaling_factor``; the shared expert runs on every token as always (it is not routed). The bias update of
+the auxiliary-loss-free balancing counts the experts that ran, i.e. the replayed ones (the same choice as
+``aux_loss="replayed"`` for the softmax routers): a trainer that updates the bias from its own top-k would balance
+experts the tokens never reached.
+
+Sparse layers: every layer from ``first_k_dense_replace`` on (transformers' rule; ``moe_layer_freq`` other than 1,
+which vLLM honours and transformers ignores, is refused). Dense layers are a GLU of ``intermediate_size``.
+
+Not covered, refused by name wherever the config is read (:func:`uncovered`): multi-token-prediction layers
+(``num_nextn_predict_layers > 0``; transformers' default is 1 when config.json omits it), DeepSeek-V3.2's lightning
+indexer / sparse attention (``index_topk`` in the config; ``model_type="deepseek_v32"`` is refused by
+:func:`moealign.families.get_family`), a router other than ``topk_method="noaux_tc"`` / ``scoring_func="sigmoid"``
+(vLLM reads these two fields and routes otherwise without them; transformers always routes as noaux_tc). The Megatron
+conversion is refused for now (MLA on the local spec, the sigmoid grouped router with expert bias and the shared
+expert are not mapped yet).
+"""
+
+from __future__ import annotations
+
+from . import (
+    ARCH_KEYS,
+    CheckpointTensors,
+    MegatronSpec,
+    MoEFamily,
+    RouterScoring,
+    config_size,
+    glu_mlp,
+    routed_experts,
+)
+from ..errors import UnsupportedModelError
+
+#: DeepSeek-V3's config keys beyond :data:`ARCH_KEYS` that change the forward (the record fingerprint hashes them).
+DEEPSEEK_KEYS = ("n_shared_experts", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                 "v_head_dim", "topk_method", "num_nextn_predict_layers", "rope_interleave", "attention_bias",
+                 "index_topk")
+
+#: model types of the DeepSeek line that are not covered, and why (refused by :func:`moealign.families.get_family`).
+REFUSED_MODEL_TYPES = {
+    "deepseek_v32": "DeepSeek-V3.2's lightning indexer and sparse attention (DSA) are not covered: its attention "
+                    "picks the keys each token attends to, which no engine pair here aligns or replays",
+}
+
+#: the transformers router's correction-bias buffer (the selection bias replay leaves alone).
+BIAS_ATTR = "e_score_correction_bias"
+
+
+def uncovered(config) -> str | None:
+    """The first feature of ``config`` moealign does not cover on this family (a text naming it), or None."""
+    mtp = getattr(config, "num_nextn_predict_layers", None)
+    if mtp is None:
+        mtp = getattr(config, "num_mtp_layers", 1)      # transformers' default when config.json omits both
+    if mtp:
+        return (f"num_nextn_predict_layers={mtp} (multi-token-prediction layers: their routes are not recorded or "
+                f"replayed; a checkpoint for this path sets it to 0)")
+    if getattr(config, "index_topk", None) is not None:
+        return "index_topk (DeepSeek-V3.2's lightning indexer / sparse attention)"
+    freq = getattr(config, "moe_layer_freq", None)
+    if freq not in (None, 1):
+        return f"moe_layer_freq={freq!r} (vLLM honours it, transformers makes every layer from first_k_dense_replace sparse)"
+    method, scoring = getattr(config, "topk_method", None), getattr(config, "scoring_func", None)
+    if method != "noaux_tc" or scoring != "sigmoid":
+        return (f"topk_method={method!r}, scoring_func={scoring!r} (DeepSeek-V3's router is topk_method 'noaux_tc' "
+                f"with scoring_func 'sigmoid', as its config.json states; vLLM routes otherwise without them)")
+    return None
+
+
+def check_covered(config) -> None:
+    """Raise :class:`~moealign.errors.UnsupportedModelError` naming what :func:`uncovered` finds."""
+    reason = uncovered(config)
+    if reason is not None:
+        raise UnsupportedModelError(f"deepseek_v3: {reason} is not covered by moealign")
+
+
+def router_scoring(config) -> RouterScoring:
+    check_covered(config)
+    n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    return RouterScoring(score="sigmoid", renormalize=bool(getattr(config, "norm_topk_prob", True)),
+                         scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+                         n_group=None if n_group is None else int(n_group),
+                         topk_group=None if topk_group is None else int(topk_group))
+
+
+def num_experts(config) -> int:
+    return int(config.n_routed_experts)
+
+
+def moe_layer_pattern(config) -> tuple[int, ...]:
+    """Dense below ``first_k_dense_replace``, sparse from there on (transformers' ``DeepseekV3DecoderLayer``)."""
+    check_covered(config)
+    first = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    experts = int(getattr(config, "n_routed_experts", 0) or 0)
+    return tuple(int(experts > 0 and i >= first) for i in range(int(config.num_hidden_layers)))
+
+
+def _times(*dims):
+    out = 1
+    for d in dims:
+        if d is None:
+            return None
+        out *= d
+    return out
+
+
+def _attention(config) -> dict:
+    """MLA's tensors relative to a decoder layer (q LoRA or a plain q projection, the joint kv down-projection with
+    the decoupled RoPE key, kv up-projection, output), biases with ``attention_bias``."""
+    hidden, heads = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
+    q_rank, kv_rank = config_size(config, "q_lora_rank"), config_size(config, "kv_lora_rank")
+    rope, nope, v = (config_size(config, n) for n in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    qk = None if rope is None or nope is None else rope + nope
+    out = {}
+    if q_rank:
+        out.update({"self_attn.q_a_proj.weight": (q_rank, hidden), "self_attn.q_a_layernorm.weight": (q_rank,),
+                    "self_attn.q_b_proj.weight": (_times(heads, qk), q_rank)})
+    else:
+        out["self_attn.q_proj.weight"] = (_times(heads, qk), hidden)
+    out.update({"self_attn.kv_a_proj_with_mqa.weight": (None if kv_rank is None or rope is None else kv_rank + rope,
+                                                         hidden),
+                "self_attn.kv_a_layernorm.weight": (kv_rank,),
+                "self_attn.kv_b_proj.weight": (_times(heads, None if nope is None or v is None else nope + v), kv_rank),
+                "self_attn.o_proj.weight": (hidden, _times(heads, v))})
+    if getattr(config, "attention_bias", False):
+        if q_rank:
+            out["self_attn.q_a_proj.bias"] = (q_rank,)
+        out["self_attn.kv_a_proj_with_mqa.bias"] = out["self_attn.kv_a_proj_with_mqa.weight"][:1]
+        out["self_attn.o_proj.bias"] = (hidden,)
+    return out
+
+
+def checkpoint(config) -> CheckpointTensors:
+    """The safetensors tensors of a DeepSeek-V3 checkpoint (transformers names): MLA per layer, a GLU of
+    ``intermediate_size`` in the first ``first_k_dense_replace`` layers, then the router (``mlp.gate.weight`` and its
+    ``e_score_correction_bias``), the routed experts of ``moe_intermediate_size`` (one by one or fused) and the shared
+    experts (``moe_intermediate_size x n_shared_experts`` wide)."""
+    hidden, vocab = config_size(config, "hidden_size"), config_size(config, "vocab_size")
+    experts, inner = config_size(config, "n_routed_experts"), config_size(config, "moe_intermediate_size")
+    shared = _times(inner, config_size(config, "n_shared_experts"))
+    required = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    optional = {}
+    (optional if getattr(config, "tie_word_embeddings", False) else required)["lm_head.weight"] = (vocab, hidden)
+    alternatives = []
+    attention = _attention(config)
+    for i, sparse in enumerate(moe_layer_pattern(config)):
+        p = f"model.layers.{i}."
+        required.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+        required.update({p + n: s for n, s in attention.items()})
+        if sparse:
+            usual, fused = routed_experts("mlp", experts, inner, hidden)
+            usual, fused = ({p + n: s for n, s in group.items()} for group in (usual, fused))
+            required.update(usual)
+            alternatives.append((usual, fused))
+            required[p + "mlp.gate." + BIAS_ATTR] = (experts,)
+            required.update(glu_mlp(p + "mlp.shared_experts", shared, hidden))
+        else:
+            required.update(glu_mlp(p + "mlp", config_size(config, "intermediate_size"), hidden))
+    return CheckpointTensors(required, optional, tuple(alternatives))
+
+
+FAMILY = MoEFamily(
+    model_type="deepseek_v3",
+    router_class="DeepseekV3TopkRouter",
+    scoring=router_scoring,
+    num_experts=num_experts,
+    scores_in_fp32=True,
+    logits_in_fp32=True,
+    bias_attr=BIAS_ATTR,
+    moe_layer_pattern=moe_layer_pattern,
+    arch_keys=ARCH_KEYS + DEEPSEEK_KEYS,
+    megatron=MegatronSpec(
+        refused="multi-head latent attention (MLA), the sigmoid grouped router with e_score_correction_bias and the "
+                "shared expert (no conversion yet; Megatron-core 0.16.1's local DotProductAttention also takes no "
+                "k_channels, which its MLA passes)",
+    ),
+    checkpoint_tensors=checkpoint,
+)
