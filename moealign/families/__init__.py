@@ -50,6 +50,8 @@ __all__ = [
     "attention_biases",
     "head_dim",
     "config_size",
+    "VERIFIED_PATHS",
+    "verified_families",
 ]
 
 Config = Any   # a transformers PretrainedConfig, or any object with its attributes
@@ -289,6 +291,10 @@ def head_dim(config: Config) -> int | None:
 # --------------------------------------------------------------------------------------------------
 
 
+#: The paths a family can be verified on beyond routing replay (:attr:`MoEFamily.verified`).
+VERIFIED_PATHS = ("aligned", "vllm_digests", "refit")
+
+
 @dataclass(frozen=True)
 class MoEFamily:
     """Everything moealign needs to know about one MoE model family.
@@ -310,6 +316,11 @@ class MoEFamily:
     ``checkpoint_tensors(config)``: the :class:`CheckpointTensors` (names and shapes) a safetensors checkpoint of
     ``config`` holds, checked by :func:`moealign.checkpoint_check.check_checkpoint_tensors` before any engine
     loads it (None: only names, layer numbers and the vocabulary / hidden / expert sizes are checked).
+    ``vllm_classes``: the family's own vLLM module classes that hold no arithmetic of their own (the model, its
+    decoder layer, attention and sparse-block containers): the canonical forward's audit passes them.
+    ``verified``: the paths beyond routing replay verified on this family, of :data:`VERIFIED_PATHS` (``"aligned"``:
+    the canonical forward on both engines, bitwise; ``"vllm_digests"``: vLLM's contract states weight digests;
+    ``"refit"``: the refit verifier reads vLLM's fused tensors back). Every other family is refused by name there.
     """
 
     model_type: str
@@ -323,15 +334,28 @@ class MoEFamily:
     arch_keys: tuple[str, ...] = ARCH_KEYS
     megatron: MegatronSpec | None = None
     checkpoint_tensors: Callable[[Config], CheckpointTensors] | None = None
+    vllm_classes: tuple[str, ...] = ()
+    verified: frozenset = frozenset()
 
     def __post_init__(self):
         if not isinstance(self.model_type, str) or not self.model_type:
             raise ConfigError(f"MoEFamily.model_type must be a non-empty str, got {self.model_type!r}")
         if "model_type" not in self.arch_keys:
             raise ConfigError(f"MoEFamily {self.model_type!r}: arch_keys must include 'model_type'")
+        unknown = set(self.verified) - set(VERIFIED_PATHS)
+        if unknown:
+            raise ConfigError(f"MoEFamily {self.model_type!r}: verified names unknown paths {sorted(unknown)}; known: "
+                              f"{list(VERIFIED_PATHS)}")
 
 
 FAMILIES: dict[str, MoEFamily] = {}
+
+
+def verified_families(path: str) -> tuple[str, ...]:
+    """The registered families on which ``path`` (one of :data:`VERIFIED_PATHS`) is verified, in registration order."""
+    if path not in VERIFIED_PATHS:
+        raise ConfigError(f"unknown path {path!r}; known: {list(VERIFIED_PATHS)}")
+    return tuple(name for name, family in FAMILIES.items() if path in family.verified)
 #: model types refused by name (a family module's ``REFUSED_MODEL_TYPES``: a relative it does not cover, and why)
 REFUSED: dict[str, str] = {}
 

@@ -77,4 +77,7 @@ FAMILY = MoEFamily(
         attention_tensors=_attention_tensors,
     ),
     checkpoint_tensors=checkpoint,
+    vllm_classes=("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
+                  "Qwen3MoeSparseMoeBlock"),
+    verified=frozenset({"aligned", "vllm_digests", "refit"}),
 )

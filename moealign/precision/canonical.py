@@ -78,7 +78,7 @@ __all__ = [
     "c_experts",
     "c_combine",
     "log_softmax_mode",
-    "COVERED_FAMILIES",
+    "covered_families",
     "check_canonical_model",
     "check_canonical_tp",
 ]
@@ -462,16 +462,21 @@ def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -
     return out.to(dtype)
 
 
-#: The model families whose every op the canonical forward covers in both engines (verified bitwise).
-COVERED_FAMILIES = ("qwen3_moe",)
+def covered_families() -> tuple[str, ...]:
+    """The model families whose every op the canonical forward covers in both engines (verified bitwise): those whose
+    family file says so (``MoEFamily.verified`` holds ``"aligned"``, :mod:`moealign.families`)."""
+    from ..families import verified_families
+
+    return verified_families("aligned")
 
 
 def check_canonical_model(config: dict) -> None:
     """Refuse (naming it) a checkpoint ``config.json`` the canonical forward does not cover: another family, sliding
     window attention, attention sinks, MLA, scaled RoPE, dense MLP layers, a non-SiLU activation."""
     family = config.get("model_type")
-    if family not in COVERED_FAMILIES:
-        raise CanonicalError(f"--aligned covers {list(COVERED_FAMILIES)} checkpoints; model_type {family!r} is not "
+    covered = covered_families()
+    if family not in covered:
+        raise CanonicalError(f"--aligned covers {list(covered)} checkpoints; model_type {family!r} is not "
                              "covered (its ops have not been verified in both engines)")
     problems = []
     if config.get("use_sliding_window"):

@@ -258,11 +258,17 @@ def apply_canonical_forward(ops=VLLM_OPS) -> CanonicalPatch:
 
 #: vLLM module classes with no arithmetic of their own (containers, identity, the embedding lookup, which is
 #: exact) or covered as part of a patched parent.
+#: (The covered families' own classes come from their family files: MoEFamily.vllm_classes.)
 _PASSIVE = {"ModuleList", "ModuleDict", "Sequential", "Identity", "VocabParallelEmbedding", "LogitsProcessor",
             "FusedMoE", "RoutedExperts", "MoERunner", "DefaultMoERunner", "SharedFusedMoE",
-            "Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
-            "Qwen3MoeSparseMoeBlock", "UnquantizedFusedMoEMethod", "FusedMoEModularKernel", "Sampler",
+            "UnquantizedFusedMoEMethod", "FusedMoEModularKernel", "Sampler",
             "TopKTopPSampler", "CPUUnquantizedExperts", "ApplyRotaryEmb"}
+
+
+def _passive() -> set[str]:
+    from ...families import FAMILIES
+
+    return _PASSIVE | {cls for name in C.covered_families() for cls in FAMILIES[name].vllm_classes}
 #: covered class -> the op that covers it
 _COVERED = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "QKVParallelLinear": "linear",
             "MergedColumnParallelLinear": "linear", "ColumnParallelLinear": "linear", "RowParallelLinear": "linear",
@@ -301,6 +307,7 @@ def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> 
     (the counters are then reset). Runs in the worker that holds ``model`` (the harness sends it through
     ``collective_rpc``)."""
     escaped = []
+    passive = _passive()
     counted = {"RMSNorm": "norm", "RotaryEmbedding": "rope", "Attention": "attention", "GateLinear": "router"}
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -322,6 +329,6 @@ def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> 
                     escaped.append(f"{name} ({cls}, not run)")
                 module._moealign_canonical = 0
             continue
-        if cls not in _PASSIVE:
+        if cls not in passive:
             escaped.append(f"{name} ({cls})")
     return escaped

@@ -26,11 +26,11 @@ import torch
 
 from ...contract import check_contract, weight_digests
 from ...errors import ConfigError
+from ...families import verified_families
 from ...precision.policy import PrecisionPolicy, get_policy
 
 __all__ = ["contract_of", "hf_named_tensors", "as_loaded"]
 
-_DIGEST_FAMILIES = ("qwen3_moe",)
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -127,10 +127,10 @@ def _rpc_contract(worker) -> dict:
     if tp != 1:
         weights = {"dtype": _bulk(p for _, p in named), "algorithm": "sha256", "digests": {},
                    "note": f"no digests at TP={tp}: each worker holds a slice (un-fusing is written for TP=1)"}
-    elif family not in _DIGEST_FAMILIES:
+    elif family not in verified_families("vllm_digests"):
         weights = {"dtype": _bulk(p for _, p in named), "algorithm": "sha256", "digests": {},
                    "note": f"no digests for the {family} family: un-fusing vLLM's stacked parameters is written for "
-                           f"{', '.join(_DIGEST_FAMILIES)}"}
+                           f"{', '.join(verified_families('vllm_digests'))}"}
     else:
         loaded, why_not = as_loaded(model, named)
         if why_not is not None:
