@@ -17,8 +17,13 @@ Measured in the same run, interleaved, minimum (and median) of N:
                  exact scheme built on transformers' decode gets below it in one process; the workers divide the
                  decodes' part by up to their number.
 
+With ``--pair default`` the default pair, vLLM -> Megatron (:mod:`moealign.mismatch.vllm_levers`): ``mismatch`` and
+``diagnose`` interleaved, the ratio, the lever sets, vLLM engines and trainer passes the diagnosis ran, and the
+aligned setting's measured cost (the canonical forward against the stock one, each side).
+
     python tools/bench_diagnosis.py                       # the embedded model, CPU, transformers on both sides
     python tools/bench_diagnosis.py --num-prompts 32 --repeats 3 --json out.json
+    python tools/bench_diagnosis.py --pair default --num-prompts 32 --max-new-tokens 48 --batch-size 16
 """
 
 from __future__ import annotations
@@ -38,7 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pair", choices=("hf", "default"), default="hf",
+                    help="hf: transformers on both sides (default); default: vLLM -> Megatron")
     args = ap.parse_args(argv)
+    if args.pair == "default":
+        return default_pair(args)
 
     from moealign.embedded import default_prompts, embedded_model_path
     from moealign.mismatch import MismatchConfig, levers, run_mismatch
@@ -98,6 +107,41 @@ def main(argv=None) -> int:
     print(f"floor, one worker        {out['floor_s']:8.2f} s   {out['floor_ratio']:.2f}x   (the plain test + "
           f"{work['rollout_decodes']} decodes x {batches} micro-batches; also ran {work['rollout_forwards']} "
           f"batch-invariant forwards, {work['train_passes']} trainer passes)")
+    if args.json:
+        write_json(args.json, out)
+    return 0
+
+
+def default_pair(args) -> int:
+    """``--pair default``: the diagnosis on vLLM -> Megatron against the plain test, same run, interleaved."""
+    from moealign.mismatch import MismatchConfig, run_mismatch
+
+    base = dict(rollout_engine="vllm", train_engine="megatron", num_prompts=args.num_prompts,
+                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device="cpu")
+    seen = {}
+
+    def diagnose():
+        report = run_mismatch(MismatchConfig(**base, diagnose=True))
+        seen["lever_sets"] = len(report["levers"]["runs"])
+        seen["work"] = report["levers"]["work"]
+        seen["cost"] = report["levers"]["verdict"]["aligned"]["cost"]
+        seen["attribution"] = report["attribution"]["metrics"]["mean_abs_logp_diff"]
+
+    times = interleaved({"mismatch": lambda: run_mismatch(MismatchConfig(**base)), "diagnose": diagnose},
+                        args.repeats)
+    out = {"pair": "vllm -> megatron", "torch_threads": torch.get_num_threads(), **vars(args), **seen,
+           "mismatch_s": times["mismatch"], "diagnose_s": times["diagnose"],
+           "diagnose_ratio": times["diagnose"] / times["mismatch"]}
+    work, cost = seen["work"], seen["cost"]
+    print(f"mismatch test (vLLM -> Megatron)  {out['mismatch_s']:8.2f} s   (baseline)")
+    print(f"with --diagnose                   {out['diagnose_s']:8.2f} s   {out['diagnose_ratio']:.2f}x   "
+          f"({seen['lever_sets']} lever sets; {work['rollout_engines']} vLLM re-scorings, {work['train_engines']} "
+          f"more Megatron engine(s), {work['train_passes']} trainer passes)")
+    print(f"aligned cost (canonical / stock)  rollout prefill {cost.get('rollout_ratio', float('nan')):.2f}x, "
+          f"trainer forward {cost.get('train_ratio', float('nan')):.2f}x")
+    a = seen["attribution"]
+    print("attribution of mean |dlogp| " + f"{a['gap']:.4g}: " + ", ".join(f"{k} {v:.3g}" for k, v in a["shares"].items())
+          + f"; residual {a['residual']:.3g}")
     if args.json:
         write_json(args.json, out)
     return 0

@@ -32,10 +32,11 @@ import math
 
 from .levers import CAUSES
 
-__all__ = ["diagnose", "classify", "choose_preset", "FIX_ORDER", "ICEPOP_LOW", "ICEPOP_HIGH"]
+__all__ = ["diagnose", "aligned_switch", "classify", "choose_preset", "FIX_ORDER", "ICEPOP_LOW", "ICEPOP_HIGH"]
 
 #: The survey's fix order for Cause A, used to break ties between equal shares.
-FIX_ORDER = ("weights", "precision", "tree_reductions", "batch_invariant", "routing_replay", "sampling_mask")
+FIX_ORDER = ("weights", "precision", "tree_reductions", "canonical", "batch_invariant", "prefill", "routing_replay",
+             "sampling_mask")
 ICEPOP_LOW, ICEPOP_HIGH = 0.5, 5.0
 
 
@@ -132,8 +133,27 @@ def _findings(faults: list[dict], contract_rows: list[dict] | None) -> list[dict
     return out
 
 
+def aligned_switch(verdict: dict | None) -> str | None:
+    """The sentence naming the switch that makes the pair bitwise and what it costs (``verdict["aligned"]``, from
+    :meth:`moealign.mismatch.vllm_levers.VllmLeverRunner.verdict`); None without one."""
+    aligned = (verdict or {}).get("aligned")
+    if not aligned:
+        return None
+    cost = aligned.get("cost") or {}
+    parts = []
+    if "rollout_ratio" in cost:
+        parts.append(f"the rollout's forward {cost['rollout_ratio']:.1f}x")
+    if "train_ratio" in cost:
+        parts.append(f"the trainer's forward {cost['train_ratio']:.1f}x")
+    priced = f"; measured cost on this run: {', '.join(parts)} the stock one" if parts else ""
+    if aligned["bitwise_equal"]:
+        return f"{aligned['switch']} makes the pair bitwise equal (residual 0){priced}"
+    return (f"{aligned['switch']} leaves max |delta log p| {aligned['metrics']['max_abs_logp_diff']:.3g}: "
+            f"{verdict.get('residual_cause')}{priced}")
+
+
 def diagnose(*, runs: dict, attribution: dict | None, contract_rows: list[dict] | None = None,
-             primary: str = "mean_abs_logp_diff", notes: list[str] | None = None) -> dict:
+             primary: str = "mean_abs_logp_diff", notes: list[str] | None = None, verdict: dict | None = None) -> dict:
     """The diagnosis section of the report (see the module docstring).
 
     ``runs``: ``{label: metrics}`` of the lever runs, with at least ``"baseline"`` (no lever) and
@@ -175,7 +195,9 @@ def diagnose(*, runs: dict, attribution: dict | None, contract_rows: list[dict] 
     else:
         first_cause, first_lever = None, None
         headline = f"no lever removes the gap ({symptom_why})"
-    preset, preset_why = choose_preset(final)
+    deployed = (verdict or {}).get("deployed")
+    preset, preset_why = choose_preset(deployed["metrics"] if deployed else final)
+    switch = aligned_switch(verdict)
     text = [f"Symptom (as configured): {symptom_why}."]
     for f in faults:
         text.append(f"Fault: {f['field']}: {f['message']}.")
@@ -183,15 +205,29 @@ def diagnose(*, runs: dict, attribution: dict | None, contract_rows: list[dict] 
         a = attribution[primary]
         parts = ", ".join(f"{r['cause']} {r['share']:.3g} ({r['fraction']:.0%})" for r in ranked)
         text.append(f"Attribution of the mean |delta log p| gap {a['gap']:.3g} (Shapley values over the lever "
-                    f"runs): {parts}; residual after all levers {a['residual']:.3g}.")
+                    f"runs): {parts}; residual after all levers {a['residual']:.3g}"
+                    + (f" ({a['residual_cause']})" if a.get("residual_cause") else "") + ".")
     if first_lever:
         text.append(f"Turn on first: {first_lever} ({first_cause}).")
     final_cls, final_why = classify(final)
     text.append(f"After all levers: {final_why}.")
-    text.append(f"Correction for the residual: {preset or 'none (systems fix)'}: {preset_why}.")
+    if switch:
+        text.append(f"Bitwise: {switch}.")
+    ops = (verdict or {}).get("canonical_ops")
+    if ops:
+        text.append("Canonical ops, each switched back to stock on the trainer alone (negative controls): "
+                    + ", ".join(f"{lv['op']} " + ("bitwise (opens no gap)" if lv["bitwise_equal"] else
+                                                  f"max |delta log p| {lv['max_abs_logp_diff']:.3g}") for lv in ops)
+                    + ".")
+    if deployed:
+        text.append(f"Correction for the setting you run ({deployed['label']}, the rollout's own decode): "
+                    f"{preset or 'none (systems fix)'}: {preset_why}.")
+    else:
+        text.append(f"Correction for the residual: {preset or 'none (systems fix)'}: {preset_why}.")
     for note in notes or []:
         text.append(f"Note: {note}.")
     return {"headline": headline, "symptom": symptom, "first_cause": first_cause, "first_lever": first_lever,
             "residual_class": final_cls, "preset": preset, "preset_reason": preset_why, "ranked": ranked,
+            "aligned_switch": switch, "preset_for": deployed["label"] if deployed else "all levers",
             "findings": _findings(faults, contract_rows),
             "text": text}

@@ -514,19 +514,37 @@ def _summary(report: dict) -> str:
     if d.get("first_lever"):
         facts.append(f"first lever to pull: <strong>{esc(d['first_lever'])}</strong>")
     if "preset" in d:
-        facts.append("suggested correction preset: " + (f"<code>{esc(d['preset'])}</code>" if d["preset"]
-                                                          else "none needed"))
+        facts.append("suggested correction preset" + (f" for {esc(d['preset_for'])}" if d.get("preset_for") else "")
+                     + ": " + (f"<code>{esc(d['preset'])}</code>" if d["preset"] else "none needed"))
     if facts:
         out.append(f"<p>{'; '.join(facts)}.</p>")
+    if d.get("aligned_switch"):
+        out.append(f'<p class="aligned-switch" id="aligned-switch"><strong>Bitwise:</strong> {esc(d["aligned_switch"])}.</p>')
     ranked = [r for r in (d.get("ranked") or []) if isinstance(r, dict)]
     if ranked:
         rows = [f"<tr><td>{esc(r.get('cause', ''))}</td><td>{esc(r.get('lever', '') or '')}</td>"
                 f"<td class=\"num\">{fmt(r.get('share'))}</td><td class=\"num\">{fmt(r.get('fraction'))}</td></tr>"
                 for r in ranked]
+        entry = _primary_entry(report)
+        if entry is not None and "residual" in entry:
+            gap = num(entry.get("gap"))
+            residual = num(entry.get("residual"))
+            why = f" ({entry['residual_cause']})" if entry.get("residual_cause") else ""
+            rows.append(f'<tr class="residual"><td>residual after all levers{esc(why)}</td><td></td>'
+                        f'<td class="num">{fmt(residual)}</td>'
+                        f'<td class="num">{fmt(residual / gap if gap and residual is not None else None)}</td></tr>')
         out.append(table("table-ranked", ["cause", "lever", "share", "fraction of the gap"], rows,
                           caption="causes, largest first"))
     out.append("</div>")
     return "".join(out)
+
+
+def _primary_entry(report: dict) -> dict | None:
+    """The attribution of the primary metric (``{"gap", "residual", "levers", "shares", ...}``), or None."""
+    attribution = mapping(report.get("attribution"))
+    metrics = mapping(attribution.get("metrics"))
+    entry = metrics.get(attribution.get("primary"))
+    return mapping(entry) if entry else None
 
 
 def _details(report: dict) -> str:

@@ -17,9 +17,9 @@ The record is sampled once. The trainer side is re-run per lever set (it is a fo
 re-scored along the rollout's own path (:func:`moealign.patches.hf.rollout.rescore_decode`: the same
 ``generate()`` batches, prefill then one decode step per token, forced to the recorded tokens), which
 reproduces the record bitwise when nothing changed; the lever runs check that and refuse rollout-side levers
-otherwise. Rollout-side levers need a rollout engine moealign can re-score (transformers); with another
-engine (vLLM) or a record loaded from a file the players are the trainer-side levers only, and the report
-says so.
+otherwise. Rollout-side levers need a rollout engine moealign can re-score (transformers here; vLLM -> Megatron
+has its own table, :mod:`moealign.mismatch.vllm_levers`, vLLM re-scoring its side); with a record loaded from a file
+the players are the trainer-side levers only, and the report says so.
 
 A lever is a player only where it changes something (regions whose dtypes already agree, a sampling without
 truncation, an already batch-invariant pair, identical weights are left out). :class:`LeverRunner` is the levers'
@@ -82,6 +82,8 @@ CAUSES = {
     "precision:fp8": "precision: FP8 linear layers",
     "batch_invariant": "batch and KV-cache effects",
     "weights": "weights that differ",
+    "canonical": "kernels (each engine's own ops)",
+    "prefill": "prefill vs decode (the rollout's decode path)",
 }
 #: The gap metrics attributed (the issue's three), primary first.
 ATTRIBUTED_METRICS = ("mean_abs_logp_diff", "kl_k3", "max_abs_logp_diff")

@@ -119,6 +119,9 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
             rollout.close()
         del rollout
     finish_record(cfg, record)
+    from .vllm_levers import rescore_first
+
+    rescored = rescore_first(cfg, record, device, log=log)      # --diagnose on vLLM -> Megatron: before Megatron opens
 
     # 2. the training engine's scores, without and with routing replay
     log(train_message(cfg, record) + (f", sharded: {cfg.train_layout}, {cfg.train_dispatcher} dispatcher"
@@ -142,7 +145,7 @@ def run_mismatch(cfg: MismatchConfig, *, progress: bool = False, log: Callable[[
             extra = {"aligned": aligned_section(cfg, record, sides, trainer if cfg.diagnose else None, log=log)}
         elif cfg.diagnose:
             extra = diagnosis_sections(cfg, record, trainer, rollout_contract=rollout_contract,
-                                       pad_token_id=pad_token_id, log=log, sides=sides)
+                                       pad_token_id=pad_token_id, log=log, sides=sides, rescored=rescored)
         warned = weights_warnings(rollout_contract, trainer, (extra.get("contract") or {}).get("train"))
     finally:
         trainer.close()
@@ -247,11 +250,12 @@ def _shown_runs(runner: LeverRunner) -> dict:
 
 def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract: dict | None = None,
                        pad_token_id: int | None = None, log: Callable[[str], None] | None = None,
-                       sides: dict | None = None) -> dict:
+                       sides: dict | None = None, rescored=None) -> dict:
     """``{"levers", "attribution", "diagnosis", "contract", "plots"}`` of the report: every lever set scored
     on ``record`` (:class:`~moealign.mismatch.levers.LeverRunner`), its Shapley attribution, the diagnosis
     (:func:`~moealign.mismatch.diagnose.diagnose`), both sides' contracts compared, the plots' numbers.
-    ``sides``: :func:`score_record`'s passes of ``trainer`` over ``record`` (reused, not run again)."""
+    ``sides``: :func:`score_record`'s passes of ``trainer`` over ``record`` (reused, not run again); ``rescored``:
+    vLLM's re-scorings of the record (:func:`~moealign.mismatch.vllm_levers.rescore_first`: vLLM -> Megatron)."""
     from ..contract import compare_contracts
     from .scoring import make_train_engine
 
@@ -266,7 +270,10 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
         engine = make_train_engine(one, cfg.model_path(), device)
         return ReplayOffTrainer(engine) if fault is not None and fault.kind == "replay-off" else engine
 
-    runner = LeverRunner(record=record, trainer=trainer, trainer_factory=factory, model_path=cfg.model_path(),
+    from .vllm_levers import pair_runner
+
+    runner = pair_runner(cfg, record, trainer, device=device, sides=sides, rescorer=rescored, log=log) or LeverRunner(
+                         record=record, trainer=trainer, trainer_factory=factory, model_path=cfg.model_path(),
                          device=device, rollout_policy=cfg.rollout_precision, train_policy=cfg.train_precision,
                          batch_size=cfg.batch_size, batch_invariant=cfg.batch_invariant, attention=cfg.attention,
                          rescorable=cfg.rollout_engine == "hf" and not cfg.load_record,
@@ -292,7 +299,9 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
         rows = compare_contracts(rollout_contract, train_contract) if rollout_contract and train_contract else None
         runs_metrics = {name: r.metrics for name, r in shown.items()}
         runs_metrics["routing_replay"] = runner.run(frozenset({"routing_replay"})).metrics
-        diagnosis = diagnose(runs=runs_metrics, attribution=attribution, contract_rows=rows, notes=runner.notes)
+        verdict = runner.verdict() if hasattr(runner, "verdict") else None      # vLLM -> Megatron (vllm_levers.py)
+        diagnosis = diagnose(runs=runs_metrics, attribution=attribution, contract_rows=rows, notes=runner.notes,
+                             verdict=verdict)
         decode = _decoder(cfg)
         kept_sizes = None
         if record.has_kept_sets:
@@ -312,7 +321,7 @@ def diagnosis_sections(cfg: MismatchConfig, record, trainer, *, rollout_contract
             } if kl else {},
         }
         levers = {"players": runner.players, "regions": runner.regions, "notes": runner.notes, "work": runner.work,
-                  "decode_workers": runner.workers,
+                  "decode_workers": runner.workers, **({"verdict": verdict} if verdict else {}),
                   "runs": [{"label": r.label, "levers": sorted(r.levers), "metrics": r.metrics}
                            for r in runner.runs]}
         return {"levers": levers, "attribution": {"primary": ATTRIBUTED_METRICS[0], "metrics": attribution},
