@@ -181,6 +181,7 @@ def _routing(original):
         logits = router_logits.to(torch.float32)
         ids = C.c_topk(logits, self.top_k)
         return C.c_gates(logits, ids, renormalize=self.renormalize), ids
+    _compute_routing.canonical = True            # read by the route forcer: forced ids get the canonical gates too
     return _compute_routing
 
 

@@ -241,7 +241,11 @@ class RouteForcer(PatchHandle):
         return cached[2], cached[3]
 
     def _compute_routing(self, index: int, original, scoring: RouterScoring):
-        layer = self.routers[index][0]
+        layer, _, router = self.routers[index]
+        # under the canonical forward (moealign.patches.vllm.canonical) forced routes take its routing step too:
+        # ascending expert ids and c_gates from the fp32 logits, as Megatron's canonical router gives them, so a
+        # record's routes forced here and replayed there meet the same gates and the same combine order
+        canonical = getattr(getattr(original, "__func__", original), "canonical", False)
 
         def _compute_routing(hidden_states, router_logits, indices_type, *args, **kwargs):
             weights, ids = original(hidden_states, router_logits, indices_type, *args, **kwargs)
@@ -261,8 +265,15 @@ class RouteForcer(PatchHandle):
                                   f"{layer} chooses {ids.shape[-1]}")
             rows_d, forced_d = self._plan_on(step, ids.device)
             chosen = forced_d[:, index].to(router_logits.device)
-            gate = replay_gate_weights(router_logits[rows_d], chosen, scoring, out_dtype=weights.dtype,
-                                       validate=False)
+            if canonical:
+                from ...precision import canonical as C
+
+                ascending, order = chosen.to(torch.int64).sort(dim=-1)        # c_gates takes ascending ids
+                gates = C.c_gates(router_logits[rows_d].to(torch.float32), ascending, renormalize=router.renormalize)
+                gate = torch.empty_like(gates).scatter_(1, order, gates).to(weights.dtype)   # back to slot order
+            else:
+                gate = replay_gate_weights(router_logits[rows_d], chosen, scoring, out_dtype=weights.dtype,
+                                           validate=False)
             ids = ids.clone()
             weights = weights.clone()
             ids[rows_d] = chosen.to(ids.dtype)
