@@ -224,7 +224,8 @@ def test_gradients_match_the_stock_ops():
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "mixtral"}, "model_type 'mixtral' is not covered"),
     ({"use_sliding_window": True, "sliding_window": 64}, "sliding-window"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "scaled RoPE \\(type 'yarn'\\)"),
+    ({"partial_rotary_factor": 0.5}, "partial RoPE"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_only_layers": [0]}, "dense MLP layers"),
     ({"kv_lora_rank": 512}, "MLA"),
@@ -239,6 +240,15 @@ def test_check_canonical_model_refuses_what_it_does_not_cover(change, match):
     with pytest.raises(CanonicalError, match=match) as info:
         C.check_canonical_model(config)
     assert isinstance(info.value, MoealignError)
+
+
+def test_rope_is_refused_in_one_wording_wherever_it_is_looked_at():
+    # issue 36: a checkpoint's config, Megatron's config and runtime scale, vLLM's live modules: one function
+    assert C.rope_problems() == []
+    assert C.rope_problems(rope_type="yarn") == ["scaled RoPE (type 'yarn')"]
+    assert C.rope_problems(mscale=1.2) == ["scaled RoPE (mscale=1.2)"]
+    assert C.rope_problems(interleaved=True) == ["interleaved (GPT-J style) RoPE"]
+    assert "scaled or interpolated" in C.rope_problems(frequencies_match=False)[0]
 
 
 @pytest.mark.parametrize("shape", [(37, 50, 128, 32), (5, 7, 96, 32), (3, 33, 64, 16), (2, 300, 1024, 64)])

@@ -79,6 +79,7 @@ __all__ = [
     "c_combine",
     "log_softmax_mode",
     "covered_families",
+    "rope_problems",
     "check_canonical_model",
     "check_canonical_tp",
 ]
@@ -462,6 +463,25 @@ def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -
     return out.to(dtype)
 
 
+def rope_problems(*, rope_type: str = "default", partial_factor: float = 1.0, interleaved: bool = False,
+                  mscale: float = 1.0, frequencies_match: bool = True) -> list[str]:
+    """What of a rotary embedding the canonical RoPE does not cover, in one wording for every place that looks (a
+    checkpoint's config, Megatron's config and its runtime scale, vLLM's live modules): empty when covered (plain
+    NeoX-style RoPE over the whole head at theta's frequencies)."""
+    problems = []
+    if (rope_type or "default") != "default":
+        problems.append(f"scaled RoPE (type {rope_type!r})")
+    if partial_factor != 1.0:
+        problems.append(f"partial RoPE (partial_rotary_factor={partial_factor})")
+    if interleaved:
+        problems.append("interleaved (GPT-J style) RoPE")
+    if mscale != 1.0:
+        problems.append(f"scaled RoPE (mscale={mscale})")
+    if not frequencies_match:
+        problems.append("scaled or interpolated RoPE (frequencies other than theta's)")
+    return problems
+
+
 def covered_families() -> tuple[str, ...]:
     """The model families whose every op the canonical forward covers in both engines (verified bitwise): those whose
     family file says so (``MoEFamily.verified`` holds ``"aligned"``, :mod:`moealign.families`)."""
@@ -488,10 +508,8 @@ def check_canonical_model(config: dict) -> None:
     if config.get("sinks") or config.get("attention_sinks"):
         problems.append("attention sinks")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
-        problems.append(f"RoPE type {rope.get('rope_type') or rope.get('type')!r}")
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        problems.append(f"partial_rotary_factor={config['partial_rotary_factor']}")
+    problems += rope_problems(rope_type=rope.get("rope_type") or rope.get("type") or "default",
+                              partial_factor=config.get("partial_rotary_factor", 1.0))
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']!r}")
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:

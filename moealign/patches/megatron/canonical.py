@@ -45,12 +45,13 @@ def _check_config(config) -> None:
                       ("context_parallel_size", lambda v: v != 1), ("sequence_parallel", bool),
                       ("moe_shared_expert_intermediate_size", bool), ("moe_expert_capacity_factor", lambda v: v is not None),
                       ("moe_latent_size", bool), ("moe_grouped_gemm", bool), ("apply_rope_fusion", bool),
-                      ("rotary_interleaved", bool), ("softmax_scale", lambda v: v is not None),
+                      ("softmax_scale", lambda v: v is not None),
                       ("apply_query_key_layer_scaling", bool), ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1)),
                       ("moe_router_num_groups", lambda v: v not in (None, 1)), ("moe_router_enable_expert_bias", bool)):
         value = getattr(config, name, None)
         if value is not None and bad(value):
             problems.append(f"{name}={value!r}")
+    problems += C.rope_problems(interleaved=bool(getattr(config, "rotary_interleaved", False)))
     if getattr(config, "moe_router_score_function", "softmax") != "softmax":
         problems.append(f"moe_router_score_function={config.moe_router_score_function!r}")
     if getattr(config, "gated_linear_unit", True) is not True or getattr(config, "activation_func", None) not in (
@@ -87,7 +88,7 @@ def _rope(original, base: float):
         if cu_seqlens is not None:
             raise CanonicalError("the canonical forward does not cover packed (THD) sequences in Megatron")
         if mscale != 1.0:
-            raise CanonicalError(f"the canonical RoPE does not cover a scaled rotary embedding (mscale={mscale})")
+            raise CanonicalError("the canonical RoPE does not cover " + ", ".join(C.rope_problems(mscale=mscale)))
         rot = freqs.shape[-1]
         positions = freqs.reshape(freqs.shape[0], -1)[:, 0]           # p * inv_freq[0] = p exactly
         cos, sin = C.rope_cos_sin(positions.round().to(torch.int64), rot, base)
@@ -196,8 +197,8 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
         want = torch.tensor([1.0 / (float(rope_base) ** (2 * i / rot)) for i in range(inv.numel())],
                             dtype=torch.float64)
         if float(inv[0]) != 1.0 or not torch.allclose(inv, want, rtol=1e-6, atol=0):
-            raise CanonicalError(f"Megatron's rotary frequencies are not RoPE theta={rope_base} over {rot} dims "
-                                 "(scaled or interpolated RoPE is not covered)")
+            raise CanonicalError(f"Megatron's rotary frequencies are not RoPE theta={rope_base} over {rot} dims: the "
+                                 "canonical RoPE does not cover " + ", ".join(C.rope_problems(frequencies_match=False)))
         C.rope_reserve(max_positions, rot, rope_base, next(model.parameters()).device)
 
     handle = PatchHandle(f"Megatron canonical forward ({', '.join(ops)}) on {type(model).__name__}", "module")

@@ -324,7 +324,7 @@ def audit_canonical(model: torch.nn.Module, ops=VLLM_OPS, ran: bool = False) -> 
             if cls == "Attention":
                 escaped += [f"{name} ({cls}: {what})" for what in _attention_problems(module)]
             if cls == "RotaryEmbedding" and not module.is_neox_style:
-                escaped.append(f"{name} ({cls}, GPT-J style)")
+                escaped += [f"{name} ({cls}: {what})" for what in C.rope_problems(interleaved=True)]
             if cls in counted:
                 if ran and not getattr(module, "_moealign_canonical", 0):
                     escaped.append(f"{name} ({cls}, not run)")
