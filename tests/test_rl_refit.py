@@ -69,6 +69,15 @@ def test_mangled_refit_is_named_per_tensor_and_worker(which, request):
 
 @needs_vllm
 @pytest.mark.parametrize("which", ["tp1", "tp2"])
+def test_weight_manifest_verifies_and_names_the_same_tensors(which, request):
+    # the check from digests alone (tests/test_weight_manifest.py): the TP 2 engine's shards summed over workers
+    r = request.getfixturevalue(which)
+    assert r["manifest_ok"]
+    assert r["manifest_mangled"] == r["mangled"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("which", ["tp1", "tp2"])
 def test_interrupted_stream_raises_and_is_named(which, request):
     r = request.getfixturevalue(which)
     assert "model.layers.2.self_attn.o_proj.weight" in r["interrupted_error"]

@@ -10,7 +10,8 @@ Prints one ``RESULT {json}`` line:
 * ``stock_reload_max_diff``: the negative control, vLLM's own ``reload_weights`` fed the same identical weights
   (its CPU build skips the MoE prepack on a weight update): the log-probs move by nats;
 * ``mangled``: a refit with ``model.layers.1.self_attn.q_proj.weight`` transposed and expert 3 of layer 2 nudged:
-  the (tensor, worker) pairs the verifier names;
+  the (tensor, worker) pairs the verifier names; ``manifest_ok`` / ``manifest_mangled``: the same checks from a
+  weight manifest of the trainer (saved and loaded), every worker's shards summed;
 * ``interrupted``: a stream that stops before ``model.layers.2.self_attn.o_proj.weight``: the error, and what the
   verifier names afterwards;
 * ``updated``: the trainer takes a real optimizer step; after the refit the verifier passes and the probe gap is
@@ -59,6 +60,15 @@ def main(tp: int) -> dict:
     out["identical_checked"] = check.weights.checked
     out["identical_packed"] = check.weights.packed
     out["workers"] = result.workers
+    # the same check from digests alone (a weight manifest, through its file): every worker's shards summed
+    import tempfile
+
+    from moealign.rl import WeightManifest, weight_manifest
+
+    manifest_path = os.path.join(tempfile.mkdtemp(), "step.manifest.json")
+    weight_manifest(trainer).save(manifest_path)
+    manifest = WeightManifest.load(manifest_path)
+    out["manifest_ok"] = verify_refit(llm, manifest).ok
     # 2. negative control: vLLM's own reload of the same tensors (TP = 1: the engine runs in this process)
     if tp == 1:
         from moealign.patches.vllm.rollout import model_runner
@@ -84,6 +94,7 @@ def main(tp: int) -> dict:
     vr.refit_weights(llm, iter(named), {n: tuple(t.shape) for n, t in named})
     out["mangled"] = sorted(list(m[:2]) for m in verify_refit(llm, trainer).weights.mismatches)
     out["mangled_vs_what_was_sent"] = verify_refit(llm, trainer, expected=bad).ok
+    out["manifest_mangled"] = sorted(list(m[:2]) for m in verify_refit(llm, manifest).weights.mismatches)
     # 4. an interrupted stream: everything but layer 2's o_proj, announced complete
     refit(llm, trainer)
     skipped = "model.layers.2.self_attn.o_proj.weight"

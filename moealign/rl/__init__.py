@@ -2,6 +2,8 @@
 
 * :func:`refit` / :func:`verify_refit` (:mod:`moealign.rl.refit`): the trainer's weights into a running vLLM
   engine in place, and the proof that every worker now holds them (digests through vLLM's packing, a probe forward);
+* :func:`weight_manifest` / :class:`WeightManifest` (:mod:`moealign.rl.manifest`): the trainer's weights as
+  per-tensor digests in a small file, so that ``verify_refit(llm, manifest)`` verifies an engine from another process;
 * :func:`run_rl_check` (:mod:`moealign.rl.loop`): K steps of group-relative policy gradient, vLLM rolling out and
   Megatron-core training, every step measured (mismatch, router flips, correction, reward, refit, verification);
 * :class:`RLCheckConfig` (:mod:`moealign.rl.config`): its options, checked before any engine starts.
@@ -9,8 +11,10 @@
 
 from .config import LEVERS, STEP_METRICS, RLCheckConfig
 from .loop import run_rl_check
+from .manifest import WeightManifest, weight_manifest
 from .refit import Probe, RefitCheck, refit, trainer_tensors, verify_refit
 from .reward import REWARD_NAME, balanced_brackets, group_advantages, rewards
 
 __all__ = ["LEVERS", "RLCheckConfig", "STEP_METRICS", "run_rl_check", "Probe", "RefitCheck", "refit",
-           "trainer_tensors", "verify_refit", "REWARD_NAME", "balanced_brackets", "group_advantages", "rewards"]
+           "trainer_tensors", "verify_refit", "WeightManifest", "weight_manifest", "REWARD_NAME",
+           "balanced_brackets", "group_advantages", "rewards"]

@@ -40,8 +40,9 @@ import torch
 from ..errors import ConfigError, InputTypeError, RefitError
 from ..record import RolloutRecord, Sample, SamplingParams
 
-__all__ = ["Probe", "RefitCheck", "trainer_tensors", "refit", "verify_refit", "check_same_architecture",
-           "architecture_differences", "ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "NOT_CHECKED"]
+__all__ = ["Probe", "RefitCheck", "trainer_tensors", "trainer_config", "refit", "verify_refit",
+           "check_same_architecture", "architecture_differences", "comparable_config", "comparable_fields",
+           "ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "NOT_CHECKED"]
 
 #: Config fields that must agree between the trainer and the engine before any tensor moves: the shapes.
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -189,6 +190,24 @@ def _trainer_config(trainer, hf_config):
     if isinstance(trainer, Mapping):
         return None
     return _unwrap(trainer)[1]
+
+
+def trainer_config(trainer, hf_config=None):
+    """The transformers config a trainer states (``hf_config`` when given; ``None`` for a snapshot mapping)."""
+    return _trainer_config(trainer, hf_config)
+
+
+def comparable_config(config) -> dict:
+    """The fields of ``config`` that :func:`architecture_differences` compares (:data:`ARCHITECTURE_FIELDS`,
+    :data:`FORWARD_FIELDS`, the RoPE settings) that it states, as plain JSON values (what a weight manifest
+    carries)."""
+    data = _config_dict(config)
+    return {k: _plain(data[k]) for k in ARCHITECTURE_FIELDS + FORWARD_FIELDS + _ROPE_FIELDS if k in data}
+
+
+def comparable_fields() -> tuple[str, ...]:
+    """Every config field :func:`comparable_config` may return."""
+    return ARCHITECTURE_FIELDS + FORWARD_FIELDS + _ROPE_FIELDS
 
 
 def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
@@ -386,17 +405,34 @@ class RefitCheck:
 
 
 def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | None = None) -> RefitCheck:
-    """Prove ``llm`` runs the trainer's weights (see the module docstring). ``expected``: the tensors the engine
+    """Prove ``llm`` runs the trainer's weights (see the module docstring). ``trainer`` may be a
+    :class:`~moealign.rl.manifest.WeightManifest` instead (digests written where the trainer runs: the engine's
+    tensors are compared with them, the manifest's config with the engine's; no probe). ``expected``: the tensors the engine
     should hold when they are not the trainer's current ones (a stale refit: the snapshot that was pushed); the
     probe then does not run (the engine and the trainer hold different weights by design). ``probe`` needs a
     moealign train engine (its forward replays routes). The trainer's config is compared with the engine's
     (:func:`architecture_differences`: a difference fails the check). Never raises for a failed check: read
     ``.ok`` or call ``.check()``; refused by name (before any work) for arguments it cannot use, a refit of the
     same engine under way, a shut-down engine."""
-    from ..patches.vllm.refit import as_llm, verify_weights
+    from ..patches.vllm.refit import as_llm, verify_digests, verify_weights
+    from .manifest import WeightManifest
 
     t0 = time.perf_counter()
     llm = as_llm(llm)
+    if isinstance(trainer, WeightManifest):
+        if expected is not None or probe is not None:
+            raise ConfigError("verify_refit with a weight manifest compares digests only: expected= and probe= need "
+                              "the trainer itself (its tensors, its forward)")
+        trainer.validate("verify_refit: the weight manifest")
+        config = hf_config if hf_config is not None else trainer.config
+        differ = [] if config is None else architecture_differences(llm.llm_engine.model_config.hf_config, config)
+        not_checked = ["the forward (a manifest holds digests: the weights were compared, the logits were not)",
+                       *NOT_CHECKED]
+        if config is None:
+            not_checked.insert(0, "the config (the manifest states none)")
+        weights = verify_digests(llm, trainer.digests())
+        return RefitCheck(weights=weights, seconds=time.perf_counter() - t0, config_mismatches=differ,
+                          not_checked=not_checked)
     if probe is not None:
         if not isinstance(probe, Probe):
             raise InputTypeError(f"probe must be a moealign.rl.Probe, got {type(probe).__name__}")

@@ -33,9 +33,13 @@ rank's shard, where the forward reads them: plain parameters as they are; linear
 forward goes through the CPU build's ``cpu_linear`` (a oneDNN / packed copy of the weight; the linears' parameter
 left empty, the LM head's kept beside it: the logits come from the copy) are read back *through the kernel*
 (``cpu_linear`` applied to the identity matrix: exact, every output is one product with 1.0); where the LM head's
-parameter and kernel copy differ both are named; prepacked MoE experts as packed bytes, per expert.
-:func:`verify_weights` fingerprints (:func:`moealign.contract.tensor_fingerprint`) the expected tensors the same way (sliced for the rank, cast to the held dtype, packed
-with the worker's own prepack op where the worker packs) and names every (tensor, worker) that differs.
+parameter and kernel copy differ both are named; prepacked MoE experts unpacked through the packing measured with
+the worker's own prepack op (:func:`_packed_layout`). Each worker sends what its shard contributes to the tensor's
+**layout digest** (:func:`layout_digest`: a keyed sum over the full tensor's words, so the contributions of
+disjoint shards add up to the digest of the whole: :func:`span_lanes`, :func:`shard_span`).
+:func:`verify_weights` compares each (tensor, worker) with what the trainer's tensor (cast to the held dtype)
+contributes over the same rows and columns and names every (tensor, worker) that differs; :func:`verify_digests`
+sums the workers' shards and compares them with digests alone (a weight manifest, :mod:`moealign.rl.manifest`).
 Un-fusing is written for the qwen3_moe layout (``qkv_proj``, ``gate_up_proj``, ``w13`` / ``w2``); another family is
 refused by name.
 """
@@ -55,7 +59,6 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from ...contract import tensor_fingerprint
 from ...errors import (ConfigError, EngineError, InputTypeError, MoealignError, RefitError, UnsupportedEngineError,
                        UnsupportedModelError)
 from ...handle import PatchHandle
@@ -64,7 +67,8 @@ from .engine import vllm_version
 
 __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrepack", "apply_cpu_experts_prepack",
            "checkpoint_layout", "checkpoint_named", "check_manifest", "check_values", "as_llm", "engine_model_path",
-           "engine_dtype", "engine_busy", "refit_weights", "held_tensors", "verify_weights"]
+           "engine_dtype", "engine_busy", "refit_weights", "DIGEST_NAME", "layout_digest", "span_lanes", "shard_span",
+           "expected_lanes", "held_tensors", "verify_weights", "verify_digests"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
@@ -351,6 +355,38 @@ def _value_problem(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> str:
             f"{torch.finfo(dtype).max:.6g} is the largest it holds: it would be held as Inf)")
 
 
+def _run_view(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """``numel`` elements of ``first``'s storage from ``first``'s first element on, as one flat view."""
+    return first.detach().as_strided((numel,), (1,), first.storage_offset())
+
+
+def _value_runs(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, list]]:
+    """The floating tensors of ``named`` grouped into runs laid end to end in one storage (the experts of one fused
+    tensor, split per expert by :func:`checkpoint_named`, are one run): ``(flat view of the run, [(name, tensor)])``.
+    One value pass per run instead of one per tensor (a pass costs a parallel region even for a small tensor)."""
+    run: list = []
+    end = ptr = None
+    for name, tensor in named:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        contiguous = tensor.is_contiguous()
+        here = tensor.untyped_storage().data_ptr() if contiguous else None
+        if run and contiguous and here == ptr and tensor.storage_offset() == end and \
+                tensor.dtype == run[0][1].dtype and tensor.device == run[0][1].device:
+            run.append((name, tensor))
+            end += tensor.numel()
+            continue
+        if run:
+            yield _run_view(run[0][1], end - run[0][1].storage_offset()) if len(run) > 1 else run[0][1], run
+        run = [(name, tensor)]
+        ptr, end = here, tensor.storage_offset() + tensor.numel()
+        if not contiguous:
+            yield tensor, run
+            run, ptr, end = [], None, None
+    if run:
+        yield _run_view(run[0][1], end - run[0][1].storage_offset()) if len(run) > 1 else run[0][1], run
+
+
 def check_values(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                  manifest: Mapping[str, tuple[int, ...]] | None = None, *,
                  what: str = "refit refused before any weight moved") -> dict[str, tuple[int, ...]]:
@@ -358,9 +394,10 @@ def check_values(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
     (:class:`~moealign.errors.RefitError` / :class:`~moealign.errors.InputTypeError`): a value that is not a tensor,
     a meta tensor, NaN / Inf, a value that overflows the engine's ``dtype`` (an fp16 engine would hold Inf), and,
     with ``manifest``, a name or shape it did not announce, a name twice, an announced name missing (``what``
-    heads the message). One host read per device at the end (the bad tensor is found again only when one is bad)."""
+    heads the message). One min / max pass per run of tensors laid end to end in memory (:func:`_value_runs`), one
+    host read per device at the end (the bad tensor is found again only when one is bad)."""
     seen: dict[str, tuple[int, ...]] = {}
-    flags: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    entries: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named:
         _check_tensor(name, tensor, what)
         shape = tuple(tensor.shape)
@@ -370,18 +407,22 @@ def check_values(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
             raise RefitError(f"{what}: {name!r} {shape} is not what the manifest "
                              f"announced ({manifest.get(name, 'absent')})")
         seen[name] = shape
-        flag = _value_flags(tensor, dtype)
-        if flag is not None:
-            flags.setdefault(flag.device, []).append((name, tensor, flag))
-    for device, entries in flags.items():
-        if not bool(torch.stack([f for _, _, f in entries]).all()):
-            problems = [_value_problem(n, t, dtype) for n, t, f in entries if not bool(f)]
-            raise RefitError(f"{what} ({len(problems)} tensor(s)): "
-                             + "; ".join(problems[:4]) + (" and more" if len(problems) > 4 else ""))
+        entries.append((name, tensor))
     if manifest is not None and len(seen) != len(manifest):
         missing = sorted(set(manifest) - set(seen))
         raise RefitError(f"{what}: the stream lacks {len(missing)} announced "
                          f"tensor(s): {missing[:4]}")
+    flags: dict[torch.device, list[tuple[list, torch.Tensor]]] = {}
+    for view, members in _value_runs(entries):
+        flag = _value_flags(view, dtype)
+        if flag is not None:
+            flags.setdefault(flag.device, []).append((members, flag))
+    for device, runs in flags.items():
+        if not bool(torch.stack([f for _, f in runs]).all()):
+            problems = [_value_problem(n, t, dtype) for members, f in runs if not bool(f) for n, t in members
+                        if not bool(_value_flags(t, dtype))]
+            raise RefitError(f"{what} ({len(problems)} tensor(s)): "
+                             + "; ".join(problems[:4]) + (" and more" if len(problems) > 4 else ""))
     return seen
 
 
@@ -628,6 +669,193 @@ def _finish(llm, engine: _EngineState, key: str, *, quiet: bool) -> list | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# layout digests: one digest per tensor in transformers layout, composable over TP shards
+# --------------------------------------------------------------------------------------------------
+
+#: The name of the digest function (stated in every weight manifest; a manifest of another function is refused).
+DIGEST_NAME = "moealign-rowword-splitmix64-v1"
+_MASK64 = (1 << 64) - 1
+_KEYS: dict[str, torch.Tensor] = {}
+#: int64 words per block of the digest's elementwise pass: 128 KiB, below torch's parallel grain (32768 elements), so
+#: every op of the pass runs on the calling thread: no OpenMP region per block (on a shared machine each region can
+#: wait a scheduler tick for its other threads: the digest of the 432M model took 5-70 s with 64K-word blocks and two
+#: threads, against 1-2 s on one). The buffer stays in cache.
+_DIGEST_BLOCK = 1 << 14
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+_SPLITMIX = tuple(_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)            # logical shift of int64 (torch's >> is arithmetic)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    z = z + _SPLITMIX[0]
+    z = (z ^ _lsr(z, 30)) * _SPLITMIX[1]
+    z = (z ^ _lsr(z, 27)) * _SPLITMIX[2]
+    return z ^ _lsr(z, 31)
+
+
+def _keys(kind: int, start: int, stop: int, device) -> torch.Tensor:
+    """``[stop - start, 2]`` odd int64 keys (``kind`` 0: the 8-byte words of a row, 1: the rows), lane ``j`` of
+    index ``i`` = ``splitmix64(i + ((2 kind + j + 1) << 48)) | 1``: a pure function of the index (any device, any
+    machine, any table length gives the same keys)."""
+    table = _KEYS.get(str(device))
+    if table is None or table.shape[1] < stop:
+        n = max(stop, 2 * (0 if table is None else table.shape[1]), 1 << 12)
+        i = torch.arange(n, dtype=torch.int64)
+        lanes = [_splitmix64(i + ((2 * k + j + 1) << 48)) | 1 for k in (0, 1) for j in (0, 1)]
+        table = _KEYS[str(device)] = torch.stack(lanes).view(2, 2, n).transpose(1, 2).contiguous().to(device)
+    return table[kind, start:stop]
+
+
+def _words(t: torch.Tensor, col_start: int) -> tuple[torch.Tensor, int]:
+    """``t`` ``[L, M, n]`` (columns ``col_start`` .. of rows of the full tensor) as int64 words ``[L, M, Q]`` of the
+    full rows' bytes, and the index of its first word in the full row. Where the shard does not start or end on a
+    word boundary its partial words are zero-filled (the other shard's bytes contribute the rest: the digest is a
+    sum of products, so the two shards' partial words add up to the full word)."""
+    size = t.element_size()
+    off, first = (col_start * size) % 8, (col_start * size) // 8
+    nbytes = t.shape[-1] * size
+    if off == 0 and nbytes % 8 == 0 and nbytes > 0:
+        if t.dtype == torch.int64 or t.dtype == torch.float64:
+            return t.view(torch.int64) if t.dtype != torch.int64 else t, first
+        try:
+            return t.view(torch.int64), first                # a view when the rows are word-aligned (no copy)
+        except RuntimeError:
+            return t.contiguous().view(torch.int64), first
+    count = (off + nbytes + 7) // 8
+    if count == 0:
+        return torch.zeros(*t.shape[:-1], 0, dtype=torch.int64, device=t.device), first
+    buf = torch.zeros(*t.shape[:-1], count * 8, dtype=torch.uint8, device=t.device)
+    if nbytes:
+        buf[..., off:off + nbytes] = t.contiguous().view(torch.uint8)
+    return buf.view(torch.int64), first
+
+
+def span_lanes(t: torch.Tensor, rows: list[tuple[int, int]], col_start: int = 0) -> torch.Tensor:
+    """The two int64 lanes ``[L, 2]`` that the block ``t`` (``[L, M, n]``: ``L`` tensors at once, e.g. experts; its
+    ``M`` rows are the full tensor's rows ``rows`` (ranges, in order), its ``n`` columns start at ``col_start``)
+    contributes to each tensor's layout digest (:func:`layout_digest`). Contributions of disjoint blocks add up
+    (mod 2^64) to the digest of the whole: what lets TP shards held by different workers be checked against one
+    digest of the full tensor."""
+    lead, m = t.shape[0], t.shape[1]
+    words, first = _words(t, col_start)
+    q = words.shape[-1]
+    keys = _keys(0, first, first + q, t.device)
+    row_keys = torch.cat([_keys(1, a, b, t.device) for a, b in rows]) if len(rows) != 1 else \
+        _keys(1, rows[0][0], rows[0][1], t.device)
+    flat = words.reshape(lead * m, q)
+    per_row = torch.empty(lead * m, 2, dtype=torch.int64, device=t.device)
+    step = max(1, _DIGEST_BLOCK // max(q, 1))
+    buf = torch.empty(min(step, lead * m), q, dtype=torch.int64, device=t.device)
+    for r0 in range(0, lead * m, step):            # wrapping int64 products and sums: exact mod 2^64, any device
+        part = flat[r0:r0 + step]
+        out = buf[:part.shape[0]]
+        for j in range(2):
+            torch.mul(part, keys[:, j], out=out)
+            per_row[r0:r0 + part.shape[0], j] = out.sum(1)
+    return (per_row.view(lead, m, 2) * row_keys).sum(1)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as ``[rows, columns]``: every dimension but the last folded into rows (a 0-d / 1-d tensor: one row)."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t.reshape(1, -1)
+
+
+def _unsigned(lanes) -> tuple[int, int]:
+    return tuple(int(v) & _MASK64 for v in lanes)
+
+
+def layout_digest(tensor: torch.Tensor, *, rows: bool = False):
+    """The layout digest of ``tensor`` as it stands (its dtype, transformers layout): ``(lane0, lane1)``, two
+    unsigned 64-bit sums over the tensor's 8-byte words (each row zero-padded to a whole word) of word x column
+    key x row key (odd keys from :func:`_keys`). Any single changed word changes both lanes; a transposition or a
+    shifted block changes them unless the keys collide. A bug guard, not a cryptographic digest. ``rows=True``: one
+    digest per index of the first dimension (experts), in one pass. Equal, bit for bit, to the sum of
+    :func:`span_lanes` over any partition of the tensor into row / column blocks (TP shards)."""
+    t = tensor.detach()
+    if rows:
+        if t.dim() < 1 or t.shape[0] == 0:
+            return []
+        inner = t[0]
+        r = 1 if inner.dim() <= 1 else math.prod(inner.shape[:-1])
+        block = t.reshape(t.shape[0], r, -1) if inner.dim() else t.reshape(t.shape[0], 1, 1)
+        return [_unsigned(v) for v in span_lanes(block, [(0, r)]).tolist()]
+    block = _as_rows(t)
+    return _unsigned(span_lanes(block.unsqueeze(0), [(0, block.shape[0])])[0].tolist())
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``shape`` seen as ``[rows, columns]`` (:func:`_as_rows`)."""
+    if len(shape) == 0:
+        return 1, 1
+    return (1 if len(shape) == 1 else math.prod(shape[:-1])), shape[-1]
+
+
+def shard_span(shard: tuple, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], int, int]:
+    """Where a worker's shard lies in the full tensor of ``shape`` seen as ``[rows, columns]`` (:func:`_as_rows`):
+    ``(row ranges in the shard's order, first column, columns)``. ``shard``: ``("full",)``, ``("rows", start,
+    end)`` (vocabulary rows), ``("chunk", dim, rank, world)`` (dim 0: rows, the last dim: columns), ``("glu", 0,
+    rank, world)`` (the rank's part of each half of the rows: vLLM's merged gate / up), ``("expert", e, inner)``
+    (``inner`` in the fused ``[experts, ...]`` tensor's dims, applied to expert ``e``'s matrix ``shape``)."""
+    ndim = len(shape)
+    n_rows, n_cols = _rows_cols(shape)
+    kind = shard[0]
+    if kind == "expert":
+        inner = shard[2]
+        if inner[0] in ("chunk", "glu"):
+            inner = (inner[0], inner[1] - 1, *inner[2:])
+        return shard_span(inner, shape)
+    if kind == "full":
+        return [(0, n_rows)], 0, n_cols
+    if kind == "rows" and ndim == 2:
+        return [(int(shard[1]), int(shard[2]))], 0, n_cols
+    if kind in ("chunk", "glu") and len(shard) == 4:
+        dim, rank, world = shard[1], shard[2], shard[3]
+        if kind == "chunk" and ndim >= 1 and dim == ndim - 1:
+            if n_cols % world:
+                raise UnsupportedEngineError(f"a column shard of {world} does not divide {n_cols} columns")
+            step = n_cols // world
+            return [(0, n_rows)], rank * step, step
+        if dim == 0 and ndim >= 2:
+            halves = 2 if kind == "glu" else 1
+            if n_rows % (halves * world):
+                raise UnsupportedEngineError(f"a {kind} row shard of {world} does not divide {n_rows} rows")
+            half, step = n_rows // halves, n_rows // halves // world
+            return [(h * half + rank * step, h * half + (rank + 1) * step) for h in range(halves)], 0, n_cols
+    raise UnsupportedEngineError(f"shard {shard!r} of a tensor of shape {tuple(shape)} is not one moealign reads")
+
+
+def _block(full: torch.Tensor, rows: list[tuple[int, int]], col: int, n: int, lead: bool) -> list:
+    """The views of ``full`` (``[L, R, C]`` with ``lead``, else ``[R, C]``) under a span: one per row range."""
+    f = full if lead else _as_rows(full).unsqueeze(0)
+    if lead:
+        f = f.reshape(f.shape[0], -1, f.shape[-1]) if f.dim() > 2 else f.reshape(f.shape[0], 1, -1)
+    return [(f[:, a:b, col:col + n], a, b) for a, b in rows]
+
+
+def expected_lanes(full: torch.Tensor, shard: tuple, shape: tuple[int, ...], dtype: torch.dtype, *,
+                   lead: bool = False) -> torch.Tensor:
+    """What a worker holding ``shard`` of ``full`` (cast to ``dtype``) contributes to its layout digest: ``[L, 2]``
+    int64 lanes (``lead``: ``full`` is ``[L, *shape]``, e.g. every expert at once)."""
+    rows, col, n = shard_span(shard, shape)
+    total = None
+    for view, a, b in _block(full.detach(), rows, col, n, lead):
+        part = span_lanes(view.to(dtype), [(a, b)], col)
+        total = part if total is None else total + part
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
 # reading back what the workers hold
 # --------------------------------------------------------------------------------------------------
 
@@ -651,9 +879,84 @@ def _read_linear(module, param: torch.Tensor, k: int | None = None) -> tuple[tor
         return kernel(eye, param, None).t().contiguous(), True
 
 
+_UNPACK: dict[tuple, tuple[list[int], list[int]] | None] = {}
+#: Experts unpacked per pass of the read-back (bounds its temporary memory: a few tens of MB).
+_UNPACK_BYTES = 32 << 20
+
+
+def _strided_inverse(inv: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``(sizes, strides)`` of a view that lists a packed matrix in logical (row-major) order, ``inv[l]`` being the
+    packed position of logical element ``l``; ``None`` where the packing is no strided permutation. Proved by
+    building the view over the positions and comparing it with ``inv`` (exact)."""
+    n = inv.numel()
+    sizes: list[int] = []
+    strides: list[int] = []
+    period = 1
+    while period < n:
+        stride = int(inv[period] - inv[0])
+        count = 1
+        while period * (count + 1) <= n and int(inv[period * count] - inv[0]) == stride * count:
+            count += 1
+        if count == 1 or n % (period * count):
+            return None
+        sizes.insert(0, count)
+        strides.insert(0, stride)
+        period *= count
+    try:
+        view = torch.arange(n, dtype=torch.int64).as_strided(sizes, strides)
+    except RuntimeError:
+        return None
+    return (sizes, strides) if torch.equal(view.reshape(-1), inv) else None
+
+
+def _packed_layout(shape: tuple[int, int], dtype: torch.dtype, isa: str) -> tuple[list[int], list[int]] | None:
+    """(In a worker) how vLLM's CPU prepack (``cpu_prepack_moe_weight``, this ``isa``) places one expert's
+    ``[N, K]`` matrix: measured once per (shape, dtype, ISA) by packing the digits of every element's index (exact
+    small integers in any float dtype) and reading where each one landed; ``None``: not a bijection or not a strided
+    permutation (the caller then gathers by index). Each expert is packed on its own (one matrix's layout, offset
+    by the expert)."""
+    key = (tuple(shape), dtype, isa)
+    if key in _UNPACK:
+        return _UNPACK[key]
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    n = shape[0] * shape[1]
+    index = torch.arange(n, dtype=torch.int64)
+    perm = torch.zeros(n, dtype=torch.int64)
+    for d in range(max(1, ((n - 1).bit_length() + 7) // 8)):
+        digit = ((index >> (8 * d)) & 255).to(dtype).reshape(1, *shape)
+        perm |= cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.int64) << (8 * d)
+    if not torch.equal(torch.sort(perm).values, index):
+        raise UnsupportedEngineError(f"vLLM's CPU expert prepack ({isa}, {tuple(shape)}, {dtype}) is not a "
+                                     f"permutation of the weights (padding?); the packed experts cannot be read back")
+    inv = torch.empty_like(perm)
+    inv[perm] = index
+    layout = _strided_inverse(inv)
+    _UNPACK[key] = layout if layout is not None else ("index", inv)
+    return _UNPACK[key]
+
+
+def _unpacked_experts(param: torch.Tensor, isa: str):
+    """(In a worker) the prepacked experts ``[E, N, K]`` in logical layout, a few experts at a time:
+    ``(first expert, [e, N, K] tensor)``."""
+    e_all, n, k = param.shape
+    layout = _packed_layout((n, k), param.dtype, isa)
+    per = max(1, _UNPACK_BYTES // max(1, n * k * param.element_size()))
+    for e0 in range(0, e_all, per):
+        part = param[e0:e0 + per]
+        if layout[0] == "index":
+            yield e0, part.reshape(part.shape[0], -1)[:, layout[1]].reshape(part.shape)
+        else:
+            sizes, strides = layout
+            yield e0, part.as_strided([part.shape[0], *sizes], [n * k, *strides]).reshape(part.shape)
+
+
 def _rpc_held(worker) -> dict:
-    """(In a worker) this rank's held tensors in transformers names: ``{name: (digest, shape, dtype, shard, packed)}``
-    plus ``_isa`` (the prepack ISA where the experts are packed) (``shard`` tells the driver how to cut the trainer's full tensor)."""
+    """(In a worker) this rank's held tensors in transformers names: ``{name: (lanes, local shape, dtype, shard,
+    packed, full shape)}``: ``lanes`` what the held bytes contribute to the full tensor's layout digest
+    (:func:`span_lanes`; read where the forward reads them: kernel copies through the kernel, prepacked experts
+    unpacked), ``shard`` where they lie in the full tensor (:func:`shard_span`), ``full shape`` the transformers
+    shape (one expert's matrix for ``experts.*[e]``)."""
     runner = _runner(worker)
     model = runner.model
     hf_config = runner.model_config.hf_config
@@ -663,12 +966,17 @@ def _rpc_held(worker) -> dict:
                                     f"not {family!r}")
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
-    isa = None
     cpu_experts = _cpu_experts_class()
 
-    def put(name, tensor, shard, packed=False):
-        out[name] = (tensor_fingerprint(tensor), tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                     shard, packed)
+    def put(name, tensor, shard, full_shape, packed=False):
+        dtype = str(tensor.dtype).replace("torch.", "")
+        rows, col, n = shard_span(shard, full_shape)
+        local = _as_rows(tensor)
+        if tuple(local.shape) != (sum(b - a for a, b in rows), n):
+            out[name] = (None, tuple(tensor.shape), dtype, shard, packed, tuple(full_shape))
+            return
+        lanes = _unsigned(span_lanes(local.unsqueeze(0), rows, col)[0].tolist())
+        out[name] = (lanes, tuple(tensor.shape), dtype, shard, packed, tuple(full_shape))
 
     for pname, param in model.named_parameters():
         mname, _, leaf = pname.rpartition(".")
@@ -681,15 +989,20 @@ def _rpc_held(worker) -> dict:
             q, k, v = torch.split(t, [module.num_heads * hd, module.num_kv_heads * hd, module.num_kv_heads * hd])
             base = mname[:-len("qkv_proj")]
             replicas = int(getattr(module, "num_kv_head_replicas", 1) or 1)
-            put(f"{base}q_proj.{leaf}", q, ("chunk", 0, tp_rank, tp_size), packed)
-            put(f"{base}k_proj.{leaf}", k, ("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
-            put(f"{base}v_proj.{leaf}", v, ("chunk", 0, tp_rank // replicas, tp_size // replicas), packed)
+            kv_world = tp_size // replicas
+            put(f"{base}q_proj.{leaf}", q, ("chunk", 0, tp_rank, tp_size),
+                (q.shape[0] * tp_size, *q.shape[1:]), packed)
+            for name, part in (("k_proj", k), ("v_proj", v)):
+                put(f"{base}{name}.{leaf}", part, ("chunk", 0, tp_rank // replicas, kv_world),
+                    (part.shape[0] * kv_world, *part.shape[1:]), packed)
         elif mname.endswith("mlp.gate_up_proj"):
-            t, packed = _read_linear(module, param)
+            t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             gate, up = t.chunk(2, dim=0)
             base = mname[:-len("gate_up_proj")]
-            put(f"{base}gate_proj.{leaf}", gate, ("chunk", 0, tp_rank, tp_size), packed)
-            put(f"{base}up_proj.{leaf}", up, ("chunk", 0, tp_rank, tp_size), packed)
+            put(f"{base}gate_proj.{leaf}", gate, ("chunk", 0, tp_rank, tp_size),
+                (gate.shape[0] * tp_size, *gate.shape[1:]), packed)
+            put(f"{base}up_proj.{leaf}", up, ("chunk", 0, tp_rank, tp_size),
+                (up.shape[0] * tp_size, *up.shape[1:]), packed)
         elif leaf in ("w13_weight", "w2_weight"):
             base = mname[:mname.index(".mlp.experts") + len(".mlp.experts")]
             hf = f"{base}.gate_up_proj" if leaf == "w13_weight" else f"{base}.down_proj"
@@ -699,47 +1012,60 @@ def _rpc_held(worker) -> dict:
             tree = getattr(module, "_moealign_tree_weights", None)
             if tree is not None:            # the tree / canonical forward reads its own unpacked copy: verify that
                 param, packed = tree[0] if leaf == "w13_weight" else tree[1], False
-            if packed:
-                isa = kernel.isa
             moe = getattr(getattr(module, "moe_config", None), "moe_parallel_config", None)
             if int(getattr(moe, "ep_size", 1) or 1) != 1:
                 raise UnsupportedEngineError(f"{mname}: expert parallelism (each worker holds other experts); refit "
                                              f"verification reads tensor-parallel expert shards only")
             tp_rank, tp_size = int(getattr(moe, "tp_rank", 0) or 0), int(getattr(moe, "tp_size", 1) or 1)
             shard = ("glu", 1, tp_rank, tp_size) if leaf == "w13_weight" else ("chunk", 2, tp_rank, tp_size)
-            # one fingerprint per expert (one vectorised pass): a mangled expert is named
-            for e, fp in enumerate(tensor_fingerprint(param, rows=True)):
-                out[f"{hf}[{e}]"] = (fp, tuple(param.shape[1:]), str(param.dtype).replace("torch.", ""),
-                                     ("expert", e, shard), packed)
+            held = param.detach()
+            full = (held.shape[1] * tp_size, held.shape[2]) if leaf == "w13_weight" else \
+                (held.shape[1], held.shape[2] * tp_size)
+            rows, col, n = shard_span(("expert", 0, shard), full)
+            dtype = str(held.dtype).replace("torch.", "")
+            if tuple(held.shape[1:]) != (sum(b - a for a, b in rows), n):
+                for e in range(held.shape[0]):
+                    out[f"{hf}[{e}]"] = (None, tuple(held.shape[1:]), dtype, ("expert", e, shard), packed, full)
+                continue
+            # every expert's contribution in one vectorised pass (a few experts unpacked at a time): a mangled
+            # expert is named
+            parts = _unpacked_experts(held, kernel.isa) if packed else [(0, held)]
+            for e0, logical in parts:
+                for i, lanes in enumerate(span_lanes(logical, rows, col).tolist()):
+                    out[f"{hf}[{e0 + i}]"] = (_unsigned(lanes), tuple(held.shape[1:]), dtype,
+                                              ("expert", e0 + i, shard), packed, full)
         elif mname.endswith(("o_proj", "mlp.down_proj")):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
-            put(pname, t, ("chunk", 1, tp_rank, tp_size), packed)
+            if leaf == "weight":
+                put(pname, t, ("chunk", 1, tp_rank, tp_size), (t.shape[0], t.shape[1] * tp_size), packed)
+            else:                   # a row-parallel layer's bias is added once, whole, on every rank
+                put(pname, t, ("full",), tuple(t.shape), packed)
         elif mname.endswith(("embed_tokens", "lm_head")):
             idx = module.shard_indices
-            rows = int(idx.org_vocab_end_index - idx.org_vocab_start_index)
-            shard = ("rows", int(idx.org_vocab_start_index), int(idx.org_vocab_end_index))
+            start, end = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
+            shard = ("rows", start, end)
+            full = (int(getattr(module, "org_vocab_size", end)), *param.shape[1:])
             if mname.endswith("lm_head") and leaf == "weight":
                 # the logits come from the LM head's kernel copy (cpu_linear), not from the parameter it keeps
                 t, packed = _read_linear(module, param, int(getattr(module, "embedding_dim", 0) or 0) or None)
-                put(pname, t[:rows], shard, packed)
-                if packed and param.numel() > 0 and not torch.equal(param.detach()[:rows], t[:rows]):
-                    put(f"{pname}[parameter]", param.detach()[:rows], shard)    # the two copies differ: name both
+                put(pname, t[:end - start], shard, full, packed)
+                if packed and param.numel() > 0 and not torch.equal(param.detach()[:end - start], t[:end - start]):
+                    put(f"{pname}[parameter]", param.detach()[:end - start], shard, full)   # they differ: name both
             else:                   # the embedding reads its parameter (F.embedding)
-                put(pname, param.detach()[:rows], shard)
+                put(pname, param.detach()[:end - start], shard, full)
         elif mname.endswith("mlp.gate"):
             t, packed = _read_linear(module, param)
-            put(pname, t, ("full",), packed)
+            put(pname, t, ("full",), tuple(t.shape), packed)
         elif param.numel() == 0:
             raise UnsupportedEngineError(f"{pname}: vLLM holds it packed in a way moealign cannot read back")
         else:
-            put(pname, param.detach(), ("full",))
-    out["_isa"] = isa
+            put(pname, param.detach(), ("full",), tuple(param.shape))
     return out
 
 
 def held_tensors(llm: Any) -> list[dict]:
-    """Per worker (rank order), what it holds: ``{transformers name: (digest, shape, dtype, shard, packed)}``;
-    refused by name during a refit of the same engine and on a shut-down one."""
+    """Per worker (rank order), what it holds (:func:`_rpc_held`: ``{transformers name: (lanes, local shape, dtype,
+    shard, packed, full shape)}``); refused by name during a refit of the same engine and on a shut-down one."""
     _check_refit_version()
     llm = as_llm(llm)
     with engine_busy(llm, "reading the engine's weights", exclusive=False):
@@ -748,6 +1074,8 @@ def held_tensors(llm: Any) -> list[dict]:
 
 
 def _expected(full: torch.Tensor, shard: tuple) -> torch.Tensor:
+    """The part of ``full`` a worker holding ``shard`` holds (a reference for tests and users: the digests use
+    :func:`shard_span`, which never copies)."""
     kind = shard[0]
     if kind == "full":
         return full
@@ -763,19 +1091,17 @@ def _expected(full: torch.Tensor, shard: tuple) -> torch.Tensor:
     return full.chunk(world, dim=dim)[rank]
 
 
-def _prepack_all(tensor: torch.Tensor, isa: str) -> torch.Tensor:
-    """vLLM's CPU grouped-GEMM prepack of stacked expert weights (each expert packed on its own)."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    return cpu_prepack_moe_weight(tensor.contiguous(), isa)
+def _where(name: str, packed: bool) -> str:
+    return ("the kernel's copy the forward reads" if packed else
+            "the parameter (its kernel copy differs from it)" if name.endswith("[parameter]") else "the parameter")
 
 
 def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> WeightCheck:
     """Compare what every worker of ``llm`` holds against ``named`` (the trainer's full tensors, transformers names;
-    experts fused ``[E, 2I, H]`` / ``[E, H, I]``): per (tensor shard, worker) the fingerprint of the held bytes
-    (:func:`moealign.contract.tensor_fingerprint`, a 128-bit keyed checksum computed on the tensor's device) vs the
-    expected ones (sliced for the rank, cast to the held dtype, prepacked where the worker packs). Returns a
-    :class:`WeightCheck` (``.check()`` raises naming each mismatch); never raises for a mismatch itself."""
+    experts fused ``[E, 2I, H]`` / ``[E, H, I]``): per (tensor shard, worker) what the held bytes contribute to the
+    tensor's layout digest (:func:`span_lanes`, computed in the worker on what the forward reads) vs what the
+    trainer's tensor, cast to the held dtype, contributes over the same rows and columns (no copy but the cast).
+    Returns a :class:`WeightCheck` (``.check()`` raises naming each mismatch); never raises for a mismatch itself."""
     t0 = time.perf_counter()
     state = dict(named.items() if isinstance(named, Mapping) else named)
     for name, tensor in state.items():
@@ -784,13 +1110,9 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
         state["lm_head.weight"] = state["model.embed_tokens.weight"]      # tied embeddings
     per_rank = held_tensors(llm)
     result = WeightCheck(workers=len(per_rank))
-    expert_cache: dict = {}
+    cache: dict = {}
     for rank, held in enumerate(per_rank):
-        isa = held.get("_isa")
-        for name, value in held.items():
-            if name.startswith("_"):
-                continue
-            digest, shape, dtype, shard, packed = value
+        for name, (lanes, shape, dtype, shard, packed, full_shape) in held.items():
             base = name.split("[", 1)[0]
             result.checked += 1
             result.packed += int(bool(packed))
@@ -798,28 +1120,116 @@ def verify_weights(llm: Any, named: Mapping[str, torch.Tensor] | Iterable[tuple[
             if full is None:
                 result.mismatches.append((name, rank, "the trainer has no such tensor"))
                 continue
-            if shard[0] == "expert":
-                # every expert of this shard at once: sliced, cast, prepacked where the worker packs, fingerprinted
-                key = (base, shard[2], dtype, bool(packed))
-                if key not in expert_cache:
-                    want = _expected(full.detach(), shard[2]).to(getattr(torch, dtype))
-                    if packed:
-                        want = _prepack_all(want, isa)
-                    expert_cache[key] = (tuple(want.shape[1:]), tensor_fingerprint(want, rows=True))
-                want_shape, prints = expert_cache[key]
-                if want_shape != tuple(shape):
-                    result.mismatches.append((name, rank, f"held shape {tuple(shape)}, the trainer's {want_shape}"))
-                elif prints[shard[1]] != digest:
-                    result.mismatches.append((name, rank, "held bytes differ"))
+            expert = shard[0] == "expert"
+            trainer_shape = tuple(full.shape[1:] if expert else full.shape)
+            if lanes is None or trainer_shape != tuple(full_shape):
+                result.mismatches.append((name, rank, f"held shape {tuple(shape)} (of {tuple(full_shape)}), the "
+                                                      f"trainer's {trainer_shape}"))
                 continue
-            want = _expected(full.detach(), shard).to(getattr(torch, dtype))
-            if tuple(want.shape) != tuple(shape):
-                result.mismatches.append((name, rank, f"held shape {tuple(shape)}, the trainer's "
-                                                      f"{tuple(want.shape)}"))
-            elif tensor_fingerprint(want) != digest:
-                where = ("the kernel's copy the forward reads" if packed else
-                         "the parameter (its kernel copy differs from it)" if name.endswith("[parameter]") else
-                         "the parameter")
-                result.mismatches.append((name, rank, f"held bytes differ ({where})"))
+            key = (base, shard[2] if expert else shard, dtype)
+            if key not in cache:
+                want = expected_lanes(full, shard, trainer_shape, getattr(torch, dtype), lead=expert) if expert else \
+                    expected_lanes(full, shard, trainer_shape, getattr(torch, dtype))
+                cache[key] = [_unsigned(v) for v in want.tolist()]
+            want = cache[key][shard[1]] if expert else cache[key][0]
+            if tuple(lanes) != want:
+                result.mismatches.append((name, rank, "held bytes differ" if expert else
+                                          f"held bytes differ ({_where(name, packed)})"))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _tiles(spans: list[tuple[list[tuple[int, int]], int, int]], n_rows: int, n_cols: int) -> bool:
+    """Whether the row-range x column-range blocks cover ``[n_rows, n_cols]`` exactly once."""
+    row_cuts, col_cuts = {0, n_rows}, {0, n_cols}
+    for rows, col, n in spans:
+        for a, b in rows:
+            row_cuts |= {a, b}
+        col_cuts |= {col, col + n}
+    row_cuts, col_cuts = sorted(row_cuts), sorted(col_cuts)
+    if row_cuts[0] < 0 or row_cuts[-1] > n_rows or col_cuts[0] < 0 or col_cuts[-1] > n_cols:
+        return False
+    for r0, r1 in zip(row_cuts, row_cuts[1:]):
+        for c0, c1 in zip(col_cuts, col_cuts[1:]):
+            hits = sum(1 for rows, col, n in spans if col <= c0 and c1 <= col + n
+                       and any(a <= r0 and r1 <= b for a, b in rows))
+            if hits != 1:
+                return False
+    return True
+
+
+def verify_digests(llm: Any, digests: Mapping[str, tuple[tuple[int, ...], Mapping[str, tuple[int, int]]]]
+                   ) -> WeightCheck:
+    """Compare what every worker of ``llm`` holds against layout digests alone (a weight manifest:
+    ``{transformers name (experts: "...experts.gate_up_proj[e]"): (full shape, {dtype name: (lane0, lane1)})}``,
+    no tensor): per tensor, the contributions of its shards (one per distinct shard; replicas must agree) summed over
+    the workers (:func:`span_lanes`; the shards must tile the tensor) against the digest at the dtype the engine
+    holds. A tensor held whole by a worker is named with that worker; one split over workers is named with every
+    worker holding a part (a digest cannot say which part differs). Names the manifest has and no worker holds are
+    named too (worker -1)."""
+    t0 = time.perf_counter()
+    table = dict(digests)
+    if "lm_head.weight" not in table and "model.embed_tokens.weight" in table:
+        table["lm_head.weight"] = table["model.embed_tokens.weight"]      # tied embeddings
+    per_rank = held_tensors(llm)
+    result = WeightCheck(workers=len(per_rank))
+    groups: dict[str, list] = {}
+    for rank, held in enumerate(per_rank):
+        for name, entry in held.items():
+            result.checked += 1
+            result.packed += int(bool(entry[4]))
+            groups.setdefault(name, []).append((rank, *entry))
+    seen: set[str] = set()
+    for name, entries in groups.items():
+        key = name if entries[0][4][0] == "expert" else name.split("[", 1)[0]
+        seen.add(key)
+        ranks = [e[0] for e in entries]
+        want = table.get(key)
+        if want is None:
+            result.mismatches += [(name, r, "the manifest has no such tensor") for r in ranks]
+            continue
+        shape, by_dtype = tuple(want[0]), want[1]
+        bad = False
+        for rank, lanes, local, dtype, shard, packed, full_shape in entries:
+            if lanes is None or tuple(full_shape) != shape:
+                result.mismatches.append((name, rank, f"held shape {tuple(local)} (of {tuple(full_shape)}), the "
+                                                      f"manifest's {shape}"))
+                bad = True
+            elif dtype not in by_dtype:
+                result.mismatches.append((name, rank, f"the manifest has no digest at the engine's dtype {dtype} "
+                                                      f"(it has {sorted(by_dtype)}): write it with that dtype"))
+                bad = True
+        if bad:
+            continue
+        digest = tuple(int(v) & _MASK64 for v in by_dtype[entries[0][3]])
+        distinct: dict = {}
+        for rank, lanes, local, dtype, shard, packed, full_shape in entries:
+            span = shard_span(shard, shape)
+            distinct.setdefault(repr(span), (span, []))[1].append((rank, tuple(lanes), packed))
+        n_rows, n_cols = _rows_cols(shape)
+        if len(distinct) == 1 and next(iter(distinct.values()))[0] == ([(0, n_rows)], 0, n_cols):
+            for rank, lanes, packed in next(iter(distinct.values()))[1]:      # held whole: each worker on its own
+                if lanes != digest:
+                    result.mismatches.append((name, rank, f"held bytes differ from the manifest's digest "
+                                                          f"({_where(name, packed)})"))
+            continue
+        disagree = [g for g in distinct.values() if len({lanes for _, lanes, _ in g[1]}) > 1]
+        if disagree:
+            for span, members in disagree:
+                result.mismatches += [(name, r, f"workers {[m[0] for m in members]} hold the same shard with different "
+                                                f"bytes") for r, _, _ in members]
+            continue
+        if not _tiles([g[0] for g in distinct.values()], n_rows, n_cols):
+            result.mismatches += [(name, r, f"the shards held by workers {ranks} do not tile the tensor {shape}")
+                                  for r in ranks]
+            continue
+        total = [sum(g[1][0][1][j] for g in distinct.values()) & _MASK64 for j in (0, 1)]
+        if tuple(total) != digest:
+            packed = any(p for g in distinct.values() for _, _, p in g[1])
+            result.mismatches += [(name, r, f"held bytes differ from the manifest's digest (its shards on workers "
+                                            f"{ranks} together; a digest cannot say which shard): "
+                                            f"{_where(name, packed)}") for r in ranks]
+    for name in sorted(set(digests) - seen):
+        result.mismatches.append((name, -1, "the engine holds no such tensor"))
     result.seconds = time.perf_counter() - t0
     return result
