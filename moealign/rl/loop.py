@@ -300,12 +300,12 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
     """Run ``moealign rl-check`` (see the module docstring); returns the JSON-ready report."""
     from ..embedded import default_prompts
     from ..mismatch.engines import VLLMRolloutEngine, describe_engine
-    from ..patches.vllm.refit import _check_refit_version
+    from ..patches.vllm.refit import check_refit_version
 
     log = log or (lambda msg: None)
     if not isinstance(cfg, RLCheckConfig):
         raise ConfigError(f"cfg must be an RLCheckConfig, got {type(cfg).__name__}")
-    _check_refit_version()                               # an engine whose reload path moealign does not know
+    check_refit_version()                               # an engine whose reload path moealign does not know
     t0 = time.perf_counter()
     prompts = default_prompts()[:cfg.num_prompts]
     if len(prompts) < cfg.num_prompts:

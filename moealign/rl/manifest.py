@@ -254,7 +254,7 @@ def _check_shape(shape: Any, what: str) -> None:
 
 
 def _check_config(config: Any, what: str) -> None:
-    from .refit import comparable_fields
+    from .trainer_state import comparable_fields
 
     if not isinstance(config, dict):
         raise InputError(f"{what}: config must be an object or null, got {type(config).__name__}")
@@ -282,7 +282,7 @@ def _dtype_names(dtypes) -> tuple[str, ...]:
 
 
 def _named(trainer, hf_config):
-    from .refit import trainer_tensors
+    from .trainer_state import trainer_tensors
 
     if isinstance(trainer, Mapping):
         if not trainer:
@@ -299,7 +299,7 @@ def weight_manifest(trainer, hf_config=None, *, dtypes=DEFAULT_DTYPES) -> Weight
     tensor at a time; fused experts ``[E, ...]`` one digest per expert. Refused by name before any work: an argument
     of another type, an empty trainer, a value that is not a real tensor with data."""
     from ..patches.vllm.refit import layout_digest
-    from .refit import comparable_config, trainer_config
+    from .trainer_state import comparable_config, trainer_config
 
     targets = _dtype_names(dtypes)
     config = trainer_config(trainer, hf_config)

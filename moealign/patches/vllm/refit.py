@@ -59,6 +59,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from ...families import verified_families
 from ...errors import (ConfigError, EngineError, InputTypeError, MoealignError, RefitError, UnsupportedEngineError,
                        UnsupportedModelError)
 from ...handle import PatchHandle
@@ -74,7 +75,6 @@ __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrep
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
 #: Bytes of tensors per ``collective_rpc`` while streaming (each chunk is pickled to the worker processes at TP > 1).
 CHUNK_BYTES = 64 << 20
-_VERIFIED_FAMILIES = ("qwen3_moe",)
 _FUSED_EXPERTS = re.compile(r"^(?P<base>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _WORKER_STATE: dict[str, dict] = {}
 _LAYOUTS: dict[tuple, dict[str, tuple[int, ...]]] = {}
@@ -426,7 +426,7 @@ def check_values(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
     return seen
 
 
-def _check_refit_version() -> None:
+def check_refit_version() -> None:
     check_engine_version("vllm (in-place refit)", vllm_version(), SUPPORTED_VLLM_REFIT)
 
 
@@ -575,7 +575,7 @@ def refit_weights(llm: Any, named, manifest: Mapping[str, tuple[int, ...]], *,
     shapes only). A one-shot iterable is checked chunk by chunk as it streams:
     a bad value found late raises :class:`~moealign.errors.RefitError` saying how many tensors had already been
     replaced (the engine then serves a mix of old and new weights until the next full refit)."""
-    _check_refit_version()
+    check_refit_version()
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ConfigError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
     llm = as_llm(llm)
@@ -961,8 +961,9 @@ def _rpc_held(worker) -> dict:
     model = runner.model
     hf_config = runner.model_config.hf_config
     family = getattr(hf_config, "model_type", None)
-    if family not in _VERIFIED_FAMILIES:
-        raise UnsupportedModelError(f"refit verification reads vLLM's fused tensors back for {_VERIFIED_FAMILIES}, "
+    verified = verified_families("refit")
+    if family not in verified:
+        raise UnsupportedModelError(f"refit verification reads vLLM's fused tensors back for {verified}, "
                                     f"not {family!r}")
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
@@ -1066,7 +1067,7 @@ def _rpc_held(worker) -> dict:
 def held_tensors(llm: Any) -> list[dict]:
     """Per worker (rank order), what it holds (:func:`_rpc_held`: ``{transformers name: (lanes, local shape, dtype,
     shard, packed, full shape)}``); refused by name during a refit of the same engine and on a shut-down one."""
-    _check_refit_version()
+    check_refit_version()
     llm = as_llm(llm)
     with engine_busy(llm, "reading the engine's weights", exclusive=False):
         _check_workers(llm, "have its weights read")
