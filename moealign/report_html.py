@@ -72,10 +72,12 @@ LEVER_COLOURS = {
     "precision:fp8": "#ffbb78",
     "batch_invariant": "#98df8a",
     "weights": "#ff9896",
+    "canonical": "#c5b0d5",             # the default pair's diagnosis: each engine's own kernels
+    "prefill": "#c49c94",               # ... and prefill vs decode
 }
 #: Colours of names without a role, in order of first appearance (tab20's light half); past these,
 #: :class:`RunColours` generates further distinct colours.
-OTHER_COLOURS = ("#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+OTHER_COLOURS = ("#f7b6d2", "#dbdb8d", "#9edae5")
 #: Colours no run gets: the attribution's residual bar (the first) and the plots' reference marks.
 RESERVED = ("#7f7f7f", "#000000", "#999999", "#c7c7c7")
 

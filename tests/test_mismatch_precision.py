@@ -80,7 +80,8 @@ def test_policy_options_reach_the_engines_and_the_json(tmp_path):
     rollout = {k: v for k, v in report["rollout"].items() if k != "engine_version"}
     train = {k: v for k, v in report["train"].items() if k != "engine_version"}
     assert rollout == {"engine": "transformers", "precision": "fp16-fp32-router-head", "dtype": "fp16"}
-    assert train == {"engine": "transformers", "precision": "bf16", "dtype": "bf16"}
+    assert train == {"engine": "transformers", "precision": "bf16", "dtype": "bf16",
+                     "parallel": {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "world": 1}}
     assert report["rollout"]["engine_version"] == report["train"]["engine_version"]
     assert report["batch_invariant"] is False
     # the policy is applied to the live model: routers and LM head in fp32, everything else fp16
