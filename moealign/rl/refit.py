@@ -23,8 +23,11 @@ them replaying those routes, and the mean |Δ log p| over the probe tokens must 
 bf16 rollout against an fp32 trainer the largest per-token gap of a 16-token probe swings several-fold from step to
 step with the weights' rounding (measured 0.02-0.19 nats on the embedded model), the mean far less; a wrong model
 is off by nats on average (vLLM's stock reload on the CPU build: 4-7), an exact refit by the precision gap. The
-probe scores prefills: the decode path and prefix-cache reuse are not exercised, and every :class:`RefitCheck`
-says so (``not_checked``).
+probe scores prefills; calibrated with a decode (:meth:`Probe.calibrate`, wherever the engine has prefix caching
+off) it also decodes ``decode_tokens`` tokens from each sequence with vLLM's own sampler and a fixed seed
+(:meth:`Probe.decode_gaps`: routes recorded, the trainer teacher-forced replaying them, the same kind of bound), so a
+fault on the decode path alone is caught. Prefix-cache reuse and derived buffers are checked by
+:func:`moealign.rl.certify_refit`; what a :class:`RefitCheck` did not check it says (``not_checked``).
 """
 
 from __future__ import annotations
@@ -44,12 +47,16 @@ from .trainer_state import (ARCHITECTURE_FIELDS, FORWARD_FIELDS, architecture_di
 
 __all__ = ["Probe", "RefitCheck", "trainer_tensors", "trainer_config", "refit", "verify_refit",
            "check_same_architecture", "architecture_differences", "comparable_config", "comparable_fields",
-           "ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "NOT_CHECKED"]
+           "ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "NOT_CHECKED", "NOT_CHECKED_DECODE"]
 
-#: What :func:`verify_refit` does not check (stated in every :class:`RefitCheck`): the probe scores prefills only.
-NOT_CHECKED = ("decode path (the probe scores prompts in one prefill; no token is decoded)",
-               "prefix / KV cache reuse (reset by the refit; not exercised by the probe)",
-               "non-weight buffers such as the RoPE cos/sin cache (their config fields are compared instead)",
+#: The decode path, unchecked (no decode probe ran).
+NOT_CHECKED_DECODE = "decode path (the probe scores prompts in one prefill; no token is decoded)"
+#: What :func:`verify_refit` does not check (stated in every :class:`RefitCheck`; ``certify_refit`` covers the
+#: decode path, the prefix cache and the RoPE buffers: :mod:`moealign.rl.certify`).
+NOT_CHECKED = (NOT_CHECKED_DECODE,
+               "prefix / KV cache reuse (reset by the refit; not exercised by the probe: moealign.rl.certify_refit)",
+               "non-weight buffers such as the RoPE cos/sin cache (their config fields are compared instead; "
+               "moealign.rl.certify_refit recomputes them)",
                "sampling (temperature, top-k / top-p, logits processors)")
 
 
@@ -136,6 +143,10 @@ class Probe:
     factor: float = 8.0
     floor: float = 1e-6
     step0_gap: float | None = None
+    decode_tokens: int = 8
+    seed: int = 0
+    decode_bound: float | None = None
+    decode_step0_gap: float | None = None
 
     def __post_init__(self):
         self.validate()
@@ -147,6 +158,13 @@ class Probe:
         _number("factor", self.factor)
         _number("floor", self.floor)
         _number("step0_gap", self.step0_gap, positive=False, allow_none=True)
+        _number("decode_bound", self.decode_bound, allow_none=True)
+        _number("decode_step0_gap", self.decode_step0_gap, positive=False, allow_none=True)
+        if isinstance(self.decode_tokens, bool) or not isinstance(self.decode_tokens, int) or self.decode_tokens < 0:
+            raise ConfigError(f"Probe.decode_tokens must be an integer >= 0 (0: no decode probe), got "
+                              f"{self.decode_tokens!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 62:
+            raise ConfigError(f"Probe.seed must be an integer in [0, 2**62), got {self.seed!r}")
         if isinstance(self.sequences, torch.Tensor) or not isinstance(self.sequences, (list, tuple)):
             raise ConfigError(f"Probe.sequences must be a list of 1-D token tensors, got "
                               f"{type(self.sequences).__name__}")
@@ -170,6 +188,68 @@ class Probe:
                                   logprobs=lp.float(), routes=None if routes is None else routes[i],
                                   sampling=SamplingParams()))
         return RolloutRecord(meta, samples)
+
+    def check_runs(self, llm, train_engine=None, *, need_trainer: bool = True) -> "Probe":
+        """Refuse (:class:`~moealign.errors.ConfigError`, before any work) a probe that cannot run on ``llm``: a
+        sequence (plus the decoded tokens) longer than the engine's context, token ids outside its vocabulary, and,
+        with ``need_trainer``, no moealign train engine for the teacher-forced side (a weight manifest, a module, a
+        snapshot)."""
+        from ..patches.vllm.refit import as_llm
+
+        self.validate()
+        llm = as_llm(llm)
+        context = int(llm.llm_engine.model_config.max_model_len)
+        for i, seq in enumerate(self.sequences):
+            if seq.numel() + self.decode_tokens > context:
+                raise ConfigError(f"probe sequence {i}: {seq.numel()} tokens + {self.decode_tokens} decoded exceed the "
+                                  f"engine's context (max_model_len {context}); shorten it or open the engine with a "
+                                  f"longer context")
+        vocab = getattr(llm.llm_engine.model_config.hf_config, "vocab_size", None)
+        if vocab is not None and any(bool((s >= int(vocab)).any()) for s in self.sequences):
+            raise ConfigError(f"probe sequences hold token ids >= the engine's vocabulary ({vocab})")
+        if need_trainer:
+            from .manifest import WeightManifest
+
+            if train_engine is None or isinstance(train_engine, (WeightManifest, Mapping)):
+                what = "nothing" if train_engine is None else type(train_engine).__name__
+                raise ConfigError(f"the refit probe has no trainer for its teacher-forced side (got {what}): it needs "
+                                  f"a moealign train engine whose forward replays vLLM's routes; a weight manifest or "
+                                  f"a snapshot holds no forward (verify its digests without probe=)")
+            _probe_forward(train_engine)
+        return self
+
+    def decodes(self, llm) -> bool:
+        """Whether the decode probe can run on ``llm``: ``decode_tokens > 0`` and prefix caching off (moealign's
+        recorder gives a decode's routes only when every position is forwarded)."""
+        from ..patches.vllm.refit import as_llm
+
+        caching = getattr(as_llm(llm).llm_engine.vllm_config.cache_config, "enable_prefix_caching", False)
+        return self.decode_tokens > 0 and not caching
+
+    def decode_gaps(self, llm, train_engine) -> tuple[float, float]:
+        """``(mean, max)`` |Δ log p| over the tokens vLLM decodes from the probe sequences (its own sampling path:
+        temperature 1, per-sequence seed ``seed + i``, ``decode_tokens`` tokens, routes and log-probs recorded by
+        :func:`~moealign.patches.vllm.rollout.generate_with_record`) against the trainer's teacher-forced log-probs
+        of the same tokens, replaying the decode's routes. Where the prefill probe scores one forward over the whole
+        sequence, this one runs vLLM's decode steps (KV cache reads, one token per step)."""
+        from ..patches.vllm.refit import as_llm, engine_busy
+        from ..patches.vllm.rollout import generate_with_record
+        from ..routing_replay.sampling_mask import full_logprob
+
+        self.validate()
+        llm = as_llm(llm)
+        if not self.decodes(llm):
+            raise ConfigError("the decode probe cannot run on this engine: " + (
+                "decode_tokens is 0" if self.decode_tokens == 0 else
+                "prefix caching is on (moealign's recorder needs every position forwarded to give its routes)"))
+        forward = _probe_forward(train_engine)
+        with engine_busy(llm, "the refit decode probe", exclusive=False):
+            record = generate_with_record(llm, [s.tolist() for s in self.sequences], sampling=SamplingParams(),
+                                          max_new_tokens=self.decode_tokens, seed=self.seed, record_kept_sets=False)
+        fwd = forward(record, list(range(len(record))))
+        train_lp = full_logprob(fwd.logits, fwd.tokens, temperature=1.0).cpu()
+        diff = (train_lp - torch.cat([s.logprobs for s in record.samples]).float()).abs()
+        return float(diff.mean()), float(diff.max())
 
     def gaps(self, llm, train_engine) -> tuple[float, float]:
         """``(mean, max)`` |Δ log p| on the probe: vLLM with its own routing vs the trainer replaying its routes.
@@ -196,15 +276,26 @@ class Probe:
         diff = (train_lp - torch.cat(vllm_lp)).abs()
         return float(diff.mean()), float(diff.max())
 
-    def calibrate(self, llm, train_engine) -> float:
+    def calibrate(self, llm, train_engine, *, decode: bool | None = None) -> float:
         """Measure the step-0 gap (identical weights) and set ``bound = max(factor * gap, floor)``; a non-finite
-        gap (the engines disagree beyond numbers) is refused (:class:`~moealign.errors.RefitError`)."""
+        gap (the engines disagree beyond numbers) is refused (:class:`~moealign.errors.RefitError`). ``decode``
+        (default: wherever :meth:`decodes`): the decode probe's step-0 gap and ``decode_bound`` likewise (then
+        :func:`verify_refit` runs the decode probe too)."""
+        self.check_runs(llm, train_engine)
         gap = self.gaps(llm, train_engine)[0]
         if not math.isfinite(gap):
             raise RefitError(f"probe calibration measured a non-finite gap ({gap}): the engine and the trainer do not "
                              f"compute comparable log-probs; no bound can be set")
         self.step0_gap = gap
         self.bound = max(self.factor * gap, self.floor)
+        if decode is None:
+            decode = self.decodes(llm)
+        if decode:
+            dgap = self.decode_gaps(llm, train_engine)[0]
+            if not math.isfinite(dgap):
+                raise RefitError(f"decode-probe calibration measured a non-finite gap ({dgap}): no bound can be set")
+            self.decode_step0_gap = dgap
+            self.decode_bound = max(self.factor * dgap, self.floor)
         return self.bound
 
 
@@ -243,12 +334,23 @@ class RefitCheck:
     notes: list[str] = field(default_factory=list)
     config_mismatches: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=lambda: list(NOT_CHECKED))
+    decode_gap: float | None = None
+    decode_bound: float | None = None
+    decode_max: float | None = None
+
+    @property
+    def probe_ok(self) -> bool:
+        return self.probe_gap is None or (self.probe_bound is not None and math.isfinite(self.probe_gap)
+                                          and self.probe_gap <= self.probe_bound)
+
+    @property
+    def decode_ok(self) -> bool:
+        return self.decode_gap is None or (self.decode_bound is not None and math.isfinite(self.decode_gap)
+                                           and self.decode_gap <= self.decode_bound)
 
     @property
     def ok(self) -> bool:
-        probe_ok = self.probe_gap is None or (self.probe_bound is not None and math.isfinite(self.probe_gap)
-                                              and self.probe_gap <= self.probe_bound)
-        return bool(self.weights.ok) and probe_ok and not self.config_mismatches
+        return bool(self.weights.ok) and self.probe_ok and self.decode_ok and not self.config_mismatches
 
     def describe(self) -> str:
         parts = [self.weights.describe()]
@@ -257,6 +359,9 @@ class RefitCheck:
         if self.probe_gap is not None:
             parts.append(f"probe mean |Δ log p| {self.probe_gap:.3g} (bound {self.probe_bound:.3g}; largest "
                          f"{self.probe_max:.3g})")
+        if self.decode_gap is not None:
+            parts.append(f"decode probe mean |Δ log p| {self.decode_gap:.3g} (bound {self.decode_bound:.3g}; largest "
+                         f"{self.decode_max:.3g}){'' if self.decode_ok else ': the DECODE PATH differs'}")
         return "; ".join(parts + self.notes + ["not checked: " + ", ".join(self.not_checked)])
 
     def check(self) -> "RefitCheck":
@@ -267,6 +372,7 @@ class RefitCheck:
     def to_dict(self) -> dict:
         return {"ok": self.ok, "weights": self.weights.to_dict(), "config_mismatches": list(self.config_mismatches),
                 "probe_gap": self.probe_gap, "probe_bound": self.probe_bound, "probe_max": self.probe_max,
+                "decode_gap": self.decode_gap, "decode_bound": self.decode_bound, "decode_max": self.decode_max,
                 "seconds": round(self.seconds, 6), "notes": list(self.notes), "not_checked": list(self.not_checked)}
 
 
@@ -280,15 +386,17 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
     (:func:`architecture_differences`: a difference fails the check). Never raises for a failed check: read
     ``.ok`` or call ``.check()``; refused by name (before any work) for arguments it cannot use, a refit of the
     same engine under way, a shut-down engine."""
-    from ..patches.vllm.refit import as_llm, verify_digests, verify_weights
+    from ..patches.vllm.refit import as_llm, check_awake, verify_digests, verify_weights
     from .manifest import WeightManifest
 
     t0 = time.perf_counter()
     llm = as_llm(llm)
+    check_awake(llm, "refit verification")
     if isinstance(trainer, WeightManifest):
         if expected is not None or probe is not None:
             raise ConfigError("verify_refit with a weight manifest compares digests only: expected= and probe= need "
-                              "the trainer itself (its tensors, its forward)")
+                              "the trainer itself (its tensors, its forward); a probe has no trainer for its "
+                              "teacher-forced side")
         trainer.validate("verify_refit: the weight manifest")
         config = hf_config if hf_config is not None else trainer.config
         differ = [] if config is None else architecture_differences(llm.llm_engine.model_config.hf_config, config)
@@ -304,7 +412,7 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
             raise InputTypeError(f"probe must be a moealign.rl.Probe, got {type(probe).__name__}")
         probe.validate()
         if expected is None:
-            _probe_forward(trainer)
+            probe.check_runs(llm, trainer)
             if probe.bound is None:
                 raise ConfigError("the refit probe has no bound: calibrate it at step 0 (Probe.calibrate)")
     if expected is not None and not isinstance(expected, Mapping):
@@ -326,6 +434,14 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
         not_checked.insert(0, "the forward (probe skipped: the engine holds an earlier snapshot by design)")
     else:
         (gap, largest), bound = probe.gaps(llm, trainer), probe.bound
+    dgap = dbound = dmax = None
+    if probe is not None and expected is None and probe.decode_bound is not None and probe.decodes(llm):
+        (dgap, dmax), dbound = probe.decode_gaps(llm, trainer), probe.decode_bound
+        not_checked.remove(NOT_CHECKED_DECODE)
+    elif probe is not None and expected is None:
+        notes.append("decode probe not run: " + ("prefix caching is on (moealign's recorder needs it off)"
+                                                 if probe.decode_bound is not None else
+                                                 "not calibrated (Probe.calibrate with decode=True)"))
     return RefitCheck(weights=weights, probe_gap=gap, probe_bound=bound, probe_max=largest,
                       seconds=time.perf_counter() - t0, notes=notes, config_mismatches=differ,
-                      not_checked=not_checked)
+                      not_checked=not_checked, decode_gap=dgap, decode_bound=dbound, decode_max=dmax)

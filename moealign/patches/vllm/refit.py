@@ -69,7 +69,8 @@ from .engine import vllm_version
 __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrepack", "apply_cpu_experts_prepack",
            "checkpoint_layout", "checkpoint_named", "check_manifest", "check_values", "as_llm", "engine_model_path",
            "engine_dtype", "engine_busy", "refit_weights", "DIGEST_NAME", "layout_digest", "span_lanes", "shard_span",
-           "expected_lanes", "held_tensors", "verify_weights", "verify_digests"]
+           "expected_lanes", "held_tensors", "verify_weights", "verify_digests", "CPU_NO_SLEEP_MODE", "sleep_mode",
+           "check_awake", "check_derived_buffers"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
@@ -585,6 +586,7 @@ def refit_weights(llm: Any, named, manifest: Mapping[str, tuple[int, ...]], *,
     check_manifest(manifest, layout)
     dtype = engine_dtype(llm)
     source, twice = _source(named)
+    check_awake(llm, "refit")
     with engine_busy(llm, "refit") as engine:
         _check_workers(llm)
         if twice:
@@ -1234,3 +1236,111 @@ def verify_digests(llm: Any, digests: Mapping[str, tuple[tuple[int, ...], Mappin
         result.mismatches.append((name, -1, "the engine holds no such tensor"))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# the state no weight digest sees: sleep mode, derived buffers
+# --------------------------------------------------------------------------------------------------
+
+#: Why vLLM's CPU build has no sleep mode (vLLM 0.32: ``Platform.is_sleep_mode_available()`` is true for CUDA, ROCm
+#: and XPU only; ``LLM(enable_sleep_mode=True)`` fails ``ModelConfig``'s check "Sleep mode is not supported on current
+#: platform"; ``CPUWorker.sleep`` / ``wake_up`` log "sleep mode is not supported on CPU, ignore it" and keep
+#: every tensor where it was).
+CPU_NO_SLEEP_MODE = ("vLLM's CPU build has no sleep mode: its platform states is_sleep_mode_available() false (sleep "
+                     "offloads or discards device memory through the CUDA / ROCm / XPU allocator), "
+                     "LLM(enable_sleep_mode=True) is refused ('Sleep mode is not supported on current platform') and "
+                     "CPUWorker.sleep / wake_up only log 'sleep mode is not supported on CPU, ignore it'")
+
+
+def sleep_mode(llm: Any) -> dict:
+    """Where ``llm`` stands with vLLM's sleep mode: ``{"available": platform supports it, "enabled": the engine was
+    opened with enable_sleep_mode, "sleeping": llm.sleep() without wake_up(), "reason": why not available}``."""
+    llm = as_llm(llm)
+    from vllm.platforms import current_platform
+
+    available = bool(current_platform.is_sleep_mode_available())
+    enabled = bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
+    try:
+        sleeping = bool(llm.llm_engine.is_sleeping())
+    except Exception as exc:                    # an engine that cannot say: treated as unknown, named
+        raise EngineError(f"the vLLM engine cannot say whether it sleeps ({type(exc).__name__}: {exc})") from exc
+    reason = None if available else (CPU_NO_SLEEP_MODE if current_platform.is_cpu() else
+                                     f"vLLM's {type(current_platform).__name__} states is_sleep_mode_available() false")
+    return {"available": available, "enabled": enabled, "sleeping": sleeping, "reason": reason}
+
+
+def check_awake(llm: Any, what: str) -> dict:
+    """Refuse (:class:`~moealign.errors.EngineError`, before any work) ``what`` on an engine put to sleep
+    (``llm.sleep(level)`` without ``llm.wake_up()``): its scheduler is paused (a probe would wait forever) and, where
+    sleep mode exists, its weights are offloaded (level 1) or discarded (level 2). Returns :func:`sleep_mode`."""
+    state = sleep_mode(llm)
+    if state["sleeping"]:
+        extra = "" if state["available"] else f" ({state['reason']}: the engine's scheduler is paused all the same)"
+        raise EngineError(f"{what} refused: the vLLM engine is asleep (llm.sleep() was called without llm.wake_up()); "
+                          f"wake it first, then refit and verify: after a level-2 sleep its weights must be pushed "
+                          f"again{extra}")
+    return state
+
+
+def _rope_modules(model) -> list[tuple[str, Any]]:
+    seen: dict[int, str] = {}
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "cos_sin_cache", None), torch.Tensor) and id(module) not in seen:
+            seen[id(module)] = name
+            found.append((name, module))
+    return found
+
+
+def _rpc_derived(worker) -> dict:
+    """(In a worker) every buffer of the model, checked where a check exists: RoPE ``cos_sin_cache`` recomputed from
+    the module's own settings (``_compute_cos_sin_cache``, cast as vLLM casts it: bitwise) and those settings
+    against the checkpoint's config (theta, rotary dimension, positions); the other buffers named, unchecked."""
+    runner = _runner(worker)
+    model = runner.model
+    config = runner.model_config.hf_config
+    rope_ids = {id(m) for _, m in _rope_modules(model)}
+    checked, problems, unchecked = [], [], []
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+    positions = getattr(config, "max_position_embeddings", None)
+    for name, module in _rope_modules(model):
+        held = module.cos_sin_cache
+        checked.append(f"{name}.cos_sin_cache" if name else "cos_sin_cache")
+        where = checked[-1]
+        fresh = module._compute_cos_sin_cache().to(device=held.device)
+        if not getattr(module, "use_flashinfer", False):
+            fresh = fresh.to(held.dtype)
+        if fresh.shape != held.shape or not torch.equal(fresh, held):
+            diff = float((fresh.float() - held.float()).abs().max()) if fresh.shape == held.shape else math.inf
+            problems.append(f"{where}: differs from the values its settings give (max |diff| {diff:.3g}; shapes "
+                            f"{tuple(held.shape)} vs {tuple(fresh.shape)})")
+        if (params.get("rope_type", "default") or "default") == "default":
+            for field_, want, have in (("rope_theta", theta, getattr(module, "base", None)),
+                                       ("rotary dimension", int(head_dim * partial), getattr(module, "rotary_dim",
+                                                                                               None)),
+                                       ("max_position_embeddings", positions,
+                                        getattr(module, "max_position_embeddings", None))):
+                if want is not None and have is not None and float(want) != float(have):
+                    problems.append(f"{where}: built for {field_} {have}, the checkpoint's config says {want}")
+    for name, module in model.named_modules():
+        for leaf, buf in module.named_buffers(recurse=False):
+            if id(module) in rope_ids and leaf in ("cos_sin_cache", "cos_sin_cache_bf16"):
+                continue
+            if isinstance(buf, torch.Tensor):
+                unchecked.append(f"{name}.{leaf}" if name else leaf)
+    return {"checked": checked, "problems": problems, "unchecked": sorted(set(unchecked))}
+
+
+def check_derived_buffers(llm: Any) -> dict:
+    """The derived buffers of every worker (:func:`_rpc_derived`): ``{"checked": n, "problems": [(rank, why)],
+    "unchecked": [names]}``; refused by name on a sleeping / shut-down engine."""
+    llm = as_llm(llm)
+    check_awake(llm, "the derived-buffer check")
+    with engine_busy(llm, "the derived-buffer check", exclusive=False):
+        answers = llm.collective_rpc(_rpc_derived)
+    problems = [(rank, why) for rank, a in enumerate(answers) for why in a["problems"]]
+    unchecked = sorted({n for a in answers for n in a["unchecked"]})
+    return {"checked": sum(len(a["checked"]) for a in answers), "problems": problems, "unchecked": unchecked}
