@@ -219,11 +219,12 @@ def check_model(model: str | None, model_path: str, max_new_tokens: int) -> dict
 
 
 def check_aligned_run(model_path: str, *, rollout_precision: str, train_precision: str, device: str,
-                      rollout_tp: int) -> None:
+                      rollout_tp: int, train_tp: int = 1) -> None:
     """``--aligned``, the checks every command makes (each refusal names its reason): one plain precision on both
     sides (fp32 or bf16), the CPU (the canonical attention serves vLLM's CPU backend), a checkpoint whose every op the
-    canonical forward covers (:func:`~moealign.precision.canonical.check_canonical_model`) and a rollout TP size its
-    trees cut (:func:`~moealign.precision.canonical.check_canonical_tp`)."""
+    canonical forward covers (:func:`~moealign.precision.canonical.check_canonical_model`) and rollout and trainer TP
+    sizes its trees cut (:func:`~moealign.precision.canonical.check_canonical_tp`; the sharded trainer's EP and PP
+    need no cut: :mod:`moealign.patches.megatron.canonical`)."""
     from .precision.canonical import check_canonical_model, check_canonical_tp
 
     if rollout_precision != train_precision or rollout_precision not in ("fp32", "bf16"):
@@ -235,6 +236,7 @@ def check_aligned_run(model_path: str, *, rollout_precision: str, train_precisio
     config = read_model_config(model_path)
     check_canonical_model(config)
     check_canonical_tp(config, rollout_tp, "--rollout-tp")
+    check_canonical_tp(config, train_tp, "--train-tp")
 
 
 def check_train_parallel(model_path: str, *, tp, ep, pp, dispatcher, device: str):

@@ -44,7 +44,6 @@ TOL = 5e-5
     (["mismatch", "--train-tp", "4", "--train-ep", "2"], "--train-tp 4 --train-ep 2: Megatron cannot build this "
                                                          "layout: tensor parallel size 4 does not divide"),
     (["mismatch", "--train-tp", "0"], "--train-tp must be an integer in [1, 4096], got 0"),
-    (["mismatch", "--train-ep", "2", "--aligned"], "--train-ep 2: the sharded Megatron trainer does not run --aligned"),
     (["mismatch", "--train-pp", "2", "--diagnose"], "does not run --diagnose / --report"),
     (["mismatch", "--train-tp", "2", "--contract"], "--contract with --train-tp / --train-ep / --train-pp above 1"),
     (["mismatch", "--train-ep", "2", "--train", "hf"], "--train-ep 2 shards the Megatron trainer"),

@@ -285,7 +285,9 @@ class VLLMRolloutEngine:
 
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(tp)
             with (self.aligned.environment() if self.aligned else contextlib.nullcontext()):
-                self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=False, **extra)
+                # prefix caching on (vLLM's default): the routes of reused positions are restored from the block's
+                # writer, bitwise the caching-off record under the tree / canonical forward (patches/vllm/rollout.py)
+                self.llm = open_llm(model_path, dtype=args["dtype"], enable_prefix_caching=True, **extra)
             if self._precision is not None:
                 audit_vllm(self.llm, policy)
             if self.aligned:
@@ -594,16 +596,17 @@ def megatron_train_engine(model_path: str, precision: str = "fp32", device: str 
     """The ``megatron`` training engine: one process (:class:`MegatronTrainEngine`) at TP = EP = PP = 1, else the
     sharded trainer (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`: one process per rank,
     Megatron's own parallelism, routing replay and its verifier on every rank; ``dispatcher``: its MoE token
-    dispatcher). The sharded trainer scores only: what it does not do yet is refused by name (the commands refuse
-    it earlier, with the flags: :class:`~moealign.mismatch.MismatchConfig`). Its ranks share this process's torch
+    dispatcher; ``aligned``: the canonical forward on every rank, :mod:`moealign.patches.megatron.canonical`, TP 1's
+    bits). The sharded trainer scores only: what it does not do yet is refused by name (the commands refuse it
+    earlier, with the flags: :class:`~moealign.mismatch.MismatchConfig`). Its ranks share this process's torch
     threads (at least one each)."""
     if tp == ep == pp == 1:
         return MegatronTrainEngine(model_path, precision, device, batch_invariant=batch_invariant, attention=attention,
                                    aligned=aligned, aligned_skip=aligned_skip)
     from ..patches.megatron.sharded import ShardedMegatronTrainer
 
-    refused = [what for what, given in (("batch-invariant ops", batch_invariant), ("an attention choice", attention),
-                                        ("the canonical forward (--aligned)", aligned)) if given]
+    refused = [what for what, given in (("batch-invariant ops", batch_invariant), ("an attention choice", attention))
+               if given]
     if refused:
         raise ConfigError(f"the sharded Megatron trainer (TP {tp} x EP {ep} x PP {pp}) does not run "
                           f"{', '.join(refused)} yet")
@@ -612,7 +615,8 @@ def megatron_train_engine(model_path: str, precision: str = "fp32", device: str 
         warnings.filterwarnings("ignore", message=".*it will be slow", category=MoealignWarning)
         return ShardedMegatronTrainer(model_path, tp=tp, ep=ep, pp=pp, dispatcher=dispatcher, precision=precision,
                                       device="cpu" if device == "cpu" else "cuda",
-                                      threads=max(1, torch.get_num_threads() // world))
+                                      threads=max(1, torch.get_num_threads() // world), aligned=bool(aligned),
+                                      aligned_skip=tuple(aligned_skip) if aligned else ())
 
 
 register_rollout_engine("hf", HFRolloutEngine)

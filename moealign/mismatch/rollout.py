@@ -214,7 +214,6 @@ class MismatchConfig:
             raise ConfigError(f"{given} shards the Megatron trainer (--train megatron); the transformers trainer "
                               f"(--train {self.train_engine}) runs on one device")
         refused = [what for what, on in (
-            ("--aligned (the canonical forward is not installed on the sharded trainer's ranks yet)", self.aligned),
             ("--diagnose / --report (the lever runs rebuild the trainer per lever set; not on the sharded trainer "
              "yet)", self.diagnose or self.report_dir is not None),
             ("--batch-invariant (moealign's batch-invariant ops are not set up in the rank processes)",
@@ -267,7 +266,7 @@ class MismatchConfig:
                               "comes from; --aligned-skip OP leaves an op stock (a negative control)")
         check_aligned_run(self.model_path(), rollout_precision=self.rollout_precision,
                           train_precision=self.train_precision, device=self.resolved_device(),
-                          rollout_tp=self.rollout_tp or 1)
+                          rollout_tp=self.rollout_tp or 1, train_tp=self.train_tp or 1)
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the

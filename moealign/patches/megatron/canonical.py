@@ -14,10 +14,30 @@ attention module sees it):
 * ``MoELayer.forward`` -> ``c_experts`` + ``c_combine`` over the routed experts (the token dispatcher's
   ``dispatch_preprocess`` is still called, so the replay verifier sees the routing map).
 
+Across ranks (a rank of :class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`; every exchange is
+Megatron's or ``torch.distributed``'s over Megatron's own groups):
+
+* **TP** (a power of two; every reduced shard whole :data:`~moealign.precision.canonical.LEAF_WIDTH`-wide leaves).
+  A ``ColumnParallelLinear`` computes its output columns (each column's tree needs nothing from the other
+  ranks; the output layer's vocabulary slices are all-gathered, an exact copy). A ``RowParallelLinear``'s K shard
+  is a subtree of the canonical tree: its fp32 subtree roots are summed by
+  :func:`~moealign.precision.tree.tree_all_reduce` over Megatron's TP group (the top of the same tree), then the
+  bias and the one cast: TP 1's bits.
+* **EP / expert TP**: the token dispatcher (all-to-all or all-gather) moves each (token, expert) pair to its
+  expert's ranks; there ``c_experts`` computes that pair's fp32 output (on an expert-TP shard of the intermediate
+  axis, its subtree root, tree-all-reduced over Megatron's expert-TP group and kept on that group's first rank,
+  the others sending zeros); the dispatcher's own combine exchange brings each pair back *unsummed* (all-to-all:
+  the pair's row; all-gather: a ``[tokens, k * H]`` row per token, one slot per chosen expert, whose
+  reduce-scatter adds only zeros to it), and ``c_combine`` adds the slots in ascending expert id on the token's
+  rank: the single-rank bits.
+* **PP**: each stage runs its own layers; the pipeline's send / recv moves activations unchanged.
+
 Everything stays differentiable: a training step's backward runs through the same forward. Refused at setup,
-naming it (:class:`~moealign.errors.CanonicalError`): tensor / expert / context parallelism, shared experts, a
-capacity factor, a latent MoE, grouped GEMM experts, RoPE fusion or interleaving or scaling, a custom softmax
-scale, packed sequences at run time, and any module of a class the canonical forward does not know.
+naming it (:class:`~moealign.errors.CanonicalError`): context parallelism, sequence parallelism, a TP or expert-TP
+size that is not a power of two or whose shards are not whole tree leaves, a token dispatcher other than
+all-to-all / all-gather, shared experts, a capacity factor, a latent MoE, grouped GEMM experts, RoPE fusion or
+interleaving or scaling, a custom softmax scale, packed sequences at run time, and any module of a class the
+canonical forward does not know.
 """
 
 from __future__ import annotations
@@ -29,19 +49,28 @@ from ...errors import CanonicalError, ConfigError
 from ...handle import PatchHandle
 from ...precision import canonical as C
 
-__all__ = ["MEGATRON_OPS", "apply_canonical_forward", "apply_canonical_forward_from_hf"]
+__all__ = ["MEGATRON_OPS", "TP_REDUCTIONS", "apply_canonical_forward", "apply_canonical_forward_from_hf"]
 
 MEGATRON_OPS = C.engine_ops("megatron")
+#: How the canonical forward adds partial results across tensor-parallel ranks: ``"tree"`` (the fp32 subtree roots
+#: through :func:`~moealign.precision.tree.tree_all_reduce`: TP 1's bits) or ``"stock"`` (a negative control: each
+#: rank's partial rounded to the activation dtype and summed by Megatron's own all-reduce / the dispatcher's
+#: reduce-scatter, as Megatron's RowParallelLinear does; in bf16 not TP 1's bits).
+TP_REDUCTIONS = ("tree", "stock")
 
 _PASSIVE = {"GPTModel", "LanguageModelEmbedding", "VocabParallelEmbedding", "Dropout", "TransformerBlock",
             "ModuleList", "TransformerLayer", "SelfAttention", "IdentityOp", "IdentityFuncOp", "FusedScaleMaskSoftmax",
-            "SequentialMLP", "MLP", "MoEAllGatherTokenDispatcher", "RotaryEmbedding"}
+            "SequentialMLP", "MLP", "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "RotaryEmbedding"}
+
+
+def _power_of_two(v) -> bool:
+    return isinstance(v, int) and v >= 1 and not v & (v - 1)
 
 
 def _check_config(config) -> None:
     problems = []
-    for name, bad in (("tensor_model_parallel_size", lambda v: v != 1), ("expert_model_parallel_size", lambda v: v != 1),
-                      ("expert_tensor_parallel_size", lambda v: v not in (None, 1)),
+    for name, bad in (("tensor_model_parallel_size", lambda v: not _power_of_two(v)),
+                      ("expert_tensor_parallel_size", lambda v: not _power_of_two(v)),
                       ("context_parallel_size", lambda v: v != 1), ("sequence_parallel", bool),
                       ("moe_shared_expert_intermediate_size", bool), ("moe_expert_capacity_factor", lambda v: v is not None),
                       ("moe_latent_size", bool), ("moe_grouped_gemm", bool), ("apply_rope_fusion", bool),
@@ -51,6 +80,9 @@ def _check_config(config) -> None:
         value = getattr(config, name, None)
         if value is not None and bad(value):
             problems.append(f"{name}={value!r}")
+    if (getattr(config, "moe_token_dispatcher_type", "allgather") not in ("alltoall", "allgather")
+            and (getattr(config, "expert_model_parallel_size", 1) or 1) * (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1):
+        problems.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}")
     problems += C.rope_problems(interleaved=bool(getattr(config, "rotary_interleaved", False)))
     if getattr(config, "moe_router_score_function", "softmax") != "softmax":
         problems.append(f"moe_router_score_function={config.moe_router_score_function!r}")
@@ -61,19 +93,79 @@ def _check_config(config) -> None:
         raise CanonicalError("the canonical forward does not cover this Megatron config: " + ", ".join(problems))
 
 
+def _group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def _check_shards(model) -> None:
+    """Every tensor-parallel reduction of this rank cuts the canonical tree into whole subtrees: a power-of-two group
+    and a K shard (a row-parallel linear's input, an expert's intermediate shard) of whole LEAF_WIDTH leaves."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    problems = []
+    for name, module in model.named_modules():
+        if not isinstance(module, RowParallelLinear):
+            continue
+        group = getattr(module, "tp_group", None)
+        if getattr(module, "explicit_expert_comm", False):
+            group = None                        # an expert's fc2: reduced in the MoE layer over the expert-TP group
+            moe = name.rsplit(".experts.", 1)[0]
+            disp = getattr(model.get_submodule(moe), "token_dispatcher", None) if ".experts." in name else None
+            group = getattr(disp, "tp_group", None)
+        size = _group_size(group)
+        if size > 1 and (size & (size - 1) or module.weight.shape[1] % C.LEAF_WIDTH):
+            problems.append(f"{name} (K shard {module.weight.shape[1]} over {size} ranks)")
+    if problems:
+        raise CanonicalError(f"the canonical trees cut into whole {C.LEAF_WIDTH}-wide leaves per rank at power-of-two "
+                             f"TP sizes; not these reductions: {', '.join(problems[:6])}")
+
+
 def _linear_forward(module, out_dtype=None):
+    """A ColumnParallelLinear: this rank's output columns (each column's tree is whole here); the input's gradient
+    all-reduced over the TP group in the backward (Megatron's copy), the output all-gathered where the layer
+    gathers (the output layer of a trainer that wants the full vocabulary)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_tensor_model_parallel_region)
+
+    group = getattr(module, "tp_group", None)
+    tp = _group_size(group)
+
     def forward(input_, weight=None, runtime_gather_output=None):
         w = module.weight if weight is None else weight
         bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
+        if tp > 1:
+            input_ = copy_to_tensor_model_parallel_region(input_, group=group)
         out = C.c_linear(input_, w, bias, out_dtype=out_dtype)
+        gather = module.gather_output if runtime_gather_output is None else runtime_gather_output
+        if tp > 1 and gather:
+            out = gather_from_tensor_model_parallel_region(out, group=group)
         return out, (module.bias if module.skip_bias_add else None)
     return forward
 
 
-def _row_forward(module):
+def _row_forward(module, tp_reduce: str):
+    """A RowParallelLinear: the fp32 subtree root of this rank's K shard, the top of the tree across the TP group
+    (:func:`~moealign.precision.tree.tree_all_reduce`), then the bias and the one cast (``c_linear`` at TP 1)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    from ...precision.tree import tree_all_reduce, tree_linear
+
+    group = getattr(module, "tp_group", None)
+    tp = _group_size(group)
+
     def forward(input_):
         bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
-        return C.c_linear(input_, module.weight, bias), (module.bias if module.skip_bias_add else None)
+        extra = module.bias if module.skip_bias_add else None
+        if tp == 1:
+            return C.c_linear(input_, module.weight, bias), extra
+        root = tree_linear(input_, module.weight.to(input_.dtype), leaf_width=C.LEAF_WIDTH)
+        if tp_reduce == "tree":
+            out = tree_all_reduce(root, group, node_dtype=root.dtype)
+        else:                                  # the negative control: Megatron's own all-reduce of rounded partials
+            out = reduce_from_tensor_model_parallel_region(root.to(input_.dtype), group=group).to(root.dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.to(input_.dtype), extra
     return forward
 
 
@@ -134,8 +226,11 @@ def _router_routing(module, original, renormalize: bool):
     return routing
 
 
-def _moe_forward(module):
+def _moe_forward(module, tp_reduce: str = "tree"):
     experts = module.experts.local_experts
+    dispatcher = module.token_dispatcher
+    ep = _group_size(getattr(dispatcher, "ep_group", None))
+    etp = _group_size(getattr(dispatcher, "tp_group", None))
 
     def forward(hidden_states, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None:
@@ -144,7 +239,6 @@ def _moe_forward(module):
             padding_mask = padding_mask.transpose(0, 1).bool()
         s, b, hidden = hidden_states.shape
         probs, routing_map = module.route(hidden_states, padding_mask)
-        module.preprocess(hidden_states, probs, routing_map)          # the dispatcher sees the routes (verifier)
         x = hidden_states.reshape(-1, hidden)
         T = x.shape[0]
         k = module.router.topk
@@ -152,18 +246,85 @@ def _moe_forward(module):
         gates = torch.gather(probs.reshape(T, -1), 1, ids)
         w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts])      # autograd reaches each expert's weight
         w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts])
-        out = C.c_combine(C.c_experts(x, ids, w13, w2), gates, x.dtype)
+        if ep * etp == 1:
+            module.preprocess(hidden_states, probs, routing_map)      # the dispatcher sees the routes (verifier)
+            partials = C.c_experts(x, ids, w13, w2)
+        else:
+            partials = _dispatched_experts(module, hidden_states, probs, routing_map, w13, w2, T, k, tp_reduce)
+        out = C.c_combine(partials, gates, x.dtype)
         return out.view(s, b, hidden), None
     return forward
 
 
+class _OwnerKeeps(torch.autograd.Function):
+    """Forward: ``x`` on the rank that keeps it, zeros elsewhere (the combine then adds only zeros to it). Backward:
+    the identity on every rank (each rank's partial contributed to the reduced value)."""
+
+    @staticmethod
+    def forward(ctx, x, keep: bool):
+        return x if keep else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _slots(routing_map: torch.Tensor, token: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """The slot of each (token, expert) pair among its token's chosen experts in ascending id (``route_ids``)."""
+    return (routing_map.to(torch.int64).cumsum(1) - 1)[token, expert]
+
+
+def _dispatched_experts(module, hidden_states, probs, routing_map, w13, w2, T: int, k: int,
+                        tp_reduce: str) -> torch.Tensor:
+    """``[T, k, H]`` fp32: each of this rank's tokens' chosen experts' outputs, slots in ascending expert id,
+    computed on the experts' ranks and brought back unsummed by Megatron's token dispatcher (module docstring)."""
+    from ...precision.tree import tree_all_reduce
+
+    dispatcher = module.token_dispatcher
+    etp_group = dispatcher.tp_group
+    etp = _group_size(etp_group)
+    hidden = hidden_states.shape[-1]
+    kind = type(dispatcher).__name__
+    if kind not in ("MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"):
+        raise CanonicalError(f"the canonical MoE layer across ranks covers the all-to-all and all-gather token "
+                             f"dispatchers, not {kind}")
+    tokens, dprobs = module.preprocess(hidden_states, probs, routing_map)     # the verifier sees the routes here
+    tokens, dprobs = module.dispatch(tokens, dprobs)
+    gathered_map = dispatcher.routing_map if kind == "MoEAllGatherTokenDispatcher" else None   # [tokens of tp x ep, E]
+    rows, tokens_per_expert, _ = dispatcher.dispatch_postprocess(tokens, dprobs)
+    local = torch.repeat_interleave(torch.arange(len(module.experts.local_experts), device=rows.device),
+                                    tokens_per_expert.to(rows.device))
+    y = C.c_experts(rows, local[:, None], w13, w2)[:, 0]          # fp32: this rank's subtree root of each pair
+    if etp > 1:
+        if tp_reduce == "tree":
+            y = _OwnerKeeps.apply(tree_all_reduce(y, etp_group, node_dtype=y.dtype), etp_group.rank() == 0)
+        else:                                  # the negative control: rounded partials summed by the dispatcher
+            y = y.to(hidden_states.dtype).to(y.dtype)
+    if kind == "MoEAlltoAllTokenDispatcher":
+        back = dispatcher.token_combine(dispatcher.combine_preprocess(y))    # this rank's pairs, permuted order
+        flat_map = routing_map.reshape(T, -1)
+        expert, token = flat_map.t().nonzero(as_tuple=True)             # Megatron's permute order: expert-major
+        pos = token * k + _slots(flat_map, token, expert)
+        return back.new_zeros(T * k, hidden).index_copy(0, pos, back).view(T, k, hidden)
+    # all-gather: one [k * H] row per gathered token (a slot per chosen expert), reduce-scattered back
+    offset = module.local_expert_indices[0]
+    local_map = gathered_map[:, offset:offset + len(module.experts.local_experts)]
+    expert, token = local_map.t().nonzero(as_tuple=True)
+    pos = token * k + _slots(gathered_map, token, expert + offset)
+    wide = y.new_zeros(gathered_map.shape[0] * k, hidden).index_copy(0, pos, y)
+    back = dispatcher.token_combine(wide.view(gathered_map.shape[0], k * hidden))
+    return back.view(T, k, hidden)
+
+
 def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_positions: int,
-                            renormalize: bool = True, ops=MEGATRON_OPS) -> PatchHandle:
+                            renormalize: bool = True, ops=MEGATRON_OPS, tp_reduce: str = "tree") -> PatchHandle:
     """Install the canonical ops ``ops`` (default all of :data:`MEGATRON_OPS`) into a Megatron ``GPTModel``.
 
     ``rope_base`` / ``max_positions``: the checkpoint's RoPE theta and maximum position (the canonical table is
     built for them; the model's own inverse frequencies must match). ``renormalize``: the top-k gates are
-    renormalised (Qwen3-MoE's ``norm_topk_prob``). Returns a :class:`~moealign.handle.PatchHandle` (scope
+    renormalised (Qwen3-MoE's ``norm_topk_prob``). ``tp_reduce``: :data:`TP_REDUCTIONS` (``"stock"`` only as a
+    negative control). On a rank of a sharded world (TP / EP / expert TP / PP) the model is that rank's stage and
+    shards (module docstring). Returns a :class:`~moealign.handle.PatchHandle` (scope
     ``"module"``: Megatron's ``apply_rotary_pos_emb`` is swapped where the attention module reads it).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -176,8 +337,11 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
     unknown = sorted(set(ops) - set(MEGATRON_OPS))
     if unknown:
         raise ConfigError(f"unknown canonical ops {unknown}; known: {list(MEGATRON_OPS)}")
+    if tp_reduce not in TP_REDUCTIONS:
+        raise ConfigError(f"tp_reduce must be one of {list(TP_REDUCTIONS)}, got {tp_reduce!r}")
     config = model.config
     _check_config(config)
+    _check_shards(model)
     escaped = []
     for name, module in model.named_modules():
         cls = type(module)
@@ -211,7 +375,7 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
             elif isinstance(module, ColumnParallelLinear) and "linear" in ops:
                 handle.set_attr(module, "forward", _linear_forward(module), f"{name}.forward")
             elif isinstance(module, RowParallelLinear) and "linear" in ops:
-                handle.set_attr(module, "forward", _row_forward(module), f"{name}.forward")
+                handle.set_attr(module, "forward", _row_forward(module, tp_reduce), f"{name}.forward")
             elif isinstance(module, torch.nn.RMSNorm) and "norm" in ops:
                 if module.eps is None:
                     raise CanonicalError(f"Megatron norm {name!r} has no eps (torch's default): not covered")
@@ -223,7 +387,7 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
                 handle.set_attr(module, "routing", _router_routing(module, module.routing, renormalize),
                                 f"{name}.routing")
             elif isinstance(module, MoELayer) and "experts" in ops:
-                handle.set_attr(module, "forward", _moe_forward(module), f"{name}.forward")
+                handle.set_attr(module, "forward", _moe_forward(module, tp_reduce), f"{name}.forward")
         if "rope" in ops:
             handle.set_attr(mg_attention, "apply_rotary_pos_emb", _rope(mg_attention.apply_rotary_pos_emb,
                                                                         float(rope_base)),
@@ -234,7 +398,8 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
     return handle
 
 
-def apply_canonical_forward_from_hf(model: torch.nn.Module, hf_config, *, ops=MEGATRON_OPS) -> PatchHandle:
+def apply_canonical_forward_from_hf(model: torch.nn.Module, hf_config, *, ops=MEGATRON_OPS,
+                                    tp_reduce: str = "tree") -> PatchHandle:
     """:func:`apply_canonical_forward` with the RoPE theta, the maximum position and the gate renormalisation
     read from the transformers config the model was converted from (``ops`` outside :data:`MEGATRON_OPS`, such as
     the scoring's ``log_softmax``, are not Megatron's and are ignored)."""
@@ -244,4 +409,4 @@ def apply_canonical_forward_from_hf(model: torch.nn.Module, hf_config, *, ops=ME
         raise CanonicalError("the checkpoint's config names no RoPE theta (rope_parameters.rope_theta)")
     return apply_canonical_forward(model, rope_base=float(base), max_positions=int(hf_config.max_position_embeddings),
                                    renormalize=bool(getattr(hf_config, "norm_topk_prob", True)),
-                                   ops=[op for op in ops if op in MEGATRON_OPS])
+                                   ops=[op for op in ops if op in MEGATRON_OPS], tp_reduce=tp_reduce)

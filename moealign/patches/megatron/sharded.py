@@ -140,7 +140,8 @@ class ShardedMegatronTrainer:
 
     def __init__(self, model_path, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
                  dispatcher: str = "alltoall", precision: str = "fp32", device: str = "cpu",
-                 micro_batch_size: int | None = None, timeout_s: float = 300.0, threads: int = 1, seed: int = 1234):
+                 micro_batch_size: int | None = None, timeout_s: float = 300.0, threads: int = 1, seed: int = 1234,
+                 aligned: bool = False, aligned_skip=(), tp_reduce: str = "tree"):
         from ...model_config import ConfigView, read_model_config
 
         self._procs: list = []
@@ -158,6 +159,23 @@ class ShardedMegatronTrainer:
         if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
                                              or micro_batch_size < 1):
             raise ConfigError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
+        if not isinstance(aligned, bool):
+            raise ConfigError(f"aligned must be a bool, got {aligned!r}")
+        canonical_ops = None
+        if aligned:
+            from ...precision.canonical import OPS
+            from .canonical import TP_REDUCTIONS
+
+            unknown = sorted(set(aligned_skip) - set(OPS))
+            if unknown:
+                raise ConfigError(f"aligned_skip: unknown canonical ops {unknown}; the canonical ops are {list(OPS)}")
+            if tp_reduce not in TP_REDUCTIONS:
+                raise ConfigError(f"tp_reduce must be one of {list(TP_REDUCTIONS)}, got {tp_reduce!r}")
+            canonical_ops = [op for op in OPS if op not in aligned_skip]
+        elif aligned_skip:
+            raise ConfigError("aligned_skip leaves canonical ops stock: it needs aligned=True")
+        self.aligned = aligned
+        self.canonical_ops = canonical_ops
         self.precision, fields = precision_fields(precision)
         self.dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
             fields["params_dtype"], str(fields["params_dtype"]).replace("torch.", ""))
@@ -165,6 +183,11 @@ class ShardedMegatronTrainer:
         config = read_model_config(self.model_path)
         self._config = config
         self.layout: ParallelLayout = check_parallel_layout(config, tp=tp, ep=ep, pp=pp, dp=dp)
+        if aligned:
+            from ...precision.canonical import check_canonical_model, check_canonical_tp
+
+            check_canonical_model(config)
+            check_canonical_tp(config, self.layout.tp, "tp")
         world = self.layout.world
         if device == "cuda":
             if not torch.cuda.is_available() or torch.cuda.device_count() < world:
@@ -185,7 +208,8 @@ class ShardedMegatronTrainer:
         self.ranks: list[dict] = []
         spec = dict(model_path=self.model_path, config=config, tp=self.layout.tp, ep=self.layout.ep,
                     pp=self.layout.pp, world=world, dispatcher=dispatcher, fields=fields, device=device,
-                    timeout_s=self.timeout_s, threads=threads, seed=seed, parent=os.getpid())
+                    timeout_s=self.timeout_s, threads=threads, seed=seed, parent=os.getpid(),
+                    canonical_ops=canonical_ops, tp_reduce=tp_reduce)
         self._start(spec)
 
     # ---------------------------------------------------------------------------------------------- processes
@@ -421,7 +445,13 @@ class ShardedMegatronTrainer:
                                  for i in range(n)])
         b, p = batch.response_mask.nonzero(as_tuple=True)
         tokens = batch.input_ids[b, p]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None].to(logits.device))[:, 0]
+        if self.canonical_ops is not None and "log_softmax" in self.canonical_ops:
+            from ...precision.canonical import c_log_softmax
+
+            full = c_log_softmax(logits, -1)
+        else:
+            full = torch.log_softmax(logits, dim=-1)
+        logprobs = full.gather(-1, tokens[:, None].to(logits.device))[:, 0]
         per_sample = list(logprobs.split(resp_counts))
         flips = None
         if batch.routes is not None:
@@ -543,6 +573,7 @@ class _RankState:
         self.mode = None
         self.dist_ready = self.ps_ready = False
         self.driver = None
+        self.canonical = None
         version = megatron_version()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -584,11 +615,19 @@ class _RankState:
             registry = RouterReplay.global_router_replay_instances
             registry[:] = [inst for inst in registry if id(inst) not in old]
             self.model = None
+        if self.canonical is not None:
+            self.canonical.undo()
+            self.canonical = None
         spec = self.spec
         self.model = build_megatron_stage(self.hf_config, spec["model_path"], parallel_output=False,
                                           cpu=spec["device"] == "cpu", moe_token_dispatcher_type=dispatcher,
                                           **spec["fields"])
         self.model.to(self.device).eval()
+        if spec.get("canonical_ops") is not None:       # before the replay driver, as the single-rank engine does
+            from .canonical import apply_canonical_forward_from_hf
+
+            self.canonical = apply_canonical_forward_from_hf(self.model, self.hf_config, ops=spec["canonical_ops"],
+                                                             tp_reduce=spec["tp_reduce"])
         self.driver = RouterReplayDriver(self.model, aux_loss="own")
         self.dispatcher = dispatcher
         self._time_replay_work()
@@ -720,6 +759,9 @@ class _RankState:
         with _suppress():
             if self.driver is not None:
                 self.driver.undo()
+        with _suppress():
+            if self.canonical is not None:
+                self.canonical.undo()
         if self.ps_ready:
             from megatron.core import parallel_state as ps
 
