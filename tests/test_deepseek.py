@@ -2,7 +2,7 @@
 against a hand computation, transformers replay (bitwise identity, the shared expert untouched, the verifier),
 vLLM's CPU rollout (route capture = the engine's grouped, biased top-k; forced routes; the forced gate weights
 vLLM's own, bitwise), ``mismatch`` (vllm -> hf, hf -> hf: flips > 0 stock, 0 replayed), ``record inspect --model``,
-and the refusals by name (Megatron conversion, MTP layers, DeepSeek-V3.2's indexer).
+and the refusals by name (what the Megatron conversion does not map, MTP layers, DeepSeek-V3.2's indexer).
 
 vLLM runs in a child process: this file run as a script (``python tests/test_deepseek.py vllm-child OUT``).
 """
@@ -187,7 +187,7 @@ def test_family_registration_and_fields():
     assert fam.moe_layer_pattern(view) == (0, 1, 1) and fam.num_experts(view) == E
     assert fam.scoring(view) == RouterScoring("sigmoid", renormalize=True, scaling_factor=2.5, n_group=4, topk_group=2)
     assert {"kv_lora_rank", "q_lora_rank", "n_shared_experts", "num_nextn_predict_layers"} <= set(fam.arch_keys)
-    assert not fam.megatron.convertible
+    assert fam.megatron.convertible and fam.megatron.own_attention(view)      # MLA: tests/test_deepseek_megatron.py
 
 
 def test_checkpoint_tensors_checked(tmp_path):
@@ -231,14 +231,16 @@ def test_deepseek_v32_refused_by_name():
         get_family("deepseek_v32")
 
 
-def test_megatron_refused_by_name_before_any_work(capsys):
-    from moealign.patches.megatron.checkpoint import check_family_convertible
+def test_megatron_refuses_what_it_does_not_map_by_name():
+    """The Megatron conversion (tests/test_deepseek_megatron.py) refuses, by name and before any model is built,
+    the DeepSeek features it does not map."""
+    from moealign.patches.megatron.checkpoint import check_family_convertible, megatron_config_from_hf
 
-    with pytest.raises(UnsupportedConversionError, match="multi-head latent attention"):
-        check_family_convertible("deepseek_v3")
-    assert main(["mismatch", "--model", MODEL, "--train", "megatron", "--rollout", "hf", "-q"]) == 2
-    err = capsys.readouterr().err
-    assert "UnsupportedConversionError" in err and "multi-head latent attention" in err
+    assert check_family_convertible("deepseek_v3").model_type == "deepseek_v3"
+    for change, words in (({"rope_interleave": False}, "rope_interleave"), ({"norm_topk_prob": False}, "norm_topk_prob"),
+                          ({"q_lora_rank": None}, "q_lora_rank"), ({"num_nextn_predict_layers": 1}, "multi-token")):
+        with pytest.raises(UnsupportedConversionError, match=words):
+            megatron_config_from_hf(ConfigView(**{**CONFIG, **change}), cpu=True)
 
 
 # ------------------------------------------------------------------------------------------------ replay semantics

@@ -133,6 +133,10 @@ def _no_tensors(config: Config) -> tuple[TensorPair, ...]:
     return ()
 
 
+def _stock_attention(config: Config) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class MegatronSpec:
     """What a family adds to the stock transformers <-> Megatron-core (local spec) conversion.
@@ -150,7 +154,10 @@ class MegatronSpec:
     ones (e.g. ``qk_layernorm``, ``add_qkv_bias``, the shared expert).
     ``attention_tensors(config)``: per decoder layer, the family's extra attention tensors (q/k norm, q/k/v bias).
     ``sparse_mlp_tensors(config)``: per sparse layer, tensors beyond the router and the routed experts
-    (a shared expert and its gate).
+    (a shared expert and its gate; a router's correction bias, which Megatron holds in its ``expert_bias`` buffer).
+    ``own_attention(config)``: True when ``attention_tensors`` are the whole attention and the stock q/k/v
+    (interleaved) and o mapping is not used (multi-head latent attention: ``config_fields`` then sets
+    ``multi_latent_attention=True``).
     """
 
     refused: str | None = None
@@ -159,6 +166,7 @@ class MegatronSpec:
     config_fields: Callable[[Config], dict] = _no_fields
     attention_tensors: Callable[[Config], tuple[TensorPair, ...]] = _no_tensors
     sparse_mlp_tensors: Callable[[Config], tuple[TensorPair, ...]] = _no_tensors
+    own_attention: Callable[[Config], bool] = _stock_attention
 
     def __post_init__(self):
         if self.refused is None and self.expert_ffn_size is None:

@@ -26,9 +26,25 @@ Not covered, refused by name wherever the config is read (:func:`uncovered`): mu
 (``num_nextn_predict_layers > 0``; transformers' default is 1 when config.json omits it), DeepSeek-V3.2's lightning
 indexer / sparse attention (``index_topk`` in the config; ``model_type="deepseek_v32"`` is refused by
 :func:`moealign.families.get_family`), a router other than ``topk_method="noaux_tc"`` / ``scoring_func="sigmoid"``
-(vLLM reads these two fields and routes otherwise without them; transformers always routes as noaux_tc). The Megatron
-conversion is refused for now (MLA on the local spec, the sigmoid grouped router with expert bias and the shared
-expert are not mapped yet).
+(vLLM reads these two fields and routes otherwise without them; transformers always routes as noaux_tc).
+
+**Megatron-core** (``megatron`` below; the stock mapping in :mod:`moealign.patches.megatron.checkpoint`): MLA on the
+local spec (``MLATransformerConfig``: ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim`` = ``qk_nope_head_dim``,
+``qk_pos_emb_head_dim`` = ``qk_rope_head_dim``, ``v_head_dim``, the q / kv RMSNorms as ``qk_layernorm``, plain RoPE
+``rope_type="rope"``; its core attention :mod:`moealign.patches.megatron.mla`), the router as
+``moe_router_score_function="sigmoid"`` with ``moe_router_enable_expert_bias`` (``e_score_correction_bias`` <->
+the router's ``expert_bias`` buffer), ``moe_router_num_groups`` / ``moe_router_group_topk``,
+``moe_router_topk_scaling_factor``, the shared expert as ``moe_shared_expert_intermediate_size`` (no gate), the
+first dense layers as ``moe_layer_freq``. Tensors: ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` ->
+``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``, ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
+``kv_b_proj`` -> ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``, ``o_proj`` -> ``linear_proj``
+(the same row layouts: per head ``[nope; rope]`` and ``[nope; v]``). Refused by name (:func:`megatron_unsupported`):
+``rope_interleave=False`` (Megatron's MLA always de-interleaves the RoPE dims, as transformers does only with
+``rope_interleave``), no q LoRA (``q_lora_rank`` null), ``attention_bias``, a group size other than
+``num_experts_per_tok / topk_group = 2`` (Megatron ranks a group by its ``topk / group_topk`` best scores, DeepSeek by
+its best two), ``norm_topk_prob=False`` (Megatron's sigmoid router always normalises); RoPE other than plain (YaRN) is refused by
+the stock mapping. The shared experts are one GLU ``moe_intermediate_size x n_shared_experts`` wide, as in
+transformers.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from . import (
     MegatronSpec,
     MoEFamily,
     RouterScoring,
+    TensorPair,
     config_size,
     glu_mlp,
     routed_experts,
@@ -172,6 +189,86 @@ def checkpoint(config) -> CheckpointTensors:
     return CheckpointTensors(required, optional, tuple(alternatives))
 
 
+# --------------------------------------------------------------------------------------------------
+# Megatron-core
+# --------------------------------------------------------------------------------------------------
+
+
+def megatron_unsupported(config) -> str | None:
+    """The first feature of ``config`` the Megatron conversion does not express (a text naming it), or None."""
+    reason = uncovered(config)
+    if reason is not None:
+        return reason
+    if not getattr(config, "rope_interleave", True):
+        return ("rope_interleave=False (Megatron's MLA always de-interleaves the RoPE dims, which transformers does "
+                "only with rope_interleave=True)")
+    if not getattr(config, "q_lora_rank", None):
+        return "q_lora_rank=None (MLA without the q LoRA: linear_q_proj is not mapped)"
+    if getattr(config, "attention_bias", False):
+        return "attention_bias=True (MLA's projections carry no bias in Megatron)"
+    if not getattr(config, "norm_topk_prob", True) and int(config.num_experts_per_tok) > 1:
+        return "norm_topk_prob=False (Megatron's sigmoid router always divides the top-k scores by their sum)"
+    n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if n_group and int(n_group) > 1 and int(config.num_experts_per_tok) != 2 * int(topk_group):
+        return (f"num_experts_per_tok={config.num_experts_per_tok} with topk_group={topk_group} (Megatron ranks an "
+                f"expert group by the sum of its num_experts_per_tok / topk_group best scores, DeepSeek by its best "
+                f"two: only num_experts_per_tok = 2 x topk_group agrees)")
+    return None
+
+
+def _shared_size(config) -> int:
+    return int(config.moe_intermediate_size) * int(getattr(config, "n_shared_experts", 0) or 0)
+
+
+def megatron_fields(config) -> dict:
+    """Megatron ``MLATransformerConfig`` fields beyond the stock ones (see the module docstring; the router's
+    sigmoid / groups / scaling / expert-bias fields come from :func:`router_scoring` in the stock mapping)."""
+    check_covered(config)
+    heads = int(config.num_attention_heads)
+    fields = dict(
+        multi_latent_attention=True,
+        q_lora_rank=int(config.q_lora_rank),
+        kv_lora_rank=int(config.kv_lora_rank),
+        qk_head_dim=int(config.qk_nope_head_dim),
+        qk_pos_emb_head_dim=int(config.qk_rope_head_dim),
+        v_head_dim=int(config.v_head_dim),
+        kv_channels=int(config.v_head_dim),
+        num_query_groups=heads,
+        qk_layernorm=True,                  # MLA's q_a_layernorm / kv_a_layernorm
+        rope_type="rope",
+        rotary_scaling_factor=1.0,          # unused by plain RoPE; MLA's softmax scale is then 1 / sqrt(qk head dim)
+        mscale=1.0,
+        mscale_all_dim=0.0,
+        moe_router_dtype="fp32",            # transformers' router computes its logits in fp32 (logits_in_fp32)
+    )
+    if _shared_size(config):
+        fields["moe_shared_expert_intermediate_size"] = _shared_size(config)
+    return fields
+
+
+def megatron_attention(config) -> tuple[TensorPair, ...]:
+    """MLA's tensors (the whole attention: ``own_attention``), transformers -> Megatron, per decoder layer."""
+    a, m = "self_attn.", "self_attention."
+    return (TensorPair("same", (a + "q_a_proj.weight",), m + "linear_q_down_proj.weight"),
+            TensorPair("same", (a + "q_a_layernorm.weight",), m + "q_layernorm.weight"),
+            TensorPair("same", (a + "q_b_proj.weight",), m + "linear_q_up_proj.weight"),
+            TensorPair("same", (a + "kv_a_proj_with_mqa.weight",), m + "linear_kv_down_proj.weight"),
+            TensorPair("same", (a + "kv_a_layernorm.weight",), m + "kv_layernorm.weight"),
+            TensorPair("same", (a + "kv_b_proj.weight",), m + "linear_kv_up_proj.weight"),
+            TensorPair("same", (a + "o_proj.weight",), m + "linear_proj.weight"))
+
+
+def megatron_sparse_mlp(config) -> tuple[TensorPair, ...]:
+    """Per sparse layer beyond the router weight and the routed experts: the correction bias (Megatron's
+    ``expert_bias`` buffer) and the shared expert (no gate)."""
+    out = (TensorPair("same", ("mlp.gate." + BIAS_ATTR,), "mlp.router.expert_bias"),)
+    if _shared_size(config):
+        out += (TensorPair("glu", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+                           "mlp.shared_experts.linear_fc1.weight"),
+                TensorPair("same", ("mlp.shared_experts.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight"))
+    return out
+
+
 FAMILY = MoEFamily(
     model_type="deepseek_v3",
     router_class="DeepseekV3TopkRouter",
@@ -183,9 +280,12 @@ FAMILY = MoEFamily(
     moe_layer_pattern=moe_layer_pattern,
     arch_keys=ARCH_KEYS + DEEPSEEK_KEYS,
     megatron=MegatronSpec(
-        refused="multi-head latent attention (MLA), the sigmoid grouped router with e_score_correction_bias and the "
-                "shared expert (no conversion yet; Megatron-core 0.16.1's local DotProductAttention also takes no "
-                "k_channels, which its MLA passes)",
+        expert_ffn_size=lambda c: int(c.moe_intermediate_size),
+        unsupported=megatron_unsupported,
+        config_fields=megatron_fields,
+        attention_tensors=megatron_attention,
+        sparse_mlp_tensors=megatron_sparse_mlp,
+        own_attention=lambda c: True,              # MLA: attention_tensors are the whole attention
     ),
     checkpoint_tensors=checkpoint,
 )

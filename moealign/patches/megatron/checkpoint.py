@@ -155,11 +155,31 @@ def _num_experts(config) -> int:
 
 def _renormalize(config) -> bool:
     """Whether the family's router divides the top-k probabilities by their sum (``norm_topk_prob``)."""
-    scoring = _family(config).scoring(config)
-    if scoring.score != "softmax" or scoring.grouped or scoring.scaling_factor != 1.0:
-        raise _unsupported(config.model_type, f"router scoring {scoring} (only softmax -> top-k, optionally "
-                                              f"renormalised, is mapped)")
-    return scoring.renormalize
+    return _router_fields(config)[1]
+
+
+def _router_fields(config) -> tuple[dict, bool]:
+    """(Megatron's router fields for the family's :class:`~moealign.routing_replay.gates.RouterScoring`, whether it
+    renormalises the top-k). Softmax -> top-k (renormalised, or not: ``moe_router_pre_softmax``), or sigmoid scores
+    (always renormalised by Megatron; the family refuses the rest) with optional groups and a scaling factor; a
+    selection bias when the family has one (``bias_attr``: Megatron's ``expert_bias``)."""
+    family = _family(config)
+    scoring = family.scoring(config)
+    if scoring.score == "softmax" and not scoring.grouped and scoring.scaling_factor == 1.0:
+        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not scoring.renormalize}, \
+            scoring.renormalize
+    if scoring.score == "sigmoid":
+        if not scoring.renormalize and int(config.num_experts_per_tok) > 1:
+            raise _unsupported(config.model_type, "a sigmoid router without renormalisation (Megatron's sigmoid "
+                                                  "router divides the top-k scores by their sum)")
+        fields = {"moe_router_score_function": "sigmoid",
+                  "moe_router_topk_scaling_factor": None if scoring.scaling_factor == 1.0 else scoring.scaling_factor,
+                  "moe_router_enable_expert_bias": bool(family.bias_attr)}
+        if scoring.grouped:
+            fields.update(moe_router_num_groups=int(scoring.n_group), moe_router_group_topk=int(scoring.topk_group))
+        return fields, True
+    raise _unsupported(config.model_type, f"router scoring {scoring} (softmax -> top-k, optionally renormalised, or "
+                                          f"sigmoid -> (grouped) top-k, renormalised and scaled, are mapped)")
 
 
 def _check_expressible(config) -> MoEFamily:
@@ -175,7 +195,7 @@ def _check_expressible(config) -> MoEFamily:
     layer_types = _get(config, "layer_types") or []
     if any(t != "full_attention" for t in layer_types):
         raise _unsupported(model_type, f"layer_types={sorted(set(layer_types))} (sliding-window attention)")
-    renormalize = _renormalize(config)          # also refuses a scoring other than softmax -> top-k
+    renormalize = _renormalize(config)          # also refuses a scoring Megatron's router does not compute
     if int(config.num_experts_per_tok) == 1 and renormalize:
         raise _unsupported(model_type, "top-1 routing with norm_topk_prob=True (a weight of exactly 1.0)")
     if _get(config, "num_key_value_heads") and config.num_attention_heads % config.num_key_value_heads:
@@ -249,15 +269,20 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
         moe_router_topk=int(hf_config.num_experts_per_tok),
         moe_ffn_hidden_size=int(expert_ffn),
         moe_layer_freq=pattern,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not _renormalize(hf_config),
         moe_router_load_balancing_type="aux_loss" if aux_coeff else "none",
         moe_aux_loss_coeff=aux_coeff,
         moe_grouped_gemm=False,
         moe_router_fusion=False,
         moe_enable_routing_replay=True,
     )
-    kw.update(family.megatron.config_fields(hf_config))      # q/k norm, q/k/v bias, shared expert, ...
+    kw.update(_router_fields(hf_config)[0])                   # softmax / sigmoid, groups, scaling, expert bias
+    kw.update(family.megatron.config_fields(hf_config))      # q/k norm, q/k/v bias, shared expert, MLA, ...
+    config_class = TransformerConfig
+    if kw.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        kw.setdefault("rotary_base", _rope_theta(hf_config))    # MLA applies its own RoPE (GPTModel's is unused)
     jitter = float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0)
     if jitter:
         # training-only noise U(1-eps, 1+eps) on the router input (transformers also feeds it to the experts)
@@ -265,7 +290,7 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
     if cpu:
         kw.update(_CPU_SETTINGS)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return config_class(**kw)
 
 
 def megatron_layer_spec(config):
@@ -274,6 +299,10 @@ def megatron_layer_spec(config):
     megatron_version()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    if getattr(config, "multi_latent_attention", False):
+        from .mla import mla_local_block_spec        # MLA: a local core attention with separate k / v head sizes
+
+        return mla_local_block_spec(config)
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
 
 
@@ -412,6 +441,9 @@ def check_parallel_layout(hf_config, *, tp: int = 1, ep: int = 1, pp: int = 1, d
         raise ConfigError(f"expert parallel size {ep} does not divide the data-parallel x tensor-parallel ranks of a "
                           f"stage (DP {dp} x TP {tp} = {dp * tp}) as Megatron requires: its expert grid ETP {tp} x EP "
                           f"{ep} must tile them (world {tp * pp * dp}; use a data-parallel size that EP divides)")
+    if tp > 1 and family.megatron.own_attention(config):
+        raise UnsupportedConversionError(f"{family.model_type}: tensor parallelism (TP {tp}) on multi-head latent "
+                                         f"attention is not verified yet (TP 1 is)")
     heads = int(config.num_attention_heads)
     groups = int(_get(config, "num_key_value_heads") or heads)
     sizes = [("attention heads", heads), ("query groups (num_key_value_heads)", groups),
@@ -560,6 +592,7 @@ def _mapping(hf_config, shard: _Shard | None = None) -> list[_Group]:
         elif not shard.first:         # a later last stage holds its own copy of the tied embedding
             groups.append(_same("model.embed_tokens.weight", "output_layer.weight"))
     attention_extra = spec.attention_tensors(hf_config)
+    own_attention = bool(spec.own_attention(hf_config))
     sparse_extra = spec.sparse_mlp_tensors(hf_config)
     pattern = _moe_layer_pattern(hf_config)
     for j, i in enumerate(shard.layers):
@@ -571,10 +604,13 @@ def _mapping(hf_config, shard: _Shard | None = None) -> list[_Group]:
         groups += [
             _same(f"{hf}.input_layernorm.weight", f"{mc}.input_layernorm.weight"),
             _same(f"{hf}.post_attention_layernorm.weight", f"{mc}.pre_mlp_layernorm.weight"),
-            _qkv(hf_config, f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight",
-                 f"{mc}.self_attention.linear_qkv.weight"),
-            _same(f"{attn}.o_proj.weight", f"{mc}.self_attention.linear_proj.weight"),
         ]
+        if not own_attention:               # the family's attention_tensors are the whole attention (MLA)
+            groups += [
+                _qkv(hf_config, f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight",
+                     f"{mc}.self_attention.linear_qkv.weight"),
+                _same(f"{attn}.o_proj.weight", f"{mc}.self_attention.linear_proj.weight"),
+            ]
         groups += [_pair(hf_config, pair, hf, mc) for pair in attention_extra]
         if not pattern[i]:
             groups += [_glu(f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight", f"{mc}.mlp.linear_fc1.weight"),
@@ -585,6 +621,20 @@ def _mapping(hf_config, shard: _Shard | None = None) -> list[_Group]:
                            shard.expert_start, shard.local_experts, total)
         groups += [_pair(hf_config, pair, hf, mc) for pair in sparse_extra]
     return groups
+
+
+#: Megatron buffers that hold checkpoint state (filled and read back like parameters): the router's selection bias
+#: (``moe_router_enable_expert_bias``; transformers' ``e_score_correction_bias``).
+STATE_BUFFERS = ("expert_bias",)
+
+
+def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and its state buffers (:data:`STATE_BUFFERS`), by name."""
+    out = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        if buf is not None and name.rsplit(".", 1)[-1] in STATE_BUFFERS:
+            out[name] = buf
+    return out
 
 
 def _key_report(missing, unused, what_missing: str, what_unused: str) -> str:
@@ -825,7 +875,7 @@ def load_hf_into_megatron(megatron_model: torch.nn.Module, hf_state_dict, hf_con
     source = _source(hf_state_dict, hf_config)
     _check_source(source, hf_config)
     groups = _mapping(hf_config, _model_shard(megatron_model, hf_config))
-    params = dict(megatron_model.named_parameters())
+    params = _state_tensors(megatron_model)
     mapped = {k for g in groups for k in g.mcore_keys}
     missing = set(params) - mapped
     unused = mapped - set(params)
@@ -868,8 +918,8 @@ class HFShard(NamedTuple):
 
 def _mapped_params(megatron_model, hf_config, meta: bool):
     shard = _model_shard(megatron_model, hf_config)
-    params = {name: (p.detach().to("meta") if meta else p.detach()) for name, p in megatron_model.named_parameters()}
-    raw = dict(megatron_model.named_parameters())
+    raw = _state_tensors(megatron_model)
+    params = {name: (p.detach().to("meta") if meta else p.detach()) for name, p in raw.items()}
     groups = _mapping(hf_config, shard)
     wanted = {k for g in groups for k in g.mcore_keys}
     missing, unused = wanted - set(params), set(params) - wanted

@@ -35,7 +35,8 @@ def enable_megatron_without_te() -> MegatronWithoutTE:
     """Let Megatron-core's MoE router run where transformer-engine did not import, reversibly.
 
     Sets each of :data:`TE_ONLY_MOE_UTILS_NAMES` that ``megatron.core.transformer.moe.moe_utils`` lacks to None
-    (its own ``is not None`` checks then take the plain ``torch.mm`` route). Where the module has them
+    (its own ``is not None`` checks then take the plain ``torch.mm`` route), and turns ``HAVE_TE`` off in
+    ``multi_latent_attention`` where its ``TELinear`` is no class (MLA on the local spec). Where the module has them
     (transformer-engine imported, or a Megatron-core that binds them itself) nothing is patched and
     ``patched`` is empty: users with transformer-engine keep its GEMM. Any device; the CPU mode nests it, and
     :func:`init_single_process` applies it on CUDA.
@@ -43,11 +44,21 @@ def enable_megatron_without_te() -> MegatronWithoutTE:
     megatron_version()
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
+    import megatron.core.transformer.multi_latent_attention as mla
+
     missing = [name for name in TE_ONLY_MOE_UTILS_NAMES if name not in vars(moe_utils)]
     what = f"{len(missing)} transformer-engine names set to None" if missing else "nothing missing"
+    # MLA: 0.16.1's multi_latent_attention sets HAVE_TE when Megatron's TE extension module imports, which it does
+    # without transformer-engine (TELinear is then a MagicMock placeholder, not a class), then calls
+    # isinstance(linear_proj, TELinear): TypeError when building MLASelfAttention on the local spec
+    mla_te = bool(getattr(mla, "HAVE_TE", False)) and not isinstance(getattr(mla, "TELinear", None), type)
+    if mla_te:
+        what += "; multi_latent_attention.HAVE_TE off (its TELinear is no class)"
     handle = MegatronWithoutTE(f"Megatron-core without transformer-engine (moe_utils: {what})", "module")
     for name in missing:
         handle.set_attr(moe_utils, name, None)
+    if mla_te:
+        handle.set_attr(mla, "HAVE_TE", False)
     return handle
 
 
