@@ -86,7 +86,7 @@ def test_record_format_and_engine_checks(recorded, tmp_path):
     assert len(lengths) > 1                                       # prompts of different lengths
     assert all(result["same_prompts"]) and all(result["seeded_repeat"])   # seed + i per sample: reproducible
     assert result["restored"] and result["restored_on_error"]     # every patch undone, also on an exception
-    assert result["prefix_refused"]
+    assert result["prefix_recorded"]
     assert result["discarded_rows"] > 0                           # partial prefill chunks were sampled and dropped
     print(f"\nrecord {result['record_s']:.3f} s vs plain llm.generate {result['plain_s']:.3f} s "
           f"({sum(s.response_len for s in record.samples)} response tokens)")

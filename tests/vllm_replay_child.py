@@ -130,7 +130,7 @@ if __name__ == "__main__":
             refused[name] = type(exc).__name__
     cache = llm.llm_engine.vllm_config.cache_config
     cache.enable_prefix_caching = True
-    try:
+    try:     # forced routes with prefix caching on are supported (tests/test_vllm_prefix_cache.py): not refused
         score_with_routes(llm, record)
         refused["prefix_caching"] = None
     except ReplayConfigError as exc:

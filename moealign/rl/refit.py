@@ -219,12 +219,12 @@ class Probe:
         return self
 
     def decodes(self, llm) -> bool:
-        """Whether the decode probe can run on ``llm``: ``decode_tokens > 0`` and prefix caching off (moealign's
-        recorder gives a decode's routes only when every position is forwarded)."""
+        """Whether the decode probe runs on ``llm``: ``decode_tokens > 0`` (moealign's recorder restores the routes of
+        prefix-cached positions, so caching on or off)."""
         from ..patches.vllm.refit import as_llm
 
-        caching = getattr(as_llm(llm).llm_engine.vllm_config.cache_config, "enable_prefix_caching", False)
-        return self.decode_tokens > 0 and not caching
+        as_llm(llm)
+        return self.decode_tokens > 0
 
     def decode_gaps(self, llm, train_engine) -> tuple[float, float]:
         """``(mean, max)`` |Δ log p| over the tokens vLLM decodes from the probe sequences (its own sampling path:

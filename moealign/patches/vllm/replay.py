@@ -43,6 +43,14 @@ fraction of rows that ran without a recorded route (each sample's last token, re
 not (a ``_compute_routing`` replaced after the forcer attached, a kernel path that routes on its own). EPLB (physical
 expert ids at the experts) is refused with ``verify=True``; ``verify=False`` wraps nothing.
 
+**Prefix caching** (on or off): :func:`score_with_routes` asks for prompt log-probs, so vLLM never reads the cache
+for its requests (``skip_reading_prefix_cache``); the blocks its forwards write under forced routes are evicted when
+it returns (:class:`~moealign.patches.vllm.rollout.CachedPrefixRoutes` with ``evict=True``), so no later request
+reuses KV computed under routes the model did not choose. With :func:`force_routes` (requests the caller makes),
+a request reuses a cached block only where the block's writer forced exactly what the request forces at its
+positions (:class:`ForcedBlocks`, on the scheduler side at each cache lookup; otherwise the hit is clipped and the
+block recomputed), and :meth:`RouteForcer.ran_routes` gives a reused position its writer's routes (tokens checked).
+
 Rows whose position has no recorded route are left to the router (with :func:`score_with_routes`: the last
 token of each sample, whose output no scored log-prob depends on, and rows the record marks missing). A row whose input token is not the record's
 token at that position raises :class:`~moealign.errors.ReplayError`.
@@ -62,7 +70,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...errors import EngineError, InputTypeError, ReplayConfigError, ReplayError, UnsupportedEngineError
+from ...errors import EngineError, InputTypeError, ReplayError, UnsupportedEngineError
 from ...families import get_family
 from ...handle import PatchHandle
 from ...record import RecordMeta, RolloutRecord
@@ -70,9 +78,21 @@ from ...routing_replay.gates import RouterScoring, replay_gate_weights
 from ...routing_replay.routes import expand_routes
 from ...routing_replay.verify import ReplayVerifier, VerifyReport, expected_ids
 from .._version import require_attr
-from .rollout import InWorkers, VllmRecorder, check_llm, latest_rows, model_runner, moe_routers, record_meta
+from .rollout import (
+    CachedPrefixRoutes,
+    InWorkers,
+    VllmRecorder,
+    check_llm,
+    engine_scheduler,
+    latest_rows,
+    model_runner,
+    moe_routers,
+    prefix_caching_on,
+    record_meta,
+    with_cached_rows,
+)
 
-__all__ = ["RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
+__all__ = ["ForcedBlocks", "RouteForcer", "force_routes", "score_with_routes", "vllm_router_scoring"]
 
 #: ``SamplingParams.extra_args`` key naming the sample a vLLM request scores.
 SAMPLE_KEY = "moealign_sample"
@@ -182,6 +202,7 @@ class RouteForcer(PatchHandle):
                                                   f"received")
         self._expect_for: Any = None
         self._expect: tuple | None = None
+        self.cached: CachedPrefixRoutes | None = None   # prefix caching on, in-process (force_routes)
 
     # ---------------------------------------------------------------- the row map
     def _sample(self, req_id: str) -> int | None:
@@ -378,10 +399,29 @@ class RouteForcer(PatchHandle):
         self._plan_dev = None
 
     # ---------------------------------------------------------------- what ran
+    def _check_restored(self, names, req, pos, tok) -> None:
+        """The input tokens of the positions restored from the prefix cache against the samples' tokens."""
+        for name, index in names.items():
+            i = self.sample_of.get(name)
+            if i is None:
+                continue
+            mine = req == index
+            if not bool(mine.any()):
+                continue
+            p, t = pos[mine], tok[mine]
+            if int(p.max()) >= self.tokens[i].numel() or not torch.equal(self.tokens[i][p], t):
+                raise ReplayError(f"sample {i} (vLLM request {name}) reused cached KV blocks whose tokens are not the "
+                                  f"record's")
+
     def ran_routes(self, lengths: Sequence[int]) -> list[torch.Tensor]:
         """Per sample, the experts that ran at positions ``0 .. lengths[i] - 1`` (int64 ``[n, layers, k]``, the
         latest forward of each position), read from the routers' capture hook."""
-        names, (row_req, row_pos, _, routes), _ = self.recorder._flat()
+        names, rows, _ = self.recorder._flat()
+        if self.cached is not None:           # positions reused from the prefix cache: their writer's rows
+            forwarded = rows[0].numel()
+            rows = with_cached_rows(names, rows, self.cached.hits, self.cached.block_size)
+            self._check_restored(names, *(r[forwarded:] for r in rows[:3]))
+        row_req, row_pos, _, routes = rows
         by_sample = {self.sample_of.get(name): r for name, r in names.items()}
         out = []
         for i, n in enumerate(lengths):
@@ -396,23 +436,89 @@ class RouteForcer(PatchHandle):
 
 
 def _check_engine(llm) -> None:
-    config = llm.llm_engine.vllm_config
-    if getattr(config.cache_config, "enable_prefix_caching", False):
-        raise ReplayConfigError("the LLM has prefix caching on: cached positions are never forwarded, so their routes "
-                                "could not be forced; open it with enable_prefix_caching=False")
     check_llm(llm)
+
+
+class ForcedBlocks:
+    """The scheduler-side agreement check of forced routes under prefix caching: a request may reuse a cached KV
+    block only when the block's writer forced, at the block's positions, exactly what the request forces there
+    (the same ids on the same rows, the same rows left to the router); otherwise the hit is clipped there and the
+    request recomputes the block under its own routes. ``sample(request)`` names a request's sample (or None)."""
+
+    def __init__(self, tables, routed, block_size: int, sample):
+        self.tables, self.routed, self.block_size, self.sample = tables, routed, block_size, sample
+        self.sample_of: dict[str, int | None] = {}
+
+    def _forced(self, i: int | None, start: int, stop: int) -> tuple:
+        table = None if i is None else self.tables[i]
+        if table is None:
+            return None, None
+        rows = table[start:stop]
+        mask = None if self.routed[i] is None else self.routed[i][start:stop]
+        return rows, mask
+
+    def __call__(self, request, writers) -> int:
+        mine = self.sample(request)
+        self.sample_of[request.request_id] = mine
+        for j, (wid, wj) in enumerate(writers):
+            start, stop = j * self.block_size, (j + 1) * self.block_size
+            if wid not in self.sample_of:
+                return j
+            a, b = self._forced(mine, start, stop), self._forced(self.sample_of[wid], start, stop)
+            if not _same_forcing(a, b, stop - start):
+                return j
+        return len(writers)
+
+
+def _same_forcing(a: tuple, b: tuple, rows: int) -> bool:
+    (ta, ma), (tb, mb) = a, b
+    if ta is None or tb is None:
+        return ta is None and tb is None
+    if ta.shape != tb.shape or ta.shape[0] != rows:
+        return False
+    ma = torch.ones(rows, dtype=torch.bool) if ma is None else ma
+    mb = torch.ones(rows, dtype=torch.bool) if mb is None else mb
+    return torch.equal(ma, mb) and torch.equal(ta[ma], tb[mb])
+
+
+def _cached_blocks(llm, tables, routed, sample) -> CachedPrefixRoutes | None:
+    """With prefix caching on: the scheduler-side block map (forced-route agreement on every hit; the blocks written
+    under forced routes evicted on undo), attached; None with caching off."""
+    if not prefix_caching_on(llm):
+        return None
+    scheduler = engine_scheduler(llm)
+    cached = CachedPrefixRoutes(scheduler, evict=True)
+    cached.admit = ForcedBlocks(tables, routed, cached.block_size, sample)
+    return cached.attach()
 
 
 def force_routes(llm: Any, record: RolloutRecord, *, force: bool = True, verify: bool = True) -> RouteForcer:
     """Attach a :class:`RouteForcer` for ``record`` (sample ``i`` = requests with ``extra_args[SAMPLE_KEY] == i``)
     after checking the record against the engine: the record's meta must match :func:`record_meta` (``llm``)
     (:class:`~moealign.errors.RecordMismatchError`), every sample must carry routes
-    (:class:`~moealign.errors.ReplayError`), prefix caching must be off (:class:`ReplayConfigError`). ``verify``
+    (:class:`~moealign.errors.ReplayError`). With prefix caching on, a request reuses a cached block only where
+    the block's writer forced what it forces there (:class:`ForcedBlocks`), the reused positions' ran routes are the
+    writer's, and the blocks written under forced routes leave the cache on undo. ``verify``
     (default True): the experts' ``topk_ids`` are verified (:meth:`RouteForcer.verify_report`, :meth:`RouteForcer.check`)."""
     runner = model_runner(llm)
     meta = _checked_record(llm, record, force)
-    return _attach_forcer(runner, meta.num_experts, [s.routes if force else None for s in record.samples],
-                          [s.token_ids for s in record.samples], force, verify, _routed(record))
+    forcer = _attach_forcer(runner, meta.num_experts, [s.routes if force else None for s in record.samples],
+                            [s.token_ids for s in record.samples], force, verify, _routed(record))
+    try:
+        cached = _cached_blocks(llm, forcer.tables, forcer.routed, _request_sample)
+        if cached is not None:
+            forcer.cached = forcer.add_handle(cached, "prefix-cache route map (forced blocks evicted)")
+    except BaseException:
+        forcer.undo()
+        raise
+    return forcer
+
+
+def _request_sample(request) -> int | None:
+    """The sample a scheduler-side vLLM request names (``extra_args[SAMPLE_KEY]``), or None."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    index = extra.get(SAMPLE_KEY)
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 def _checked_record(llm: Any, record: RolloutRecord, force: bool) -> RecordMeta:
@@ -481,12 +587,23 @@ def score_with_routes(llm: Any, record: RolloutRecord, *, force: bool = True, re
     forcing = InWorkers(llm, _attach_forcer, (meta.num_experts, tables, [s.token_ids for s in record.samples], force,
                                               verify, _routed(record)),
                         _read_forcer, (lengths,), agree="forced or ran other routes")
-    with forcing:
-        inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
-        params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, logprobs=0,
-                                     detokenize=False, extra_args={SAMPLE_KEY: i})
-                  for i in range(len(inputs))]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+    # prefix caching on: prompt log-probs never read the cache (vLLM skips the lookup, asked here explicitly), and
+    # the blocks these forwards write under forced routes leave the cache when the call returns
+    caching = prefix_caching_on(llm)
+    skip = {"skip_reading_prefix_cache": True} if caching else {}
+    cached = _cached_blocks(llm, tables, [None] * len(tables), _request_sample) if caching else None
+    try:
+        with forcing:
+            inputs = [{"prompt_token_ids": s.token_ids.tolist()} for s in record.samples]
+            params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, logprobs=0,
+                                         detokenize=False, extra_args={SAMPLE_KEY: i}, **skip)
+                      for i in range(len(inputs))]
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+    finally:
+        if cached is not None:
+            cached.undo()
+    if cached is not None and any(cached.hits.values()):
+        raise EngineError("vLLM reused prefix-cached blocks for requests that score prompt log-probs")
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} samples")
     forced_rows, ran, report, forced_calls = forcing.result

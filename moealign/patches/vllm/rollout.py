@@ -25,9 +25,22 @@ forward saw at each (request, position), the sampled token of each kept-set row 
 slip raises :class:`~moealign.errors.ReplayError` instead of recording another token's experts. Every patch is
 a :class:`~moealign.handle.PatchHandle` (scope ``"instance"``) undone when the call returns or raises.
 
-Prefix caching is refused (cached prompt positions are never forwarded, so they would have no routes), as are
-speculative decoding, async scheduling, monolithic MoE kernels and a temperature below vLLM's greedy threshold
-(1e-5: vLLM then samples greedily and never truncates). The record's metadata (:func:`record_meta`): the
+**Prefix caching** (vLLM's default): a position whose KV block is reused from the prefix cache is never forwarded, so
+its routes are those of the forward that wrote the block. :class:`CachedPrefixRoutes` (scheduler side, per engine
+step, in the engine core's process: no hook inside a forward) notes, per KV block that vLLM makes reusable
+(``BlockPool.cache_full_blocks``), the request and block index whose forward wrote it and the block's hash (vLLM's
+own key); drops the note when vLLM evicts the block or resets the cache (``_remove_cached_block_hashes``,
+``reset_prefix_cache``); and on each cache lookup (``KVCacheManager.get_computed_blocks``) keeps the hit only as far
+as every block has a writer noted in this call (a block cached before the call, or written outside the recorder, is
+recomputed instead: the hit is clipped). After ``generate`` the hit positions get their writer's rows
+(:func:`with_cached_rows`: the writer's input tokens, checked against the sample's like any forwarded row, and its
+routes). Refused by name: several KV cache groups, partial-block cache entries, a KV connector. Under the tree /
+canonical forward a record made with caching on equals one made with it off, bitwise (tests/test_vllm_prefix_cache.py);
+under the stock forward a hit changes the batch a step runs (fewer rows), which may change the bits of what the
+forward computes after it: the record is still exact about what ran (the restored rows are the writer's).
+
+Speculative decoding, async scheduling, monolithic MoE kernels and a temperature below vLLM's greedy threshold
+(1e-5: vLLM then samples greedily and never truncates) are refused. The record's metadata (:func:`record_meta`): the
 fingerprint of the checkpoint's config.json as written (not of the config vLLM loaded, which vLLM edits), the MoE
 layers, experts and top-k of its live routers, and the router signature of the checkpoint's router weights, read
 from its safetensors files (vLLM's CPU build repacks the live gate weights into a oneDNN kernel and leaves the
@@ -76,7 +89,8 @@ from ...routing_replay.routes import compact_routes, route_dtype
 from .._version import require_attr
 from .engine import vllm_version
 
-__all__ = ["VllmRecorder", "generate_with_record", "model_runner", "moe_routers", "record_meta", "cached_record_meta",
+__all__ = ["CachedPrefixRoutes", "VllmRecorder", "generate_with_record", "engine_scheduler", "prefix_caching_on",
+           "with_cached_rows", "model_runner", "moe_routers", "record_meta", "cached_record_meta",
            "worker_runner"]
 
 #: vLLM samples greedily below this temperature (``vllm.v1.sample.sampler._SAMPLING_EPS``): no kept set exists.
@@ -525,6 +539,217 @@ class InWorkers:
             self.result = _agreed(per_rank, self.agree)
 
 
+# --------------------------------------------------------------------------------------------------
+# prefix caching: the routes of cached positions (scheduler side, this process)
+# --------------------------------------------------------------------------------------------------
+
+
+def prefix_caching_on(llm: Any) -> bool:
+    """Whether ``llm`` reuses KV blocks across requests (vLLM's ``enable_prefix_caching``, on by default)."""
+    return bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching", False))
+
+
+def engine_scheduler(llm: Any):
+    """The V1 scheduler of ``llm``'s engine core, which runs in this process (:func:`~.engine.open_llm`; any TP
+    size); :class:`~moealign.errors.EngineError` when the engine core runs in another process."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    scheduler = getattr(getattr(client, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        raise EngineError("the vLLM engine core does not run in this process (no in-process scheduler): open the "
+                          "LLM with moealign.patches.vllm.open_llm, or set VLLM_ENABLE_V1_MULTIPROCESSING=0 before "
+                          "vLLM is imported, so that the routes of prefix-cached positions can be restored")
+    return scheduler
+
+
+class CachedPrefixRoutes(PatchHandle):
+    """Which forward wrote each reusable KV block, and which blocks each request reused (scope ``"instance"``).
+
+    Hooks, all on the scheduler side (once per block cached, evicted or looked up; never inside a forward):
+    ``BlockPool.cache_full_blocks`` notes ``writer[block id] = (request id, block index, block hash)`` for the
+    blocks a request's forward fills; ``BlockPool._remove_cached_block_hashes`` (eviction, vLLM's only way a hash
+    leaves a block) and ``reset_prefix_cache`` drop the notes; ``KVCacheManager.get_computed_blocks`` keeps a cache
+    hit only over the leading blocks that have a note whose hash and block index are the block's own (and, with
+    ``admit(request, writers) -> blocks kept``, only as far as ``admit`` allows: the forcer's agreement check);
+    the rest is recomputed. Where vLLM picks a block cached under a hash before the call (it returns the first block
+    cached under a hash) and a later block under the same hash has a note, the noted block is reused instead. :attr:`hits` holds per request the writers ``(request id, block index)`` of the blocks
+    its latest lookup reused; :attr:`clipped` counts the blocks vLLM found that were recomputed instead.
+    ``evict=True``: on undo, the blocks written while attached leave the prefix cache (forced routes: KV computed
+    under routes the model did not choose must not serve a later request).
+    """
+
+    def __init__(self, scheduler, *, admit=None, evict: bool = False):
+        manager = require_attr(scheduler, "kv_cache_manager", "vLLM's scheduler")
+        super().__init__(f"prefix-cache route map on {type(manager).__name__}", "instance")
+        self.manager = manager
+        self.pool = require_attr(manager, "block_pool", f"vLLM's {type(manager).__name__}")
+        for name in ("get_computed_blocks", "create_kv_cache_blocks"):
+            require_attr(manager, name, f"vLLM's {type(manager).__name__}")
+        for name in ("cache_full_blocks", "_remove_cached_block_hashes", "reset_prefix_cache"):
+            require_attr(self.pool, name, f"vLLM's {type(self.pool).__name__}")
+        groups = manager.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise UnsupportedEngineError(f"the KV cache has {len(groups)} groups (a hybrid or sliding-window model): "
+                                         f"routes of prefix-cached positions are restored for one full-attention "
+                                         f"group only; open the LLM with enable_prefix_caching=False")
+        single = manager.coordinator.single_type_managers[0]
+        if type(single).__name__ != "FullAttentionManager":
+            raise UnsupportedEngineError(f"the KV cache is managed by {type(single).__name__}, not full attention: "
+                                         f"routes of prefix-cached positions cannot be restored; open the LLM with "
+                                         f"enable_prefix_caching=False")
+        self.block_size = int(single.block_size)
+        if int(self.pool.hash_block_size) != self.block_size:
+            raise UnsupportedEngineError(f"vLLM hashes {self.pool.hash_block_size}-token units of "
+                                         f"{self.block_size}-token blocks (partial-block cache entries): routes of "
+                                         f"prefix-cached positions cannot be restored; open the LLM with "
+                                         f"enable_prefix_caching=False")
+        if getattr(scheduler, "connector", None) is not None:
+            raise UnsupportedEngineError("a KV connector is configured: KV loaded from outside carries no routes; "
+                                         "open the LLM without it or with enable_prefix_caching=False")
+        self.admit = admit
+        self.evict = evict
+        self.written: set[int] = set()          # every block id noted while attached (evict=True)
+        self.writer: dict[int, tuple[str, int, Any]] = {}
+        self.noted: dict[Any, int] = {}         # block hash -> the block id last noted under it
+        self.hits: dict[str, list[tuple[str, int]]] = {}
+        self.clipped = 0
+        self.evicted = 0
+
+    # ---------------------------------------------------------------- hooks
+    def _cache_full_blocks(self, original):
+        def cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
+            out = original(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+            for i in range(num_cached_blocks, num_full_blocks):
+                block = blocks[i]
+                if not block.is_null and block.block_hash is not None:
+                    self.writer[block.block_id] = (request.request_id, i, block.block_hash)
+                    self.noted[block.block_hash] = block.block_id
+                    if self.evict:
+                        self.written.add(block.block_id)
+            return out
+        return cache_full_blocks
+
+    def _remove_hashes(self, original):
+        def _remove_cached_block_hashes(block):
+            note = self.writer.pop(block.block_id, None)
+            if note is not None:
+                self.evicted += 1
+                if self.noted.get(note[2]) == block.block_id:
+                    del self.noted[note[2]]
+            return original(block)
+        return _remove_cached_block_hashes
+
+    def _reset(self, original):
+        def reset_prefix_cache(*args, **kwargs):
+            done = original(*args, **kwargs)
+            if done:
+                self.evicted += len(self.writer)
+                self.writer.clear()
+                self.noted.clear()
+            return done
+        return reset_prefix_cache
+
+    def _lookup(self, original):
+        manager, size = self.manager, self.block_size
+
+        def get_computed_blocks(request):
+            blocks, num_tokens, *rest = original(request)
+            found = num_tokens // size if num_tokens > 0 else 0
+            writers: list[tuple[str, int]] = []
+            group = list(blocks.blocks[0]) if found else []
+            swapped = False
+            for j in range(found):
+                block = group[j]
+                note = self.writer.get(block.block_id)
+                if note is None or note[2] != block.block_hash:
+                    # vLLM picks the first block cached under a hash; a later copy under the same hash may be the
+                    # one written while recording: reuse that one instead (the same tokens, a known writer)
+                    other = self.noted.get(block.block_hash)
+                    if other is None:
+                        break
+                    block, note = self.pool.blocks[other], self.writer[other]
+                    group[j], swapped = block, True
+                if note[1] != j or note[2] != block.block_hash:
+                    break
+                writers.append((note[0], j))
+            if self.admit is not None:        # called on every lookup (it may note the request)
+                writers = writers[:max(0, min(len(writers), int(self.admit(request, writers))))]
+            self.hits[request.request_id] = writers
+            if swapped or len(writers) < found or num_tokens != found * size:
+                self.clipped += found - len(writers)
+                keep = len(writers)
+                blocks = manager.create_kv_cache_blocks((group[:keep],))
+                num_tokens = keep * size
+                rest = [0 for _ in rest]          # the shared-prefix boundary of sparse groups (none here)
+            return (blocks, num_tokens, *rest)
+        return get_computed_blocks
+
+    def attach(self) -> "CachedPrefixRoutes":
+        pool, manager = self.pool, self.manager
+        try:
+            self.set_attr(pool, "cache_full_blocks", self._cache_full_blocks(pool.cache_full_blocks),
+                          f"{type(pool).__name__}.cache_full_blocks")
+            self.set_attr(pool, "_remove_cached_block_hashes", self._remove_hashes(pool._remove_cached_block_hashes),
+                          f"{type(pool).__name__}._remove_cached_block_hashes")
+            self.set_attr(pool, "reset_prefix_cache", self._reset(pool.reset_prefix_cache),
+                          f"{type(pool).__name__}.reset_prefix_cache")
+            self.set_attr(manager, "get_computed_blocks", self._lookup(manager.get_computed_blocks),
+                          f"{type(manager).__name__}.get_computed_blocks")
+            if self.evict:
+                self.add_callback(self._evict_written, "the blocks written while attached evicted from the cache")
+        except BaseException:
+            self.undo()
+            raise
+        return self
+
+    def _evict_written(self) -> None:
+        written, self.written = sorted(self.written), set()
+        self.pool.evict_blocks(set(written))
+
+    def cached_tokens(self) -> dict[str, int]:
+        """Per request id, the prompt tokens its latest cache lookup reused."""
+        return {rid: len(w) * self.block_size for rid, w in self.hits.items()}
+
+
+def with_cached_rows(names: dict[str, int], rows: tuple, hits: dict[str, list[tuple[str, int]]],
+                     block_size: int) -> tuple:
+    """The recorder's rows ``(request index, position, input token, routes)`` plus one row per position a request
+    reused from the prefix cache (``hits``: :attr:`CachedPrefixRoutes.hits`): the row its block's writer forwarded
+    at that position (input token and routes), under the reusing request. The restored rows come last, so they are
+    the latest rows of their positions (a request never forwards a position it reused)."""
+    row_req, row_pos, row_tok, routes = rows
+    dst_req, dst_block, src_req, src_block = [], [], [], []
+    for rid, writers in hits.items():
+        if not writers or rid not in names:
+            continue
+        for j, (wid, wj) in enumerate(writers):
+            if wid not in names:
+                raise ReplayError(f"vLLM request {rid} reused KV block {j} written by request {wid}, whose forward "
+                                  f"the recorder did not see")
+            dst_req.append(names[rid])
+            dst_block.append(j)
+            src_req.append(names[wid])
+            src_block.append(wj)
+    if not dst_req:
+        return rows
+    offsets = torch.arange(block_size)
+
+    def expand(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).repeat_interleave(block_size)
+
+    d_req, s_req = expand(dst_req), expand(src_req)
+    d_pos = expand(dst_block) * block_size + offsets.repeat(len(dst_req))
+    s_pos = expand(src_block) * block_size + offsets.repeat(len(src_req))
+    stride = int(max(int(row_pos.max()) if row_pos.numel() else 0, int(s_pos.max()), int(d_pos.max()))) + 1
+    source = latest_rows(row_req * stride + row_pos, s_req * stride + s_pos)
+    if bool((source < 0).any()):
+        k = int((source < 0).nonzero()[0, 0])
+        name = {v: n for n, v in names.items()}
+        raise ReplayError(f"vLLM request {name[int(d_req[k])]} reused position {int(d_pos[k])} from request "
+                          f"{name[int(s_req[k])]}, which never forwarded position {int(s_pos[k])}")
+    return (torch.cat([row_req, d_req]), torch.cat([row_pos, d_pos]), torch.cat([row_tok, row_tok[source]]),
+            None if routes is None else torch.cat([routes, routes[source]]))
+
+
 def _attach_recorder(runner, num_experts: int, record_routes: bool, record_kept_sets: bool) -> VllmRecorder:
     if getattr(runner, "use_async_scheduling", False):
         raise UnsupportedEngineError("async scheduling is on: recording reads the row map of each step as it runs "
@@ -550,9 +775,6 @@ def check_llm(llm) -> None:
     if getattr(llm, "llm_engine", None) is None:
         raise InputTypeError(f"llm must be a vllm.LLM, got {type(llm).__name__}")
     config = llm.llm_engine.vllm_config
-    if getattr(config.cache_config, "enable_prefix_caching", False):
-        raise ConfigError("the LLM has prefix caching on: cached prompt positions are never forwarded, so they "
-                          "would have no routes; open it with enable_prefix_caching=False to record")
     if getattr(config, "speculative_config", None) is not None:
         raise UnsupportedEngineError("speculative decoding is on: recording supports one sampled token per step")
     if getattr(config.scheduler_config, "async_scheduling", False):
@@ -637,13 +859,22 @@ def generate_with_record(
                                  top_p=float(sampling.top_p), min_p=float(sampling.min_p), max_tokens=max_new_tokens,
                                  seed=seed + i, logprobs=0, detokenize=False)
               for i in range(len(inputs))]
-    with InWorkers(llm, _attach_recorder, (meta.num_experts, record_routes, record_kept_sets), _read_recorder,
-                   agree="recorded other rows / routes / kept sets") as recording:
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+    cached = CachedPrefixRoutes(engine_scheduler(llm)).attach() if prefix_caching_on(llm) else None
+    try:
+        with InWorkers(llm, _attach_recorder, (meta.num_experts, record_routes, record_kept_sets), _read_recorder,
+                       agree="recorded other rows / routes / kept sets") as recording:
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+    finally:
+        if cached is not None:
+            cached.undo()
     if len(outputs) != len(inputs):
         raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(inputs)} prompts")
 
-    samples = _assemble(outputs, recording.result, sampling, record_kept_sets)
+    captured = recording.result
+    if cached is not None:
+        names, rows, sampler = captured
+        captured = (names, with_cached_rows(names, rows, cached.hits, cached.block_size), sampler)
+    samples = _assemble(outputs, captured, sampling, record_kept_sets)
     _check_and_compact(samples, meta)
     return RolloutRecord(meta, samples, validate=validate)
 
@@ -723,8 +954,8 @@ def _assemble(outputs, captured, sampling: SamplingParams, record_kept_sets: boo
         last = latest_rows(req * stride + pos, wanted)
         if bool((last < 0).any()):
             b, gap = sample_at(int((last < 0).nonzero()[0, 0]), sizes)
-            raise ReplayError(f"{labels[b]}: no route was recorded for position {gap} (prefix caching, or a step the "
-                              f"recorder did not see)")
+            raise ReplayError(f"{labels[b]}: no route was recorded for position {gap} (a prefix-cache hit whose rows "
+                              f"were not restored, or a step the recorder did not see)")
         rows = mine[last]
         seen, expected = row_tok[rows], torch.cat([t[:-1] for t in tokens])
         if not torch.equal(seen, expected):
