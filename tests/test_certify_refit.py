@@ -1,6 +1,6 @@
 """certify_refit (issue 38 items 1-4, 6): every check of a refit certificate against a fault planted where it
 looks, on the real engine (tests/vllm_certify_child.py: the embedded model, fp32, TP = 1; one engine with prefix
-caching off and a Megatron trainer, then one with caching on). Each check has its negative control: the fault it
+caching on (moealign's default) and a Megatron trainer, then a plain one with caching on). Each check has its negative control: the fault it
 catches is invisible to the checks before it (a decode-only fault passes the prefill probe, a stale prefix cache and
 a nudged RoPE cache pass the digests). Engine-free pieces (bad input, the verdict) run without vLLM."""
 
@@ -75,7 +75,7 @@ def test_clean_refit_passes_every_check_with_one_json_verdict(child):
     assert c["ok"] and c["json"]["ok"] and c["json"]["first_failed"] is None
     assert c["statuses"] == {"engine_awake": "passed", "config": "passed", "tensor_digests": "passed",
                              "derived_buffers": "passed", "prefill_probe": "passed", "decode_probe": "passed",
-                             "prefix_cache": "not_run"}          # caching off: nothing to go stale
+                             "prefix_cache": "passed"}           # the rollout engine caches prefixes (the default)
     for entry in c["json"]["checks"]:
         assert entry["catches"] and entry["stands_for"] and entry["seconds"] >= 0
     assert c["json"]["config"]["sleep_mode"]["available"] is False

@@ -84,17 +84,20 @@ def test_falls_back_to_a_cold_interpreter_where_a_warm_child_could_differ(monkey
 def test_the_lazily_read_variables_keep_the_server_and_others_start_a_new_one(monkeypatch):
     monkeypatch.setattr(warm, "_STARTS", 0)
     code = "import sys; print('torch' in sys.modules, hash('moealign'))"
-    first = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # a server started without vLLM's variables (an earlier test in this process may have set some: open_llm in the
+    # test process sets VLLM_CPU_KVCACHE_SPACE)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    first = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=base)
     server = warm._SERVER
     lazy = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                    env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
+                    env=dict(base, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
                              MOEALIGN_VLLM_PATCHES="tree"))
     assert warm._SERVER is server and lazy.stdout.startswith("True") and first.stdout.startswith("True")
     assert "VLLM_CPU_KVCACHE_SPACE" not in server.vllm_read
     if importlib.util.find_spec("vllm") is not None:             # preloaded: its logging read its variables
         assert "VLLM_LOGGING_LEVEL" in server.vllm_read
     # PYTHONHASHSEED is read when the interpreter starts: a child of the running server would hash differently
-    env = dict(os.environ, PYTHONHASHSEED="123")
+    env = dict(base, PYTHONHASHSEED="123")
     w, c = _both([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert warm._SERVER is not server and w.stdout.startswith("True")
     assert w.stdout.split()[1] == c.stdout.split()[1]

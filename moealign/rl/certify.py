@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -124,21 +124,6 @@ def _cache_prompts(prompts: Sequence[torch.Tensor], block: int, decode_tokens: i
     return out, ""
 
 
-def _decode(llm, prompts: list[list[int]], decode_tokens: int, seed: int, salt: str | None):
-    from vllm import SamplingParams as VllmSamplingParams
-
-    inputs = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in prompts]
-    params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=decode_tokens, seed=seed + i, logprobs=0,
-                                 detokenize=False) for i in range(len(prompts))]
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        lp = torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)], dtype=torch.float64)
-        result.append((list(c.token_ids), lp, int(o.num_cached_tokens or 0)))
-    return result
-
-
 def _check_prompts(prompts, what: str) -> list[torch.Tensor]:
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ConfigError(f"{what}: a non-empty list of 1-D token tensors")
@@ -153,7 +138,7 @@ def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
     """Decode the prefix-cache check's prompts once (plain ``llm.generate``, caching on) so that their KV blocks
     are cached: call it before the first refit; :func:`certify_refit` re-primes them after every check. Returns the
     number of prompts (0 where the check cannot apply: caching off, a context too short)."""
-    from ..patches.vllm.refit import as_llm, check_awake, engine_busy
+    from ..patches.vllm.refit import as_llm, check_awake, decode_token_ids, engine_busy
 
     llm = as_llm(llm)
     check_awake(llm, "priming the prefix cache")
@@ -166,7 +151,7 @@ def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
     if tiled is None:
         return 0
     with engine_busy(llm, "priming the prefix cache", exclusive=False):
-        _decode(llm, tiled, decode_tokens, seed, None)
+        decode_token_ids(llm, tiled, decode_tokens, seed, None)
     return len(tiled)
 
 
@@ -175,7 +160,7 @@ def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
     With caching on, each prompt (tiled to one KV block and a tail) is decoded as is, reusing whatever the cache holds
     for it, then with a cache salt no block has (a cold run); tokens and log-probs must be equal (``torch.equal``).
     The first run leaves the prompts' blocks cached under the current weights, priming the next check."""
-    from ..patches.vllm.refit import as_llm, engine_busy
+    from ..patches.vllm.refit import as_llm, decode_token_ids, engine_busy
 
     llm = as_llm(llm)
     cache = llm.llm_engine.vllm_config.cache_config
@@ -187,8 +172,8 @@ def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
     if tiled is None:
         return {"status": "not_run", "detail": why, "cached_tokens": 0}
     with engine_busy(llm, "the prefix-cache check", exclusive=False):
-        hit = _decode(llm, tiled, decode_tokens, seed, None)
-        cold = _decode(llm, tiled, decode_tokens, seed, f"moealign-cold-{uuid.uuid4().hex}")
+        hit = decode_token_ids(llm, tiled, decode_tokens, seed, None)
+        cold = decode_token_ids(llm, tiled, decode_tokens, seed, f"moealign-cold-{uuid.uuid4().hex}")
     cached = sum(h[2] for h in hit)
     bad = [i for i, (h, c) in enumerate(zip(hit, cold)) if h[0] != c[0] or not torch.equal(h[1], c[1])]
     if bad:

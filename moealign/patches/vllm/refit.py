@@ -70,7 +70,7 @@ __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrep
            "checkpoint_layout", "checkpoint_named", "check_manifest", "check_values", "as_llm", "engine_model_path",
            "engine_dtype", "engine_busy", "refit_weights", "DIGEST_NAME", "layout_digest", "span_lanes", "shard_span",
            "expected_lanes", "held_tensors", "verify_weights", "verify_digests", "CPU_NO_SLEEP_MODE", "sleep_mode",
-           "check_awake", "check_derived_buffers"]
+           "check_awake", "check_derived_buffers", "decode_token_ids"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
@@ -1344,3 +1344,21 @@ def check_derived_buffers(llm: Any) -> dict:
     problems = [(rank, why) for rank, a in enumerate(answers) for why in a["problems"]]
     unchecked = sorted({n for a in answers for n in a["unchecked"]})
     return {"checked": sum(len(a["checked"]) for a in answers), "problems": problems, "unchecked": unchecked}
+
+
+def decode_token_ids(llm, prompts: list[list[int]], decode_tokens: int, seed: int, salt: str | None):
+    """``[(token ids, log-probs float64, cached prompt tokens)]``: vLLM's own decode of ``decode_tokens`` tokens from
+    each token-id prompt (temperature 1, seed ``seed + i``, its processed log-probs), through its prefix cache unless
+    ``salt`` (a ``cache_salt``) makes the run cold: the certificate's prefix-cache check (:mod:`moealign.rl.certify`)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    inputs = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in prompts]
+    params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=decode_tokens, seed=seed + i, logprobs=0,
+                                 detokenize=False) for i in range(len(prompts))]
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lp = torch.tensor([float(d[t].logprob) for d, t in zip(c.logprobs or [], c.token_ids)], dtype=torch.float64)
+        result.append((list(c.token_ids), lp, int(o.num_cached_tokens or 0)))
+    return result
