@@ -59,6 +59,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from ...checkpoint_check import checkpoint_shapes
 from ...families import verified_families
 from ...errors import (ConfigError, EngineError, InputTypeError, MoealignError, RefitError, UnsupportedEngineError,
                        UnsupportedModelError)
@@ -132,9 +133,8 @@ class WeightCheck:
 
 
 def checkpoint_layout(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of the safetensors checkpoint at ``path`` (headers only, no tensor data read)."""
-    from safetensors import safe_open
-
+    """``{name: shape}`` of the safetensors checkpoint at ``path`` (headers only, no tensor data read:
+    :func:`moealign.checkpoint_check.checkpoint_shapes`)."""
     root = Path(path)
     files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
     if not files:
@@ -143,13 +143,8 @@ def checkpoint_layout(path: str | Path) -> dict[str, tuple[int, ...]]:
     # read once per engine run, not per refit: keyed by every file's identity, size and modification time
     key = tuple((str(f), st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
     if key not in _LAYOUTS:
-        layout: dict[str, tuple[int, ...]] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    layout[name] = tuple(f.get_slice(name).get_shape())
         _LAYOUTS.clear()
-        _LAYOUTS[key] = layout
+        _LAYOUTS[key] = checkpoint_shapes(root, "the engine's checkpoint")    # the one header reader (headers only)
     return dict(_LAYOUTS[key])
 
 
