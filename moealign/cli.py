@@ -366,12 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if not getattr(args, "verbose", False):         # the engines' expected start-up warnings (shown with -v)
+    restore = lambda: None                          # noqa: E731
+    if not getattr(args, "verbose", False):         # the engines' expected start-up output (shown with -v)
         from .patches.megatron.version import quiet_fallback_warnings
         from .patches.vllm.engine import quiet_expected_warnings
 
         quiet_fallback_warnings()
-        quiet_expected_warnings()
+        restore = quiet_expected_warnings()
     try:
         _resolve_embedded(args)
         return args.func(args)
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"moealign {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

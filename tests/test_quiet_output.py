@@ -4,6 +4,7 @@ machine without them, about ten lines before moealign's table) and vLLM's torch-
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -16,7 +17,7 @@ def _shown(message: str, module: str, category=UserWarning) -> bool:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet_fallback_warnings()
-        quiet_expected_warnings()
+        quiet_expected_warnings()()                   # the warning filters stay; the log level is put back
         warnings.warn_explicit(message, category, filename=module.replace(".", "/") + ".py", lineno=1, module=module)
     return bool(seen)
 
@@ -44,3 +45,15 @@ def _info_stderr(*flags: str) -> str:
 def test_the_command_hides_them_and_v_shows_them():
     assert "Apex" not in _info_stderr()
     assert "Transformer Engine and Apex are not installed" in _info_stderr("-v")      # Megatron imported by info
+
+
+def test_vllm_start_up_logs_are_errors_only_until_the_command_ends(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    restore = quiet_expected_warnings()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"           # read by vLLM at import and by its workers
+    restore()
+    assert "VLLM_LOGGING_LEVEL" not in os.environ                # the caller's process keeps its environment
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")            # the user's choice wins
+    quiet_expected_warnings()()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+

