@@ -4,7 +4,7 @@ inspect --model``, ``mismatch --model``, the embedded model).
 :func:`read_model_config` reads it through the input-file guard (:func:`moealign._files.read_json_file`: a regular
 file of bounded size, bounded JSON nesting, no ``NaN``) and checks the fields moealign sizes anything by before any
 of them is used: each is an integer (not a bool, not ``1e11``) within the bounds a record can hold
-(:data:`moealign.record.MAX_LAYERS`, :data:`~moealign.record.MAX_EXPERTS`, :data:`~moealign.record.MAX_VOCAB`).
+(:data:`MAX_LAYERS`, :data:`MAX_EXPERTS`, :data:`MAX_VOCAB`, which a record obeys too).
 :func:`moe_layers` is the config's MoE layer numbers through its family (:mod:`moealign.families`).
 :func:`check_max_new_tokens` is the one length check of the commands that generate (``mismatch``, ``rl-check``).
 Every problem is one :class:`~moealign.errors.ConfigError` naming the flag, the directory and the field.
@@ -12,20 +12,31 @@ Every problem is one :class:`~moealign.errors.ConfigError` naming the flag, the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import types
 from pathlib import Path
 
 from ._files import parse_json, read_input_bytes
 from .errors import ConfigError, MissingFileError
-from .record import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB
-from .record.meta import config_fingerprint
 from ._validate import short_repr
+from .errors import RecordError
+from .families import arch_keys
+from .routing_replay.routes import INT16_MAX_EXPERTS
 
-__all__ = ["MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers", "check_max_new_tokens",
+__all__ = ["MAX_LAYERS", "MAX_EXPERTS", "MAX_VOCAB", "config_fingerprint", "MAX_CONFIG_BYTES", "INT_FIELDS", "read_model_config", "ConfigView", "moe_layers", "check_max_new_tokens",
            "checkpoint_fingerprint"]
 
 #: The most bytes a config.json may hold.
+#: The most decoder layers a record (and a config.json moealign reads) may state.
+MAX_LAYERS = 10_000
+#: The most experts: what a compact route table holds (int16 ids).
+MAX_EXPERTS = INT16_MAX_EXPERTS
+#: The largest vocabulary: kept-set ids are int32.
+MAX_VOCAB = 2 ** 31 - 1
+
+
 MAX_CONFIG_BYTES = 16 << 20
 #: Integer fields checked when present: ``name -> (lowest, highest)``. ``num_hidden_layers`` is required.
 INT_FIELDS = {
@@ -114,3 +125,14 @@ def checkpoint_fingerprint(model_dir, flag: str = "--model") -> str:
     :func:`moealign.patches.vllm.record_meta`, ``record convert``): never an engine's config object, which the
     engine may have edited after reading the file (vLLM writes ``sliding_window=None`` over a checkpoint's ``0``)."""
     return config_fingerprint(read_model_config(model_dir, flag))
+
+
+def config_fingerprint(config: dict) -> str:
+    """SHA-256 (hex, 16 chars) of the architecture fields of a model config (dtype-independent). The fields are
+    the family's ``arch_keys`` (:func:`moealign.families.arch_keys`; :data:`moealign.families.ARCH_KEYS` for a
+    model_type no family is registered for)."""
+    picked = {k: config[k] for k in arch_keys(config.get("model_type")) if k in config and config[k] is not None}
+    if "model_type" not in picked:
+        raise RecordError("config_fingerprint: the config has no model_type")
+    text = json.dumps(picked, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -27,9 +27,9 @@ Conventions (vLLM's, so its ``routed_experts`` drop in):
 
 The package, one module per concern:
 
-* :mod:`~moealign.record.meta`: :class:`SamplingParams`, :class:`RecordMeta`, the bounds (``MAX_*``,
-  ``MIN_TEMPERATURE``) and the model fingerprints (:func:`config_fingerprint`, :func:`router_signature`,
-  :func:`router_samples`);
+* :mod:`~moealign.record.meta`: :class:`SamplingParams`, :class:`RecordMeta`, ``MIN_TEMPERATURE`` and the router
+  fingerprints (:func:`router_signature`, :func:`router_samples`); the size bounds (``MAX_*``) and
+  :func:`config_fingerprint` are :mod:`moealign.model_config`'s (a config.json and a record obey the same bounds);
 * :mod:`~moealign.record.sample`: :class:`Sample` and its checks, :func:`routes_from_all_layers`;
 * :mod:`~moealign.record.layouts`: :class:`PaddedBatch` / :class:`PackedBatch` and the routes each hands a trainer;
 * :mod:`~moealign.record.rollout`: :class:`RolloutRecord`;
@@ -46,17 +46,14 @@ record's tokens) lives in :mod:`moealign.mismatch.router_check`.
 """
 
 from ..errors import RecordError, RecordFormatError, RecordMismatchError
+from ..model_config import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB, config_fingerprint
 from .layouts import PackedBatch, PaddedBatch, concat_kept_sets, kept_sets_of
 from .meta import (
     FORMAT_VERSION,
-    MAX_EXPERTS,
-    MAX_LAYERS,
-    MAX_VOCAB,
     MIN_TEMPERATURE,
     ROUTER_SAMPLES,
     RecordMeta,
     SamplingParams,
-    config_fingerprint,
     router_samples,
     router_signature,
 )

@@ -41,11 +41,11 @@ entry and what is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 import re
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -64,9 +64,15 @@ from .._files import (
     read_input_bytes,
     read_json_file,
 )
-from ..errors import ConfigError, InputError, MoealignError, RecordError, UnsupportedModelError
+from ..errors import (
+    ConfigError,
+    InputError,
+    MoealignError,
+    RecordError,
+    UnsupportedModelError,
+)
 from ..families import get_family
-from ..model_config import ConfigView, moe_layers, read_model_config
+from ..model_config import ConfigView, config_fingerprint, moe_layers, read_model_config
 from .formats import (
     RouteRows,
     routes_from_nemo_rl,
@@ -79,7 +85,7 @@ from .formats import (
     routes_to_slime,
     routes_to_verl,
 )
-from .meta import RecordMeta, SamplingParams, config_fingerprint, router_samples, router_signature
+from .meta import RecordMeta, SamplingParams, router_samples, router_signature
 from .rollout import RolloutRecord
 from .sample import Sample
 

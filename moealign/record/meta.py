@@ -4,7 +4,6 @@ made the record), the bounds every record obeys and the model fingerprints it is
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import numbers
@@ -23,20 +22,12 @@ from ..errors import (
     RecordFormatError,
     RecordMismatchError,
 )
-from ..families import arch_keys
-from ..routing_replay.routes import INT16_MAX_EXPERTS, route_dtype
+from ..model_config import MAX_EXPERTS, MAX_LAYERS, MAX_VOCAB
+from ..routing_replay.routes import route_dtype
 
 #: The record file format version this moealign writes (:mod:`moealign.record.io`).
 FORMAT_VERSION = 2
 _ROUTER_SIGNATURE_RTOL = 2e-2
-
-
-#: The most decoder layers a record (and a config.json moealign reads) may state.
-MAX_LAYERS = 10_000
-#: The most experts: what a compact route table holds (int16 ids).
-MAX_EXPERTS = INT16_MAX_EXPERTS
-#: The largest vocabulary: kept-set ids are int32.
-MAX_VOCAB = 2 ** 31 - 1
 
 
 #: The smallest sampling temperature an engine samples with: below vLLM's sampling epsilon (1e-5) vLLM samples
@@ -253,17 +244,6 @@ def _meta_seq(name: str, value):
 
 # Config keys that change what the network computes (per family, from moealign.families). Keys not in a
 # config are skipped.
-
-
-def config_fingerprint(config: dict) -> str:
-    """SHA-256 (hex, 16 chars) of the architecture fields of a model config (dtype-independent). The fields are
-    the family's ``arch_keys`` (:func:`moealign.families.arch_keys`; :data:`moealign.families.ARCH_KEYS` for a
-    model_type no family is registered for)."""
-    picked = {k: config[k] for k in arch_keys(config.get("model_type")) if k in config and config[k] is not None}
-    if "model_type" not in picked:
-        raise RecordError("config_fingerprint: the config has no model_type")
-    text = json.dumps(picked, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def router_signature(router_weights: Iterable[torch.Tensor]) -> tuple[float, ...]:
