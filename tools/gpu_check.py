@@ -20,6 +20,9 @@ Steps, each in its own process with its own time limit (a failed or timed-out st
   bench-replay   tools/bench_replay.py on it (replayed / plain training forward, verifier ratio)
   bench-megatron tools/bench_megatron_replay.py (Megatron replay + verifier overhead)
   bench-bi       tools/bench_batch_invariant.py --dtype bf16, K = N = 4096 (ratio to cuBLAS per m)
+  canonical-triton  tests/canonical_triton_child.py --device cuda: the canonical forward's Triton kernels
+                 (moealign/precision/canonical_triton.py) in fp32, fp16 and bf16: accuracy, bitwise invariances
+                 and their negative controls, as under the interpreter on the CPU (skipped in the CPU dry run)
   diagnose       ``moealign mismatch --diagnose`` (the number of lever sets run)
   suite          optional, last, with the time left (``--suite-budget``): the whole test suite serially with
                  failure names (``pytest -q -rf``); its counts, and the failed tests' names below the table
@@ -314,6 +317,11 @@ def main(argv=None) -> int:
         return ", ".join(f"m={x['m']}: {x['ratio']:.2f}x" for x in rows if "m" in x and "ratio" in x)
     r.run("bench-bi", [py, "tools/bench_batch_invariant.py", "--device", dev, "--json", out] + bi, 120,
           figure=bi_figure)
+    if dev.startswith("cuda"):
+        r.run("canonical-triton", [py, "tests/canonical_triton_child.py", "--device", dev], 180,
+              figure=lambda p: "bitwise invariances ok on " + p.stdout.split("RESULT ok on ", 1)[1].split(": ", 1)[0])
+    else:
+        r.skip("canonical-triton", "CUDA only (on the CPU: tests/test_canonical_triton_interp.py, the interpreter)")
     out = os.path.join(r.scratch, "diagnose.json")
 
     def diagnose_figure(p):
