@@ -120,6 +120,25 @@ class TestFullyAlignedFp32:
 
 
 @needs_vllm
+def test_transformers_trainer_reproduces_the_vllm_fp32_record(fp32_run):
+    """vLLM -> transformers (moealign/patches/hf/canonical.py) on the fp32 record: bitwise; the trainer's attention left
+    stock (a negative control) is not. bf16 and the other transformers pairs: tests/test_aligned_hf.py."""
+    from moealign.embedded import embedded_model_path
+    from moealign.mismatch.engines import HFTrainEngine
+    from moealign.record import RolloutRecord
+
+    record = RolloutRecord.load(str(fp32_run[1]))
+    engine = HFTrainEngine(str(embedded_model_path()), "fp32", "cpu", aligned=True)
+    try:
+        trained, rollout = _score(record, engine)
+        assert torch.equal(trained, rollout)
+        stock, _ = _score(record, engine, skip=("attention",))
+        assert not torch.equal(stock, rollout)
+    finally:
+        engine.close()
+
+
+@needs_vllm
 def test_bf16_aligned_record_has_no_weights_warning(tmp_path):
     """Issue 34 (3) as reported: `mismatch --aligned --save-record` (bf16) warned that the record came from another
     checkpoint (vLLM's experts digested under their vLLM names and in the CPU build's prepacked layout). Negative
@@ -135,6 +154,16 @@ def test_bf16_aligned_record_has_no_weights_warning(tmp_path):
     report = _run(num_prompts=2, max_new_tokens=4, save_record=str(record))
     assert report["aligned"]["bitwise_equal"] and report["rollout"]["dtype"] == "bf16"
     assert report["warnings"] == []
+    # the same bf16 vLLM record, vLLM -> transformers (moealign/patches/hf/canonical.py): bitwise
+    from moealign.mismatch.engines import HFTrainEngine
+    from moealign.record import RolloutRecord
+
+    hf_trainer = HFTrainEngine(str(embedded_model_path()), "bf16", "cpu", aligned=True)
+    try:
+        trained, rollout = _score(RolloutRecord.load(str(record)), hf_trainer)
+        assert torch.equal(trained, rollout)
+    finally:
+        hf_trainer.close()
     other = tmp_path / "other"
     shutil.copytree(embedded_model_path(), other)
     tensors = load_file(str(other / "model.safetensors"))
@@ -225,8 +254,6 @@ def test_the_certificate_names_which_log_probs_differ():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--rollout", "hf"], "--aligned covers --rollout vllm --train megatron"),
-    (["--train", "hf"], "--aligned covers --rollout vllm --train megatron"),
     (["--rollout-precision", "fp32", "--train-precision", "bf16"], "one precision on both engines"),
     (["--rollout-precision", "fp16"], "one plain precision on both sides"),
     (["--aligned-skip", "attention,bogus"], "unknown ops ['bogus']"),

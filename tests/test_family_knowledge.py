@@ -13,10 +13,11 @@ from moealign.families import FAMILIES, VERIFIED_PATHS, MoEFamily, get_family, r
 
 
 def test_qwen3_moe_is_the_verified_family_and_says_so_in_its_file():
-    assert verified_families("aligned") == ("qwen3_moe",)
+    assert verified_families("aligned") == ("qwen3_moe", "deepseek_v3")       # tests/test_aligned_deepseek.py
     assert "Qwen3MoeSparseMoeBlock" in get_family("qwen3_moe").vllm_classes
-    for name in ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3"):
+    for name in ("qwen2_moe", "mixtral", "olmoe"):
         assert not FAMILIES[name].verified, name
+    assert "refit" in FAMILIES["deepseek_v3"].verified          # MLA's refit verifier: tests/test_deepseek_refit.py
 
 
 def test_a_family_declared_verified_is_covered_everywhere_it_is_read():

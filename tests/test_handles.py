@@ -514,8 +514,18 @@ def case_apply_megatron_canonical_from_hf(mp, stack):
     return _megatron_canonical_case(stack, lambda e: apply_canonical_forward_from_hf(e.model, e._hf_config))
 
 
+def case_apply_hf_canonical(mp, stack):
+    from moealign.patches.hf.canonical import apply_canonical_forward
+
+    model = _tiny_moe()
+    return Case(lambda: apply_canonical_forward(model),
+                lambda: (*_hooks(model), *_instance_dicts(model), model.config._attn_implementation), "instance",
+                ("transformers canonical forward", "Qwen3MoeForCausalLM"))
+
+
 CASES = {
     "moealign.precision.fp8.fake_quant_fp8_": case_fake_quant_fp8_,
+    "moealign.patches.hf.canonical.apply_canonical_forward": case_apply_hf_canonical,
     "moealign.patches.vllm.canonical.apply_canonical_forward": case_apply_vllm_canonical,
     "moealign.patches.megatron.canonical.apply_canonical_forward": case_apply_megatron_canonical,
     "moealign.patches.megatron.canonical.apply_canonical_forward_from_hf": case_apply_megatron_canonical_from_hf,

@@ -329,6 +329,10 @@ class MoEFamily:
     ``verified``: the paths beyond routing replay verified on this family, of :data:`VERIFIED_PATHS` (``"aligned"``:
     the canonical forward on both engines, bitwise; ``"vllm_digests"``: vLLM's contract states weight digests;
     ``"refit"``: the refit verifier reads vLLM's fused tensors back). Every other family is refused by name there.
+    ``derived_tensors``: ``(engine tensor name, checkpoint tensor it is computed from, relative to a decoder layer)``
+    pairs an engine derives at load rather than loading (DeepSeek-V3's MLA: ``W_UK_T`` / ``W_UV`` from
+    ``self_attn.kv_b_proj.weight``): a refit does not stream them, it has them recomputed and checks them; the refit
+    verifier recomputes them from what the engine holds and compares bitwise.
     """
 
     model_type: str
@@ -344,6 +348,7 @@ class MoEFamily:
     checkpoint_tensors: Callable[[Config], CheckpointTensors] | None = None
     vllm_classes: tuple[str, ...] = ()
     verified: frozenset = frozenset()
+    derived_tensors: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.model_type, str) or not self.model_type:

@@ -76,6 +76,16 @@ REFUSED_MODEL_TYPES = {
 #: the transformers router's correction-bias buffer (the selection bias replay leaves alone).
 BIAS_ATTR = "e_score_correction_bias"
 
+#: What an engine derives from the checkpoint at load instead of loading it (engine-free fact; the names are the
+#: ones vLLM gives them): MLA's absorbed matrices, per decoder layer, both from ``self_attn.kv_b_proj.weight``
+#: (``[heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``, each head's rows ``[nope; v]``). ``W_UK_T``: each
+#: head's key rows, ``[heads, qk_nope_head_dim, kv_lora_rank]``; ``W_UV``: each head's value rows transposed,
+#: ``[heads, kv_lora_rank, v_head_dim]``. The decode path reads them instead of ``kv_b_proj`` (the prefill path reads
+#: ``kv_b_proj``), so a reload that leaves them stale corrupts decode only. A refit does not stream them: the engine
+#: recomputes them after the reload, and the refit and its verifier recompute them from the held ``kv_b_proj`` and
+#: compare bitwise (docs/refit.md).
+DERIVED_TENSORS = (("W_UK_T", "self_attn.kv_b_proj.weight"), ("W_UV", "self_attn.kv_b_proj.weight"))
+
 
 def uncovered(config) -> str | None:
     """The first feature of ``config`` moealign does not cover on this family (a text naming it), or None."""
@@ -288,4 +298,10 @@ FAMILY = MoEFamily(
         own_attention=lambda c: True,              # MLA: attention_tensors are the whole attention
     ),
     checkpoint_tensors=checkpoint,
+    # --aligned (the canonical forward, moealign/precision/canonical.py): MLA non-absorbed, the sigmoid grouped router,
+    # the shared expert and the first dense layers, verified bitwise vLLM (CPU_MLA) -> Megatron (local spec) at TP 1
+    vllm_classes=("DeepseekV3ForCausalLM", "DeepseekV2Model", "DeepseekV2DecoderLayer", "DeepseekV2MLAAttention",
+                  "MultiHeadLatentAttentionWrapper", "DeepseekV2MoE", "DeepseekV2MLP", "SharedExperts"),
+    verified=frozenset({"refit", "aligned"}),
+    derived_tensors=DERIVED_TENSORS,
 )

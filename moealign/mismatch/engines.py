@@ -189,13 +189,32 @@ def _sampling_dict(sampling) -> dict | None:
     raise ConfigError(f"sampling must be a SamplingParams, a dict or None, got {type(sampling).__name__}")
 
 
+def _hf_canonical(model, aligned: bool, skip) -> tuple:
+    """``--aligned`` on a transformers engine: ``(handle, ops)``, the canonical forward installed on ``model``
+    (:func:`moealign.patches.hf.canonical.apply_canonical_forward`) with every op but ``skip``; ``(None, ())`` off."""
+    if not aligned:
+        return None, ()
+    from ..patches.hf.canonical import HF_OPS, apply_canonical_forward
+
+    ops = tuple(op for op in HF_OPS if op not in tuple(skip))
+    return apply_canonical_forward(model, ops), ops
+
+
+def _canonical_log_softmax(ops):
+    """The rollout's recorded log-probs from the canonical log-softmax when ``ops`` holds it."""
+    from ..patches.hf.canonical import canonical_log_softmax
+
+    return canonical_log_softmax(ops)
+
+
 class HFRolloutEngine:
     """transformers ``generate()`` with route and kept-set recording (:mod:`moealign.patches.hf`)."""
 
     name = "transformers"
 
     def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None):
+                 batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
+                 aligned_skip=()):
         from ..patches.hf.loading import load_model, load_tokenizer
         from ..patches.hf.model import transformers_version
 
@@ -206,6 +225,9 @@ class HFRolloutEngine:
         self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
         self.version = transformers_version()
+        # --aligned: the canonical forward on the model (patches/hf/canonical.py); the recorded log-probs from the
+        # canonical log-softmax
+        self.aligned, self.canonical_ops = _hf_canonical(self.model, aligned, aligned_skip)
 
     def generate(self, prompts, *, sampling, max_new_tokens, seed, batch_size, progress=None) -> RolloutRecord:
         from ..patches import hf
@@ -214,7 +236,7 @@ class HFRolloutEngine:
         for start in range(0, len(prompts), batch_size):
             chunk = list(prompts[start:start + batch_size])
             enc = self.tokenizer(chunk, return_tensors="pt", padding=True)
-            with _bi_context(self.batch_invariant):
+            with _bi_context(self.batch_invariant), _canonical_log_softmax(self.canonical_ops):
                 record = hf.generate_with_record(
                     self.model, enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device),
                     sampling=sampling, max_new_tokens=max_new_tokens, seed=seed + start,
@@ -239,7 +261,9 @@ class HFRolloutEngine:
         return weights_of(self.model, roundings=roundings)
 
     def close(self) -> None:
-        self.model = self.precision_handle = self.tokenizer = None
+        if getattr(self, "aligned", None) is not None:
+            self.aligned.undo()
+        self.model = self.precision_handle = self.tokenizer = self.aligned = None
 
 
 class VLLMRolloutEngine:
@@ -380,7 +404,8 @@ class HFTrainEngine:
     name = "transformers"
 
     def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None):
+                 batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
+                 aligned_skip=()):
         from ..patches.hf.loading import load_model
         from ..patches.hf.model import transformers_version
 
@@ -392,13 +417,24 @@ class HFTrainEngine:
         pad = self.model.generation_config.pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
         self.version = transformers_version()
+        self.aligned, _ = _hf_canonical(self.model, aligned, aligned_skip)      # --aligned (the scorer: log-softmax)
 
     def meta(self) -> RecordMeta:
         from ..patches import hf
 
         return hf.record_meta(self.model)
 
-    def forward(self, record: RolloutRecord, indices, *, replay: bool) -> TrainForward:
+    def set_canonical_ops(self, ops) -> None:
+        """Run these canonical ops (the others stock) from now on: the ``--aligned --diagnose`` levers."""
+        from ..patches.hf.canonical import apply_canonical_forward
+
+        if self.aligned is not None:
+            self.aligned.undo()
+        self.aligned = apply_canonical_forward(self.model, ops)
+
+    def forward(self, record: RolloutRecord, indices, *, replay: bool, capture: bool = True) -> TrainForward:
+        """The logits at the response positions of ``record.samples[indices]`` and the experts each router used
+        (``capture`` is accepted for the trainers' one signature: the routes are always read here)."""
         from ..patches import hf
 
         sub = RolloutRecord(record.meta, [record.samples[i] for i in indices], validate=False)
@@ -436,7 +472,9 @@ class HFTrainEngine:
         return weights_of(self.model, roundings=roundings)
 
     def close(self) -> None:
-        self.model = self.precision_handle = None
+        if getattr(self, "aligned", None) is not None:
+            self.aligned.undo()
+        self.model = self.precision_handle = self.aligned = None
 
 
 class MegatronTrainEngine:

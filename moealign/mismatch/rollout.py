@@ -41,7 +41,8 @@ from .engines import (
     resolve_precision,
 )
 
-__all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path", "check_not_an_input",
+__all__ = ["MismatchConfig", "ALIGNED_ENGINES", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path",
+           "check_not_an_input",
            "check_prompts_file", "flag", "progress_bar", "open_engine", "make_rollout_engine",
            "rollout_prompts", "rollout_message", "generate_record", "load_record", "record_sampling", "finish_record"]
 
@@ -50,6 +51,9 @@ __all__ = ["MismatchConfig", "ROLLOUT_OPTIONS", "DEFAULTS", "check_output_path",
 ROLLOUT_OPTIONS = ("rollout_engine", "rollout_precision", "rollout_dtype", "num_prompts", "max_new_tokens", "seed",
                    "temperature", "top_p", "top_k", "min_p", "prompts_file", "rollout_tp",
                    "rollout_ep", "rollout_dp")
+#: ``--aligned``: the engine pairs the canonical forward covers (rollout -> trainers): vLLM's CPU build and
+#: transformers roll out, Megatron-core and transformers train (bindings in moealign/patches/{vllm,hf,megatron}/).
+ALIGNED_ENGINES = {"vllm": ("megatron", "hf"), "hf": ("megatron", "hf")}
 #: The value each option takes when it is not given (``None`` in the dataclass means "not given").
 DEFAULTS = {"rollout_engine": "hf", "rollout_precision": "bf16", "train_precision": "fp32", "num_prompts": 32,
             "max_new_tokens": 48, "seed": 0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
@@ -101,7 +105,7 @@ class MismatchConfig:
     report_dir: str | None = None       # write report.html + report.json there (implies diagnose)
     inject_fault: str | None = None     # a known fault (moealign.mismatch.faults), to check the diagnosis
     rollout_tp: int | None = None       # vLLM rollout: tensor-parallel size (default 1)
-    aligned: bool = False               # the canonical forward on both engines (vLLM -> Megatron; bitwise)
+    aligned: bool = False               # the canonical forward on both engines (ALIGNED_ENGINES; bitwise)
     aligned_skip: tuple = ()            # canonical ops left stock (negative controls)
     rollout_ep: int | None = None       # vLLM expert parallelism (default 1; above 1 refused where it cannot run)
     rollout_dp: int | None = None       # vLLM data parallelism (default 1; above 1 refused where it cannot run)
@@ -256,9 +260,23 @@ class MismatchConfig:
         if self.load_record is not None:
             raise ConfigError("--aligned runs the canonical forward in the rollout engine too: it cannot score a "
                               "--load-record")
-        if self.rollout_engine != "vllm" or self.train_engine != "megatron":
-            raise ConfigError(f"--aligned covers --rollout vllm --train megatron (the canonical forward is installed "
-                              f"in those two engines), not --rollout {self.rollout_engine} --train {self.train_engine}")
+        if self.rollout_engine not in ALIGNED_ENGINES or self.train_engine not in ALIGNED_ENGINES[self.rollout_engine]:
+            pairs = ", ".join(f"--rollout {r} --train {t}" for r, ts in ALIGNED_ENGINES.items() for t in ts)
+            raise ConfigError(f"--aligned covers {pairs} (the canonical forward is installed in those engines), not "
+                              f"--rollout {self.rollout_engine} --train {self.train_engine}")
+        if "hf" in (self.rollout_engine, self.train_engine):
+            from ..patches.hf.canonical import HF_FAMILIES
+
+            if self.rollout_engine == "hf" and self.resolved_device() != "cpu":
+                raise ConfigError(f"--aligned --rollout hf on {self.resolved_device()}: the transformers binding runs "
+                                  f"the canonical ops' CPU definition; their CUDA kernels are not wired to it yet "
+                                  f"(use --device cpu)")
+
+            family = read_model_config(self.model_path()).get("model_type")
+            if family not in HF_FAMILIES:
+                raise ConfigError(f"--aligned with a transformers engine (--rollout {self.rollout_engine} --train "
+                                  f"{self.train_engine}) covers {list(HF_FAMILIES)} checkpoints; model_type {family!r} "
+                                  f"is not covered there (its transformers ops have no canonical binding)")
         if self.batch_invariant or self.attention is not None:
             raise ConfigError("--aligned is the canonical forward; --batch-invariant / --attention select other ops")
         if self.report_dir is not None or self.inject_fault is not None:

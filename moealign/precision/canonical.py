@@ -38,6 +38,12 @@ experts            per (token, expert): ``act = (silu(g) * u).to(dtype)`` from t
                    ``y = tree_linear(act, W_down)`` (fp32; the TP partials tree-reduced)
 combine            ``sum_j gate_j * y_j`` over the chosen experts in ascending expert id, fp32, cast once
 log-softmax        ``x - max - c_log(fixed_tree_sum(c_exp(x - max)))`` in fp32 (``-inf`` entries stay ``-inf``)
+DeepSeek-V3        rope: de-interleave, then NeoX (:func:`c_rope_deinterleaved`); MLA attention: ``c_attention``
+                   over ``[k_nope; k_pe]`` with ``v`` of its own head dim (``kv = c_linear(kv_c_normed, W_kv_b)``);
+                   router: :func:`c_grouped_topk` on ``c_sigmoid(logits) + bias``, :func:`c_sigmoid_gates`
+                   (unbiased, ``/ (tree_sum + 1e-20)``); routed output ``c_combine(...) * routed_scaling_factor``
+                   then ``+ shared`` (activation dtype); shared expert / dense layers: ``c_linear``,
+                   :func:`c_silu_and_mul`, ``c_linear``
 =================  ==========================================================================================
 
 Everything is differentiable (autograd through the elementwise ops; :func:`c_exp` / :func:`c_log` carry their
@@ -66,15 +72,20 @@ __all__ = [
     "c_exp",
     "c_log",
     "c_silu",
+    "c_silu_and_mul",
+    "c_sigmoid",
     "c_log_softmax",
     "c_linear",
     "c_rms_norm",
     "rope_cos_sin",
     "c_rope",
+    "c_rope_deinterleaved",
     "c_attention",
     "kept_first",
     "c_topk",
     "c_gates",
+    "c_grouped_topk",
+    "c_sigmoid_gates",
     "c_experts",
     "c_combine",
     "log_softmax_mode",
@@ -92,24 +103,42 @@ LEAF_WIDTH = 32
 #: (:mod:`moealign.patches.vllm.canonical`, :mod:`moealign.patches.megatron.canonical`), the audit and the diagnosis
 #: read.
 SPEC = {
-    "linear": ("every linear layer but the router and the LM head: c_linear (the leaf tree, TP-invariant)",
+    "linear": ("every linear layer but the router and the LM head: c_linear (the leaf tree, TP-invariant); MLA's "
+               "q / kv down and up projections included (vLLM's fused q_a + kv_a projection: the same per-column trees)",
                {"vllm": "UnquantizedLinearMethod.apply, RowParallelLinear.forward (the tree forward)",
-                "megatron": "ColumnParallelLinear / RowParallelLinear.forward"}),
-    "norm": ("RMSNorm (with vLLM's fused residual add): c_rms_norm",
-             {"vllm": "RMSNorm.forward_native / forward_cpu", "megatron": "torch.nn.RMSNorm.forward"}),
-    "rope": ("rotary embedding, NeoX style, from the canonical table: c_rope",
-             {"vllm": "RotaryEmbedding.forward", "megatron": "apply_rotary_pos_emb (as the attention reads it)"}),
-    "attention": ("each query row over its own valid keys: c_attention",
-                  {"vllm": "CPUAttentionBackendImpl.forward (+ a shadow KV cache)",
-                   "megatron": "DotProductAttention.forward"}),
-    "router": ("fp32 router logits; top-k (ties: the lower id) in ascending ids; c_gates",
-               {"vllm": "GateLinear, FusedTopKRouter._compute_routing", "megatron": "TopKRouter.gating / routing"}),
-    "experts": ("per (token, expert) c_experts, combined in ascending expert id: c_combine",
-                {"vllm": "RoutedExperts.forward_modular (the tree forward's experts)", "megatron": "MoELayer.forward"}),
+                "megatron": "ColumnParallelLinear / RowParallelLinear.forward",
+                "hf": "the attention's nn.Linear.forward (q / k / v / o_proj)"}),
+    "norm": ("RMSNorm (with vLLM's fused residual add; MLA's q / kv layernorms): c_rms_norm",
+             {"vllm": "RMSNorm.forward_native / forward_cpu", "megatron": "torch.nn.RMSNorm.forward",
+              "hf": "Qwen3MoeRMSNorm.forward"}),
+    "rope": ("rotary embedding from the canonical table: c_rope (NeoX style); an interleaved rope (DeepSeek's MLA) "
+             "de-interleaved first, c_rope_deinterleaved (its output in the NeoX layout on both engines)",
+             {"vllm": "RotaryEmbedding.forward", "megatron": "apply_rotary_pos_emb (as the attention / MLA reads it)",
+              "hf": "Qwen3MoeAttention.forward (position_ids)"}),
+    "attention": ("each query row over its own valid keys: c_attention; MLA non-absorbed: k = [c_linear(kv_c_normed, "
+                  "W_kv_b)'s nope part; k_pe], v its v part, scale 1 / sqrt(qk head dim)",
+                  {"vllm": "CPUAttentionBackendImpl.forward (+ a shadow KV cache); MLAAttention.forward_impl "
+                           "(+ a shadow cache of the expanded keys / values, written in CPUMLAImpl.do_kv_cache_update)",
+                   "megatron": "DotProductAttention.forward (LocalMLACoreAttention for MLA)",
+                   "hf": "attn_implementation 'moealign_canonical' (its boolean mask, the KV cache as is)"}),
+    "router": ("fp32 router logits; softmax routers: top-k (ties: the lower id) in ascending ids, c_gates; sigmoid "
+               "routers (DeepSeek-V3): c_grouped_topk (bias for selection only, groups by their top-2 sum) and "
+               "c_sigmoid_gates (unbiased, normalised)",
+               {"vllm": "GateLinear, FusedTopKRouter / CPURouter._compute_routing",
+                "megatron": "TopKRouter.gating / routing",
+                "hf": "a forward hook on Qwen3MoeTopKRouter (replay's forced ids kept)"}),
+    "experts": ("per (token, expert) c_experts, combined in ascending expert id: c_combine; then * "
+                "routed_scaling_factor (activation dtype) and + the shared expert's output (activation dtype); the "
+                "shared expert and dense MLP layers: c_linear, c_silu_and_mul, c_linear",
+                {"vllm": "RoutedExperts.forward_modular (the tree forward's experts), SiluAndMul.forward",
+                 "megatron": "MoELayer.forward, MLP.forward (dense and shared)",
+                 "hf": "Qwen3MoeExperts.forward"}),
     "lm_head": ("the output layer: c_linear", {"vllm": "UnquantizedEmbeddingMethod.apply",
-                                               "megatron": "the output ColumnParallelLinear"}),
+                                               "megatron": "the output ColumnParallelLinear",
+                                               "hf": "get_output_embeddings().forward"}),
     "log_softmax": ("the processed log-probs: c_log_softmax",
-                    {"vllm": "TopKTopPSampler.forward_cpu / forward_native", "megatron": None}),
+                    {"vllm": "TopKTopPSampler.forward_cpu / forward_native", "megatron": None,
+                     "hf": "generate_with_record under log_softmax_mode (the rollout engine)"}),
 }
 
 #: The canonical ops, as the engines' patches, the audit and the diagnosis name them.
@@ -117,7 +146,7 @@ OPS = tuple(SPEC)
 
 
 def engine_ops(engine: str) -> tuple[str, ...]:
-    """The ops of :data:`SPEC` an engine binding installs (``"vllm"`` or ``"megatron"``)."""
+    """The ops of :data:`SPEC` an engine binding installs (``"vllm"``, ``"megatron"`` or ``"hf"``)."""
     return tuple(op for op, (_, where) in SPEC.items() if where.get(engine) is not None)
 
 _LN2_HI = 6.93147180369123816490e-01      # fdlibm's split of ln 2: n * _LN2_HI is exact for |n| < 2**11
@@ -283,6 +312,17 @@ def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.to(x.dtype)
 
 
+def c_rope_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """An interleaved (GPT-J style) rotary embedding of the first ``2 * cos.shape[-1]`` dims, as DeepSeek's MLA
+    defines it: those dims de-interleaved (``[x0, x2, ..., x1, x3, ...]``, an exact permutation, what transformers'
+    ``rope_interleave`` and Megatron's MLA do) and rotated by :func:`c_rope`. The output stays in the de-interleaved
+    (NeoX) layout on both engines: query and key rows are permuted alike, and the attention's trees read them in that
+    one order."""
+    rot = 2 * cos.shape[-1]
+    head = x[..., :rot]
+    return c_rope(torch.cat([head[..., 0::2], head[..., 1::2], x[..., rot:]], dim=-1), cos, sin)
+
+
 def route_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:
     """The routing step's one form: a ``[T, E]`` bool routing map (an engine's own selection, or replayed routes) ->
     the ``k`` chosen experts of each token in ascending expert id ``[T, k]`` (no host sync)."""
@@ -310,8 +350,9 @@ def _attention_rows(q, k, v, keep, max_elements, prefix):
         else:
             order = kept_first(keep[sl])
             kept = torch.gather(keep[sl], 1, order)
-            idx = order[:, :, None, None].expand(-1, -1, H, d)
-            ks, vs = torch.gather(k[sl], 1, idx).to(acc), torch.gather(v[sl], 1, idx).to(acc)
+            idx = order[:, :, None, None]                 # v's head dim may differ from q / k's (MLA)
+            ks = torch.gather(k[sl], 1, idx.expand(-1, -1, H, d)).to(acc)
+            vs = torch.gather(v[sl], 1, idx.expand(-1, -1, H, v.shape[-1])).to(acc)
         scores = fixed_tree_sum(q[sl].to(acc)[:, None] * ks, -1) * scale           # [q, L, H]
         scores = scores.masked_fill(~kept[:, :, None], float("-inf"))
         p = c_exp(scores - scores.amax(dim=1, keepdim=True))
@@ -357,9 +398,9 @@ def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
     """Attention of each query row over its own kept keys.
 
     ``q [Q, H, d]``; ``k, v [Q, L, H, d]`` or ``[1, L, H, d]`` (one key set shared by every query; heads already
-    expanded for GQA); ``keep [Q, L]`` bool. Kept keys are compacted to the front (a stable device sort, no host
+    expanded for GQA; ``v``'s head dim may differ from ``d``: MLA); ``keep [Q, L]`` bool. Kept keys are compacted to the front (a stable device sort, no host
     sync; ``prefix=True``: the caller's keys already lead by construction, and the compaction, an identity then,
-    is skipped), so the trees see the same leading values whatever the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, d]`` in ``q.dtype``. Queries are
+    is skipped), so the trees see the same leading values whatever the padding or the key axis length. Scale ``1 / sqrt(d)``. Returns ``[Q, H, v's head dim]`` in ``q.dtype``. Queries are
     processed in chunks bounded by ``max_elements`` products (no effect on the bits). Differentiable (the
     backward is the stock attention gradient).
     """
@@ -463,6 +504,50 @@ def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -
     return out.to(dtype)
 
 
+def c_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """A dense SwiGLU's activation: ``x = [g, u]`` (gate half first, the activation dtype, as a linear layer's output)
+    -> ``(c_silu(g) * u).to(x.dtype)`` (fp32 arithmetic, cast once). The shared expert and the dense MLP layers."""
+    half = x.shape[-1] // 2
+    return (c_silu(x[..., :half]) * x[..., half:].to(_float_out(x))).to(x.dtype)
+
+
+def c_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + c_exp(-x))`` in fp32 (fp64 for fp64): the sigmoid router's scores."""
+    xf = x.to(_float_out(x))
+    return 1.0 / (1.0 + c_exp(-xf))
+
+
+def c_grouped_topk(logits: torch.Tensor, k: int, *, bias: torch.Tensor | None = None, n_group: int = 1,
+                   topk_group: int = 1) -> torch.Tensor:
+    """DeepSeek-V3's selection from fp32 router logits ``[T, E]``: ``scores = c_sigmoid(logits)``, ``+ bias`` (the
+    ``e_score_correction_bias``; selection only), a group's score the sum of its two best biased scores (its best one
+    when a group holds one expert), the ``topk_group`` best groups kept (stable: ties to the lower group id), the
+    other groups' experts masked to ``-inf``, then :func:`c_topk` (ties to the lower expert id). Returns the ``k``
+    chosen ids ascending ``[T, k]`` int64."""
+    scores = c_sigmoid(logits.to(torch.float32))
+    if bias is not None:
+        scores = scores + bias.to(torch.float32)
+    T, E = scores.shape
+    if n_group > 1 and topk_group < n_group:
+        grouped = scores.view(T, n_group, E // n_group)
+        best = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+        group_scores = best[..., 0] + best[..., 1] if best.shape[-1] > 1 else best[..., 0]
+        keep = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        mask = torch.zeros(T, n_group, dtype=torch.bool, device=scores.device).scatter(1, keep, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    return c_topk(scores, k)
+
+
+def c_sigmoid_gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
+    """The sigmoid router's gate of each chosen expert ``[T, k]`` fp32 (ids ascending): its *unbiased* score
+    ``c_sigmoid(logit)``, divided by ``fixed_tree_sum`` of the chosen scores ``+ 1e-20`` when ``renormalize``
+    (``norm_topk_prob``). The ``routed_scaling_factor`` is applied to the combined output (:data:`SPEC` experts)."""
+    gates = c_sigmoid(torch.gather(logits.to(torch.float32), 1, ids))
+    if renormalize:
+        gates = gates / (fixed_tree_sum(gates, -1).unsqueeze(-1) + 1e-20)
+    return gates
+
+
 def rope_problems(*, rope_type: str = "default", partial_factor: float = 1.0, interleaved: bool = False,
                   mscale: float = 1.0, frequencies_match: bool = True) -> list[str]:
     """What of a rotary embedding the canonical RoPE does not cover, in one wording for every place that looks (a
@@ -490,20 +575,43 @@ def covered_families() -> tuple[str, ...]:
     return verified_families("aligned")
 
 
+def _mla_problems(config: dict) -> list[str]:
+    """What of a DeepSeek-V3 (MLA, sigmoid grouped router, shared experts) checkpoint the canonical forward does not
+    cover: the family's own refusals (:mod:`moealign.families.deepseek_v3`: multi-token prediction, DeepSeek-V3.2's
+    indexer, another router, and what the Megatron conversion does not express: no q LoRA, attention biases,
+    ``rope_interleave=False``, ...), and a softmax scale other than ``1 / sqrt(qk head dim)`` (mscale / YaRN)."""
+    from types import SimpleNamespace
+
+    from ..families import deepseek_v3
+
+    view = SimpleNamespace(**config)
+    problems = [reason for reason in (deepseek_v3.megatron_unsupported(view),) if reason]
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    for key in ("mscale", "mscale_all_dim", "factor"):
+        if rope.get(key) not in (None, 0, 1, 0.0, 1.0):
+            problems.append(f"rope {key}={rope[key]!r} (the softmax scale is 1 / sqrt(qk head dim))")
+    return problems
+
+
 def check_canonical_model(config: dict) -> None:
     """Refuse (naming it) a checkpoint ``config.json`` the canonical forward does not cover: another family, sliding
-    window attention, attention sinks, MLA, scaled RoPE, dense MLP layers, a non-SiLU activation."""
+    window attention, attention sinks, MLA outside DeepSeek-V3, scaled RoPE (YaRN, mscale), dense MLP layers outside
+    DeepSeek-V3's first layers, a non-SiLU activation; on DeepSeek-V3 also what its family refuses (multi-token
+    prediction, DeepSeek-V3.2's indexer, another router, no q LoRA, attention biases, a non-interleaved rope)."""
     family = config.get("model_type")
     covered = covered_families()
     if family not in covered:
         raise CanonicalError(f"--aligned covers {list(covered)} checkpoints; model_type {family!r} is not "
                              "covered (its ops have not been verified in both engines)")
     problems = []
+    mla = family == "deepseek_v3"
+    if mla:
+        problems += _mla_problems(config)
     if config.get("use_sliding_window"):
         problems.append("sliding-window attention")
     if config.get("layer_types") and any(t != "full_attention" for t in config["layer_types"]):
         problems.append(f"layer types {sorted(set(config['layer_types']))}")
-    if any(key in config for key in ("kv_lora_rank", "q_lora_rank")):
+    if not mla and any(key in config for key in ("kv_lora_rank", "q_lora_rank")):
         problems.append("MLA attention")
     if config.get("sinks") or config.get("attention_sinks"):
         problems.append("attention sinks")
@@ -517,7 +625,7 @@ def check_canonical_model(config: dict) -> None:
     if config.get("shared_expert_intermediate_size"):
         problems.append("shared experts")
     if problems:
-        raise CanonicalError(f"--aligned does not cover this {family} checkpoint: " + ", ".join(problems))
+        raise CanonicalError(f"--aligned does not cover this {family} checkpoint: " + ", ".join(dict.fromkeys(problems)))
 
 
 def check_canonical_tp(config: dict, tp: int, flag: str = "tp") -> None:
@@ -525,6 +633,9 @@ def check_canonical_tp(config: dict, tp: int, flag: str = "tp") -> None:
     axis (hidden size, attention output, expert intermediate size) are whole multiples of :data:`LEAF_WIDTH`."""
     if tp < 1 or tp & (tp - 1):
         raise CanonicalError(f"{flag} {tp}: the canonical forward cuts its trees at power-of-two TP sizes")
+    if tp > 1 and "kv_lora_rank" in config:
+        raise CanonicalError(f"{flag} {tp}: the canonical forward covers MLA (DeepSeek-V3) at TP 1 (its shared "
+                             "expert's row-parallel output is reduced together with the routed experts' in vLLM)")
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
     for what, size in (("hidden_size", config.get("hidden_size", 0)), ("attention output", heads * head_dim),

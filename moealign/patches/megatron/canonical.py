@@ -35,9 +35,19 @@ Megatron's or ``torch.distributed``'s over Megatron's own groups):
 Everything stays differentiable: a training step's backward runs through the same forward. Refused at setup,
 naming it (:class:`~moealign.errors.CanonicalError`): context parallelism, sequence parallelism, a TP or expert-TP
 size that is not a power of two or whose shards are not whole tree leaves, a token dispatcher other than
-all-to-all / all-gather, shared experts, a capacity factor, a latent MoE, grouped GEMM experts, RoPE fusion or
-interleaving or scaling, a custom softmax scale, packed sequences at run time, and any module of a class the
-canonical forward does not know.
+all-to-all / all-gather, a gated or overlapped shared expert, a capacity factor, a latent MoE, grouped GEMM experts,
+RoPE fusion or interleaving (outside MLA) or scaling (YaRN, mscale), a custom softmax scale, packed sequences at run
+time, MLA on more than one rank, and any module of a class the canonical forward does not know.
+
+**DeepSeek-V3** (MLA on the local spec, :mod:`moealign.patches.megatron.mla`; the sigmoid router; shared experts; the
+first dense layers): MLA's projections are column / row parallel linears and its q / kv layernorms RMSNorms (covered
+above); its rope (``multi_latent_attention.apply_rotary_pos_emb``, each MLA module's own ``RotaryEmbedding``) is
+``c_rope_deinterleaved``; its core attention (``LocalMLACoreAttention``) is ``c_attention`` over ``[k_nope; k_pe]``
+with values of their own head dim. ``TopKRouter.routing`` keeps Megatron's selection (bias, groups) and takes
+``c_sigmoid_gates`` (unscaled, for the canonical MoE layer; the probs it returns carry
+``moe_router_topk_scaling_factor``, as Megatron's do, for a stock MoE layer); ``MoELayer.forward`` combines, scales the
+combined output by the factor in the activation dtype and adds the shared expert's output (vLLM's MoE runner's
+order); ``MLP.forward`` of the dense layers and the shared expert: ``c_linear``, ``c_silu_and_mul``, ``c_linear``.
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ TP_REDUCTIONS = ("tree", "stock")
 
 _PASSIVE = {"GPTModel", "LanguageModelEmbedding", "VocabParallelEmbedding", "Dropout", "TransformerBlock",
             "ModuleList", "TransformerLayer", "SelfAttention", "IdentityOp", "IdentityFuncOp", "FusedScaleMaskSoftmax",
-            "SequentialMLP", "MLP", "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "RotaryEmbedding"}
+            "SequentialMLP", "MLP", "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "RotaryEmbedding",
+            "MLASelfAttention", "SharedExpertMLP"}
 
 
 def _power_of_two(v) -> bool:
@@ -72,11 +83,13 @@ def _check_config(config) -> None:
     for name, bad in (("tensor_model_parallel_size", lambda v: not _power_of_two(v)),
                       ("expert_tensor_parallel_size", lambda v: not _power_of_two(v)),
                       ("context_parallel_size", lambda v: v != 1), ("sequence_parallel", bool),
-                      ("moe_shared_expert_intermediate_size", bool), ("moe_expert_capacity_factor", lambda v: v is not None),
+                      ("moe_expert_capacity_factor", lambda v: v is not None),
                       ("moe_latent_size", bool), ("moe_grouped_gemm", bool), ("apply_rope_fusion", bool),
                       ("softmax_scale", lambda v: v is not None),
-                      ("apply_query_key_layer_scaling", bool), ("moe_router_topk_scaling_factor", lambda v: v not in (None, 1)),
-                      ("moe_router_num_groups", lambda v: v not in (None, 1)), ("moe_router_enable_expert_bias", bool)):
+                      ("apply_query_key_layer_scaling", bool),
+                      ("moe_shared_expert_gate", bool), ("moe_shared_expert_overlap", bool),
+                      ("cache_mla_latents", bool), ("bias_activation_fusion", bool),
+                      ("use_te_activation_func", bool)):
         value = getattr(config, name, None)
         if value is not None and bad(value):
             problems.append(f"{name}={value!r}")
@@ -84,8 +97,25 @@ def _check_config(config) -> None:
             and (getattr(config, "expert_model_parallel_size", 1) or 1) * (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1):
         problems.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}")
     problems += C.rope_problems(interleaved=bool(getattr(config, "rotary_interleaved", False)))
-    if getattr(config, "moe_router_score_function", "softmax") != "softmax":
-        problems.append(f"moe_router_score_function={config.moe_router_score_function!r}")
+    score = getattr(config, "moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        problems.append(f"moe_router_score_function={score!r}")
+    if score == "softmax":               # the sigmoid router's extras (DeepSeek-V3) only with sigmoid scores
+        for name, bad in (("moe_router_topk_scaling_factor", lambda v: v not in (None, 1)),
+                          ("moe_router_num_groups", lambda v: v not in (None, 1)),
+                          ("moe_router_enable_expert_bias", bool), ("moe_shared_expert_intermediate_size", bool)):
+            if bad(getattr(config, name, None)):
+                problems.append(f"{name}={getattr(config, name)!r} with softmax scores")
+    if getattr(config, "multi_latent_attention", False):
+        sizes = {name: getattr(config, name, 1) or 1 for name in (
+            "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "pipeline_model_parallel_size")}
+        problems += [f"{name}={size} with MLA (verified on one rank)" for name, size in sizes.items() if size != 1]
+        if getattr(config, "rope_type", "rope") != "rope":
+            problems += C.rope_problems(rope_type=config.rope_type)
+        for name in ("rotary_scaling_factor", "mscale"):
+            if getattr(config, name, 1.0) not in (None, 1, 1.0):
+                problems += C.rope_problems(mscale=float(getattr(config, name)))
     if getattr(config, "gated_linear_unit", True) is not True or getattr(config, "activation_func", None) not in (
             None, torch.nn.functional.silu):
         problems.append("experts other than SwiGLU")
@@ -184,7 +214,9 @@ def _rope(original, base: float):
         rot = freqs.shape[-1]
         positions = freqs.reshape(freqs.shape[0], -1)[:, 0]           # p * inv_freq[0] = p exactly
         cos, sin = C.rope_cos_sin(positions.round().to(torch.int64), rot, base)
-        return C.c_rope(t, cos[:, None], sin[:, None])
+        # MLA (Megatron de-interleaves the rope dims first, as transformers' rope_interleave does)
+        rope = C.c_rope_deinterleaved if getattr(config, "multi_latent_attention", False) else C.c_rope
+        return rope(t, cos[:, None], sin[:, None])
     return apply_rotary_pos_emb
 
 
@@ -204,7 +236,7 @@ def _megatron_attention(module):
             k = key[:, i][:, head_map][None]                 # [1, sk, heads, d]
             v = value[:, i][:, head_map][None]
             outs.append(C.c_attention(query[:, i], k, v, ~mask[i, 0]))
-        return torch.stack(outs, dim=1).reshape(sq, b, heads * d)
+        return torch.stack(outs, dim=1).reshape(sq, b, heads * value.shape[-1])      # MLA: v head dim != qk
     return forward
 
 
@@ -215,19 +247,32 @@ def _router_gating(module):
 
 
 def _router_routing(module, original, renormalize: bool):
+    sigmoid = getattr(module.config, "moe_router_score_function", "softmax") == "sigmoid"
+    scaling = float(getattr(module.config, "moe_router_topk_scaling_factor", None) or 1.0)
+
     def routing(logits, padding_mask=None):
         probs, routing_map = original(logits, padding_mask=padding_mask)
         flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
         T, E = flat.shape
         ids = C.route_ids(routing_map.reshape(T, E), module.topk)
-        gates = C.c_gates(flat, ids, renormalize=renormalize)
-        dense = torch.zeros_like(flat).scatter(1, ids, gates)
-        return dense + (probs - probs.detach()).to(dense.dtype) * 0, routing_map   # keeps Megatron's aux-loss hooks
+        if sigmoid:               # DeepSeek-V3: unbiased scores, normalised; the scaling goes to the MoE output
+            gates = C.c_sigmoid_gates(flat, ids, renormalize=renormalize)
+        else:
+            gates = C.c_gates(flat, ids, renormalize=renormalize)
+        dense = torch.zeros_like(flat).scatter(1, ids, gates) + (probs - probs.detach()).to(flat.dtype) * 0
+        if sigmoid and scaling != 1.0:
+            # the canonical MoE layer takes the unscaled gates and scales its combined output (as vLLM's runner
+            # does); the probs returned carry the scaling, as Megatron's own are, for a stock MoE layer (a lever)
+            module._moealign_unscaled_gates = dense
+            return dense * scaling, routing_map
+        return dense, routing_map                              # (probs - probs.detach()): Megatron's aux-loss hooks
     return routing
 
 
 def _moe_forward(module, tp_reduce: str = "tree"):
     experts = module.experts.local_experts
+    shared = module.shared_experts if getattr(module, "use_shared_expert", False) else None
+    scaling = float(getattr(module.config, "moe_router_topk_scaling_factor", None) or 1.0)
     dispatcher = module.token_dispatcher
     ep = _group_size(getattr(dispatcher, "ep_group", None))
     etp = _group_size(getattr(dispatcher, "tp_group", None))
@@ -243,7 +288,10 @@ def _moe_forward(module, tp_reduce: str = "tree"):
         T = x.shape[0]
         k = module.router.topk
         ids = C.route_ids(routing_map.reshape(T, -1), k)
-        gates = torch.gather(probs.reshape(T, -1), 1, ids)
+        unscaled = getattr(module.router, "_moealign_unscaled_gates", None)     # the canonical sigmoid router's
+        module.router._moealign_unscaled_gates = None
+        scale = scaling if unscaled is not None else 1.0            # a stock router's probs carry the scaling
+        gates = torch.gather((probs if unscaled is None else unscaled).reshape(T, -1), 1, ids)
         w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts])      # autograd reaches each expert's weight
         w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts])
         if ep * etp == 1:
@@ -251,8 +299,36 @@ def _moe_forward(module, tp_reduce: str = "tree"):
             partials = C.c_experts(x, ids, w13, w2)
         else:
             partials = _dispatched_experts(module, hidden_states, probs, routing_map, w13, w2, T, k, tp_reduce)
-        out = C.c_combine(partials, gates, x.dtype)
-        return out.view(s, b, hidden), None
+        out = C.c_combine(partials, gates, x.dtype).view(s, b, hidden)
+        if scale != 1.0:
+            out = out * scale                 # in the activation dtype, as vLLM's MoE runner scales its routed output
+        if shared is not None:
+            out = shared(hidden_states) + out
+        return out, None
+    return forward
+
+
+def _mlp_forward(module):
+    """A dense MLP (a dense layer, the shared expert): ``c_linear`` (fc1, gate rows first), ``c_silu_and_mul``,
+    ``c_linear`` (fc2; its TP shards tree-reduced by the patched RowParallelLinear)."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    shared = isinstance(module, SharedExpertMLP)
+    if shared and getattr(module, "use_shared_expert_gate", False):
+        raise CanonicalError("the canonical forward does not cover a gated shared expert (moe_shared_expert_gate)")
+    if not module.config.gated_linear_unit:
+        raise CanonicalError("the canonical MLP covers SwiGLU (gated_linear_unit) only")
+
+    def forward(hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise CanonicalError("the canonical MLP does not cover a per-token scale")
+        inter, bias = module.linear_fc1(hidden_states)
+        if bias is not None:
+            inter = inter + bias
+        out, out_bias = module.linear_fc2(C.c_silu_and_mul(inter))
+        if shared:
+            return out if out_bias is None else out + out_bias
+        return out, out_bias
     return forward
 
 
@@ -329,7 +405,9 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import attention as mg_attention
+    from megatron.core.transformer import multi_latent_attention as mg_mla
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -352,18 +430,26 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
         escaped.append(f"{name} ({cls.__name__})")
     if escaped:
         raise CanonicalError("the canonical forward does not cover these Megatron modules: " + ", ".join(escaped))
-    rotary = getattr(model, "rotary_pos_emb", None)
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    # the model's rotary embedding, or (MLA) each attention module's own
+    rotaries = ([m.rotary_pos_emb for m in model.modules() if type(m).__name__ == "MLASelfAttention"] if mla
+                else [r for r in (getattr(model, "rotary_pos_emb", None),) if r is not None])
     if "rope" in ops:
-        if rotary is None:
+        if not rotaries:
             raise CanonicalError("the canonical RoPE needs the model's rotary embedding (position_embedding_type=rope)")
-        inv = rotary.inv_freq.detach().double().cpu()
-        rot = 2 * inv.numel()
-        want = torch.tensor([1.0 / (float(rope_base) ** (2 * i / rot)) for i in range(inv.numel())],
-                            dtype=torch.float64)
-        if float(inv[0]) != 1.0 or not torch.allclose(inv, want, rtol=1e-6, atol=0):
-            raise CanonicalError(f"Megatron's rotary frequencies are not RoPE theta={rope_base} over {rot} dims: the "
-                                 "canonical RoPE does not cover " + ", ".join(C.rope_problems(frequencies_match=False)))
-        C.rope_reserve(max_positions, rot, rope_base, next(model.parameters()).device)
+        for rotary in rotaries:
+            if type(rotary).__name__ != "RotaryEmbedding":
+                raise CanonicalError(f"Megatron's {type(rotary).__name__}: the canonical RoPE does not cover "
+                                     + ", ".join(C.rope_problems(rope_type="yarn")))
+            inv = rotary.inv_freq.detach().double().cpu()
+            rot = 2 * inv.numel()
+            want = torch.tensor([1.0 / (float(rope_base) ** (2 * i / rot)) for i in range(inv.numel())],
+                                dtype=torch.float64)
+            if float(inv[0]) != 1.0 or not torch.allclose(inv, want, rtol=1e-6, atol=0):
+                raise CanonicalError(f"Megatron's rotary frequencies are not RoPE theta={rope_base} over {rot} dims: "
+                                     "the canonical RoPE does not cover "
+                                     + ", ".join(C.rope_problems(frequencies_match=False)))
+            C.rope_reserve(max_positions, rot, rope_base, next(model.parameters()).device)
 
     handle = PatchHandle(f"Megatron canonical forward ({', '.join(ops)}) on {type(model).__name__}", "module")
     try:
@@ -388,10 +474,15 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
                                 f"{name}.routing")
             elif isinstance(module, MoELayer) and "experts" in ops:
                 handle.set_attr(module, "forward", _moe_forward(module, tp_reduce), f"{name}.forward")
+            elif isinstance(module, MLP) and "experts" in ops and ".local_experts." not in f".{name}.":
+                handle.set_attr(module, "forward", _mlp_forward(module), f"{name}.forward")   # dense / shared
         if "rope" in ops:
             handle.set_attr(mg_attention, "apply_rotary_pos_emb", _rope(mg_attention.apply_rotary_pos_emb,
                                                                         float(rope_base)),
                             "megatron.core.transformer.attention.apply_rotary_pos_emb")
+            if mla:
+                handle.set_attr(mg_mla, "apply_rotary_pos_emb", _rope(mg_mla.apply_rotary_pos_emb, float(rope_base)),
+                                "megatron.core.transformer.multi_latent_attention.apply_rotary_pos_emb")
     except BaseException:
         handle.undo()
         raise

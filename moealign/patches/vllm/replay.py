@@ -287,10 +287,8 @@ class RouteForcer(PatchHandle):
             rows_d, forced_d = self._plan_on(step, ids.device)
             chosen = forced_d[:, index].to(router_logits.device)
             if canonical:
-                from ...precision import canonical as C
-
                 ascending, order = chosen.to(torch.int64).sort(dim=-1)        # c_gates takes ascending ids
-                gates = C.c_gates(router_logits[rows_d].to(torch.float32), ascending, renormalize=router.renormalize)
+                gates = canonical(router, router_logits[rows_d].to(torch.float32), ascending)   # softmax / sigmoid
                 gate = torch.empty_like(gates).scatter_(1, order, gates).to(weights.dtype)   # back to slot order
             else:
                 gate = replay_gate_weights(router_logits[rows_d], chosen, scoring, out_dtype=weights.dtype,

@@ -109,7 +109,8 @@ class _VllmTree:
                 return original(method, layer)
             label = getattr(layer, "prefix", None) or type(layer).__name__
             _check_layer(label, {"K (input) shard": weight.shape[1]}, leaf)
-            if getattr(layer, "reduce_results", True) is False and hasattr(layer, "input_is_parallel"):
+            if (getattr(layer, "reduce_results", True) is False and hasattr(layer, "input_is_parallel")
+                    and getattr(layer, "tp_size", 1) > 1):
                 raise TreeReductionError(f"vLLM RowParallelLinear {label!r} leaves its reduction to the caller "
                                          "(reduce_results=False): the tree forward cannot cut it")
             layer._moealign_tree = True   # weight kept as loaded: no CPU prepacking (the tree reads it)
@@ -190,9 +191,13 @@ class _VllmTree:
             weights = getattr(layer, "_moealign_tree_weights", None)
             if weights is None:
                 return original(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
-            if shared_experts is not None:
-                raise TreeReductionError(f"vLLM MoE layer {layer.layer_name!r} has shared experts: the tree "
-                                         "experts do not cover them")
+            if shared_experts is not None:            # runs them only where the kernel was to overlap them (as
+                from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder  # vLLM's)
+
+                if layer.moe_config.tp_size > 1:
+                    raise TreeReductionError(f"vLLM MoE layer {layer.layer_name!r} has shared experts: the tree "
+                                             "experts cover them at TP 1")
+                shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
             return _tree_experts(x, topk_weights, topk_ids, weights, leaf, layer.moe_config.tp_size)
         return forward_modular
 
