@@ -267,5 +267,142 @@ for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 5e-3)) + DTYPES[2:]:
 assert not torch.equal(T.experts(x, ids, w13, w2, leaf_width=16), y)
 checks.append("experts, combine")
 
+# ---- autograd: the public names are differentiable (TRITON_OPS' entries), the forward's bits are the forward-only
+# kernel's, the gradients agree with the CPU definition's autograd in float64 (relative to the largest entry) and
+# with a central finite difference of the kernels' own forward along a random direction
+GRAD_TOL = 1e-4                 # fp32 kernels against float64: fp32 rounding of short sums and matmuls
+FD_TOL = 1e-2                   # fp32 central differences: rounding / eps and the eps**2 term
+
+
+def grad_close(got, ref, tol, what):
+    scale = max(1e-30, ref.abs().max().item())
+    err = (got.double() - ref).abs().max().item() / scale
+    assert err <= tol, (what, err)
+    # negative control of the comparison itself: the same gradient scaled by 1 + 4 tol fails it
+    assert (got.double() * (1 + 4 * tol) - ref).abs().max().item() / scale > tol, (what, "tolerance too loose")
+
+
+def check_grads(what, tri, cpu, inputs, *, fwd=None, fd=True, tol=GRAD_TOL):
+    xs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = tri(*xs)
+    assert out.grad_fn is not None, what
+    if fwd is not None:                                          # the wrapper changes no bit of the forward
+        assert torch.equal(out, fwd(*inputs)), (what, "forward bits")
+    gen = torch.Generator(device="cpu").manual_seed(len(checks))
+    r = torch.randn(out.shape, generator=gen, device="cpu").to(dev)
+    got = torch.autograd.grad(out, xs, r.to(out.dtype))
+    refs_in = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = torch.autograd.grad(cpu(*refs_in), refs_in, r.double())
+    for i, (g, rf) in enumerate(zip(got, ref)):
+        assert g.dtype == inputs[i].dtype and g.shape == inputs[i].shape, (what, i)
+        grad_close(g, rf, tol, (what, i))
+    if fd:
+        vs = [torch.randn(t.shape, generator=gen, device="cpu").to(dev) for t in inputs]
+        eps = 1e-2
+        with torch.no_grad():
+            f = [(tri(*[t + sgn * eps * v for t, v in zip(inputs, vs)]).double() * r).sum().item() for sgn in (1, -1)]
+        want = sum((g.double() * v).sum().item() for g, v in zip(got, vs))
+        assert abs((f[0] - f[1]) / (2 * eps) - want) <= FD_TOL * max(1.0, abs(want)), (what, "fd", f, want)
+    checks.append(f"grad {what}")
+
+
+table = {fn for functions in T.TRITON_OPS.values() for fn in functions.values()}
+assert table == {T.linear, T.rms_norm, T.rope, T.attention, T.topk, T.gates, T.experts, T.combine, T.log_softmax}
+f32 = torch.float32
+x, w, b = torch.randn(2, 5, 64), torch.randn(48, 64) / 8, torch.randn(48)
+check_grads("linear", T.linear, C.c_linear, [x, w, b], fwd=T.linear_forward)
+
+
+def one_sided(fn, inputs):
+    """Each input's gradient alone (the others without requires_grad: a Function saves only what that needs) is
+    the one it gets beside the others."""
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    cot = torch.randn(out.shape)
+    both = torch.autograd.grad(out, leaves, cot)
+    for i, t in enumerate(leaves):
+        alone = [t if j == i else u for j, u in enumerate(inputs)]
+        assert torch.equal(torch.autograd.grad(fn(*alone), t, cot)[0], both[i]), i
+
+
+one_sided(lambda x, w: T.linear(x, w, b), [x, w])
+check_grads("router logits fp32", lambda x, w: T.linear(x.half(), w.half(), out_dtype=f32),
+            lambda x, w: C.c_linear(x, w), [x, w], fwd=lambda x, w: T.linear_forward(x.half(), w.half(), out_dtype=f32),
+            fd=False, tol=3e-3)
+check_grads("tp=2 partials + roots", lambda x, w: T.linear_from_roots(
+    [T.tree_linear_partial(x[..., r * 32:(r + 1) * 32], w[:, r * 32:(r + 1) * 32]) for r in range(2)], out_dtype=f32),
+    lambda x, w: C.c_linear(x, w), [x, w], fwd=lambda x, w: T.tree_linear_partial_forward(x, w))
+xn, wn = torch.randn(4, 300) * 3, torch.rand(300) + 0.5
+check_grads("rms_norm", lambda x, w: T.rms_norm(x, w, 1e-6), lambda x, w: C.c_rms_norm(x, w, 1e-6), [xn, wn],
+            fwd=lambda x, w: T.rms_norm_forward(x, w, 1e-6))
+check_grads("rms_norm no weight", lambda x: T.rms_norm(x, None, 1e-6), lambda x: C.c_rms_norm(x, None, 1e-6), [xn])
+xr, cos, sin = torch.randn(5, 3, 20), torch.randn(5, 8), torch.randn(5, 8)
+check_grads("rope", T.rope, C.c_rope, [xr, cos, sin], fwd=T.rope_forward)
+check_grads("rope cos / sin broadcast", lambda x, c, s: T.rope(x, c[:1], s[:1]),
+            lambda x, c, s: C.c_rope(x, c[:1], s[:1]),
+            [xr, cos, sin], fd=False)
+L, H, d = 36, 2, 16
+q, k, v = torch.randn(L, H, d), torch.randn(1, L, H, d), torch.randn(1, L, H, d)
+causal = torch.ones(L, L, dtype=torch.bool).tril()
+check_grads("attention", lambda q, k, v: T.attention(q, k, v, causal, prefix=True, max_elements=7 * L * H),
+            lambda q, k, v: C.c_attention(q, k, v, causal, prefix=True), [q, k, v],
+            fwd=lambda q, k, v: T.attention_forward(q, k, v, causal, prefix=True), fd=False)
+# (above: shared keys, the backward in chunks of 7 query rows) per-row key sets, left padding compacted away, the
+# backward in chunks of 5 query rows
+keep_p = torch.cat([torch.zeros(L, 3, dtype=torch.bool), causal], 1)
+kq, vq = torch.randn(L, L + 3, H, d), torch.randn(L, L + 3, H, d)
+check_grads("attention per-row keys, chunked",
+            lambda q, k, v: T.attention(q, k, v, keep_p, max_elements=5 * (L + 3) * H * d),
+            lambda q, k, v: C.c_attention(q, k, v, keep_p), [q, kq, vq], fd=False)
+# a row with no kept key: NaN forward (as on the CPU), no gradient from it (finite, zero for its query)
+keep_e = causal.clone()
+keep_e[4] = False
+qe, ke, ve = (t.clone().requires_grad_(True) for t in (q, k, v))
+oe = T.attention(qe, ke, ve, keep_e, prefix=False)
+assert torch.isnan(oe[4]).all() and torch.isfinite(oe[torch.arange(L) != 4]).all()
+dq, dk, dv = torch.autograd.grad(oe, (qe, ke, ve), torch.ones_like(oe))
+assert (dq[4] == 0).all() and all(torch.isfinite(t).all() for t in (dq, dk, dv))
+lg = torch.randn(6, 24)
+ids = C.c_topk(lg, 4)
+for renorm in (True, False):
+    check_grads(f"gates renormalize={renorm}", lambda z: T.gates(z, ids, renormalize=renorm),
+                lambda z: C.c_gates(z, ids, renormalize=renorm), [lg],
+                fwd=lambda z: T.gates_forward(z, ids, renormalize=renorm))
+# negative control by construction: the two modes' gradients differ, and the comparison tells them apart
+za, zb = (lg.clone().requires_grad_(True) for _ in range(2))
+ga = torch.autograd.grad(T.gates(za, ids, renormalize=True).sum(), za)[0]        # zero: the gates sum to 1
+gb = torch.autograd.grad(T.gates(zb, ids, renormalize=False).sum(), zb)[0]
+assert ga.abs().max().item() < 1e-6 < gb.abs().max().item()
+check_grads("silu_mul", lambda gu: T.silu_mul(gu, f32),
+            lambda gu: gu[:, :40] / (1 + torch.exp(-gu[:, :40])) * gu[:, 40:], [torch.randn(7, 80) * 3],
+            fwd=lambda gu: T.silu_mul_forward(gu, f32))
+# experts: 40 tokens, top-2 of 4 experts, expert 3 never chosen (zero gradient), expert 0 chosen by 36 tokens (its
+# pairs span two 32-row blocks of the weight-gradient loop and two tiles of the forward)
+E, I, Hd, Tn = 4, 64, 32, 40
+w13, w2 = torch.randn(E, 2 * I, Hd) / 4, torch.randn(E, Hd, I) / 4
+xe = torch.randn(Tn, Hd)
+eids = torch.stack([torch.zeros(Tn, dtype=torch.long), torch.randint(1, 3, (Tn,))], 1)
+eids[36:, 0] = 1
+eids[36:, 1] = 2
+check_grads("experts", lambda x, a, b: T.experts(x, eids, a, b), lambda x, a, b: C.c_experts(x, eids, a, b),
+            [xe, w13, w2], fwd=lambda x, a, b: T.experts_forward(x, eids, a, b))
+one_sided(lambda x, a, b: T.experts(x, eids[:12], a, b), [xe[:12], w13, w2])
+w13g = w13.clone().requires_grad_(True)
+assert (torch.autograd.grad(T.experts(xe, eids, w13g, w2).sum(), w13g)[0][3] == 0).all()
+yp, gp = torch.randn(7, 3, 40), torch.rand(7, 3)
+check_grads("combine", lambda p, g: T.combine(p, g, f32), lambda p, g: C.c_combine(p, g, torch.float64), [yp, gp],
+            fwd=lambda p, g: T.combine_forward(p, g, f32))
+one_sided(lambda p, g: T.combine(p, g, f32), [yp, gp])
+xs = torch.randn(5, 300) * 4
+check_grads("log_softmax", T.log_softmax, C.c_log_softmax, [xs], fwd=T.log_softmax_forward)
+check_grads("log_softmax dim 0", lambda x: T.log_softmax(x.t(), 0), lambda x: C.c_log_softmax(x.t(), 0), [xs], fd=False)
+# 16-bit: the backward's matmuls in the activation dtype with fp32 accumulation (the experts' Triton GEMMs), against
+# float64 (bf16 on CUDA only: the interpreter misreads it)
+for dtype, tol in ((torch.float16, 5e-3),) + (() if on_cpu else ((torch.bfloat16, 4e-2),)):
+    check_grads(f"experts {dtype}", lambda x, a, b: T.experts(x.to(dtype), eids, a.to(dtype), b.to(dtype)),
+                lambda x, a, b: C.c_experts(x, eids, a, b), [xe, w13, w2], fd=False, tol=tol)
+    check_grads(f"linear {dtype}", lambda x, w, b: T.linear(x.to(dtype), w.to(dtype), b.to(dtype)), C.c_linear,
+                [x, w, b], fd=False, tol=tol)
+
 where = f"{dev}" + (f" (interpreter; its stock tl.dot moves with the row: {stock_moves})" if on_cpu else f" ({torch.cuda.get_device_name(dev)})")
 print(f"RESULT ok on {where}: " + "; ".join(checks))

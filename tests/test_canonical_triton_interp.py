@@ -9,7 +9,12 @@ Python). bf16 is not run here (the interpreter misreads it); fp16 runs the same 
 
 In this process: the table against canonical.py's signatures, the refusals (check_canonical_cuda with the GPU facts
 simulated, the wrappers' input checks), and the linear kernel compiled for sm_90 by Triton's own ptxas (no GPU
-needed): its tree adds stay fp32 adds, not folded into an MMA's accumulator."""
+needed): its tree adds stay fp32 adds, not folded into an MMA's accumulator; the experts' weight-gradient kernel
+compiled too (16-bit: tensor-core MMAs).
+
+The backward (the public names are torch.autograd.Functions over the ``*_forward`` kernels) is checked in the same
+child: gradients against the CPU definition's autograd in float64 and central finite differences, fp32 (the experts
+and the linear also fp16), the forward's bits equal to the forward-only kernel's."""
 
 from __future__ import annotations
 
@@ -72,6 +77,14 @@ def test_the_table_stands_for_the_canonical_functions(T):
             got = inspect.signature(fn)
             assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == \
                 [(p.name, p.kind, p.default) for p in want.parameters.values()], (op, name)
+
+
+def test_the_differentiable_names_keep_the_forward_only_kernels(T):
+    for name in ("linear", "tree_linear_partial", "rms_norm", "rope", "attention", "gates", "silu_mul", "experts",
+                 "combine", "log_softmax"):
+        fwd = getattr(T, f"{name}_forward")
+        assert fwd is not getattr(T, name) and name in T.__all__ and f"{name}_forward" in T.__all__
+        assert inspect.signature(fwd) == inspect.signature(getattr(T, name)), name
 
 
 @pytest.fixture
@@ -218,3 +231,10 @@ def test_compiled_for_a_gpu_the_tree_adds_stay_fp32_adds(T, tmp_path, monkeypatc
     adds, accs = _tensor_adds_and_dots(ttir(T._tree_linear_kernel, signature, consts))
     assert accs and all(acc.startswith("%seed") for acc in accs), accs
     assert adds >= 3                                         # the chain's add, the merge's add, the bias
+    # the backward's grouped weight-gradient kernel compiles for the card too; bf16 runs on tensor cores
+    consts = {"GATHER_B": True, "FP32_IEEE": False, "BLOCK_P": 32, "BLOCK_N": 64, "BLOCK_K": 64}
+    signature = {n: "constexpr" if n in consts else "*i32" if n in ("brows_ptr", "groups_ptr") else "*fp32"
+                 if n == "out_ptr" else "*bf16" if n.endswith("_ptr") else "i32" for n in T._wgrad_kernel.arg_names}
+    wgrad = triton.compile(ASTSource(fn=T._wgrad_kernel, signature=signature, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    assert "mma" in wgrad.asm["ptx"]

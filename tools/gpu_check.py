@@ -21,7 +21,7 @@ Steps, each in its own process with its own time limit (a failed or timed-out st
   bench-megatron tools/bench_megatron_replay.py (Megatron replay + verifier overhead)
   bench-bi       tools/bench_batch_invariant.py --dtype bf16, K = N = 4096 (ratio to cuBLAS per m)
   canonical-triton  tests/canonical_triton_child.py --device cuda: the canonical forward's Triton kernels
-                 (moealign/precision/canonical_triton.py) in fp32, fp16 and bf16: accuracy, bitwise invariances
+                 (moealign/precision/canonical_triton.py) in fp32, fp16 and bf16: accuracy, bitwise invariances, gradients
                  and their negative controls, as under the interpreter on the CPU (skipped in the CPU dry run)
   diagnose       ``moealign mismatch --diagnose`` (the number of lever sets run)
   suite          optional, last, with the time left (``--suite-budget``): the whole test suite serially with

@@ -46,6 +46,22 @@ Every kernel is launched with ``enable_fp_fusion=False`` (no multiply-add contra
 is the IEEE operation sequence written here; only ``tl.dot``'s and ``tl.sum``'s internal orders are the GPU's own
 (fixed for a given kernel, tile and card).
 
+**Autograd.** The public names (``linear``, ``tree_linear_partial``, ``rms_norm``, ``rope``, ``attention``,
+``gates``, ``silu_mul``, ``experts``, ``combine``, ``log_softmax``: :data:`TRITON_OPS`' entries) are differentiable,
+as the ``c_*`` functions are; each is a ``torch.autograd.Function`` whose forward is the kernel, kept under the name
+``<name>_forward`` (forward only: the same bits, no graph; the public name calls it directly when no input needs a
+gradient). ``topk`` has no gradient; ``linear_from_roots`` is torch adds and differentiable as it stands. The backward
+need not be canonical (only the forward's log-probs are compared) and is standard math, without host syncs: the
+linear's two matmuls (in the wider of the gradient's and the input's dtypes) and the bias' column sum; RMSNorm's
+``rstd (g w - xhat mean(g w xhat))`` with ``rstd`` recomputed; RoPE's transposed rotation; the softmax-attention
+gradient in fp32 from recomputed probabilities and the saved output, query rows in chunks bounded by
+``max_elements`` (a row with no kept key gives no gradient); the gates' softmax gradient; the SwiGLU's derivative;
+the combine's products; log-softmax's ``g - exp(out) sum(g)``. The grouped experts' backward reuses the forward's
+schedule and saved fp32 gate / up roots: ``dA = dY W2[e]`` and ``dx = sum d[g, u] W13[e]`` by the linear kernel
+(weights read transposed), ``dW2``, ``dW13`` by a grouped weight-gradient kernel (one program per expert and output
+tile, a loop over the expert's sorted pairs, ``tl.dot`` accumulating in fp32, :data:`WGRAD_TILES`), 16-bit
+gradients cast to the activation dtype as a stock mixed-precision backward does. No double backward.
+
 :func:`check_canonical_cuda` refuses, before any work, what the kernels do not cover: no Triton, a compute
 capability below :data:`MIN_CAPABILITY`, a dtype outside :data:`KERNEL_DTYPES`, TF32 switched on in torch.
 
@@ -76,6 +92,7 @@ __all__ = [
     "LINEAR_TILES",
     "MIN_CAPABILITY",
     "TRITON_OPS",
+    "WGRAD_TILES",
     "check_canonical_cuda",
     "linear",
     "tree_linear_partial",
@@ -89,6 +106,16 @@ __all__ = [
     "experts",
     "combine",
     "log_softmax",
+    "linear_forward",
+    "tree_linear_partial_forward",
+    "rms_norm_forward",
+    "rope_forward",
+    "attention_forward",
+    "gates_forward",
+    "silu_mul_forward",
+    "experts_forward",
+    "combine_forward",
+    "log_softmax_forward",
 ]
 
 #: The dtypes the kernels take (activations and weights). float64 is the CPU definition's alone.
@@ -406,7 +433,8 @@ def _linear_inputs(x, weight, bias, leaf_width, op: str, out_dtype=torch.float32
     return leaf_width, out_dtype
 
 
-def tree_linear_partial(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+def tree_linear_partial_forward(x: torch.Tensor, weight: torch.Tensor, *,
+                                leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
     """The fp32 root of the K tree of ``x @ weight.T`` (``x [..., K]``, ``weight [N, K]``): on a TP rank holding a
     shard of ``K`` of whole leaves, its subtree root, for :func:`linear_from_roots`."""
     leaf_width, _ = _linear_inputs(x, weight, None, leaf_width, "tree_linear_partial")
@@ -439,8 +467,8 @@ def linear_from_roots(roots, bias: torch.Tensor | None = None, *, out_dtype: tor
     return root.to(out_dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   out_dtype: torch.dtype | None = None, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
     """``x @ weight.T + bias`` as :func:`~moealign.precision.canonical.c_linear`: the K tree's fp32 root, the bias
     added in fp32, cast once to ``out_dtype`` (default ``x.dtype``; ``torch.float32`` keeps the root: the router's
     logits)."""
@@ -478,7 +506,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, n_float, x_stride, out_strid
         tl.store(out_row + offs, y, mask=offs < n_cols)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as :func:`~moealign.precision.canonical.c_rms_norm`:
     ``(x32 * (1 / sqrt(sum(x32**2) / H + eps))).to(x.dtype) * weight`` (the product rounded once to ``x.dtype``)."""
     op = "rms_norm"
@@ -530,7 +558,7 @@ def _log_softmax_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.
         tl.store(out_ptr + row * out_stride + offs, (x - row_max) - lse, mask=offs < n_cols)
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def log_softmax_forward(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``log_softmax`` in fp32 as :func:`~moealign.precision.canonical.c_log_softmax`:
     ``(x - max) - log(sum(exp(x - max)))`` (``-inf`` entries stay ``-inf``); float32 out."""
     op = "log_softmax"
@@ -574,7 +602,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, head_dim, half, x_stri
         tl.store(o_row + rest, keep, mask=rest < head_dim)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX rotation as :func:`~moealign.precision.canonical.c_rope`: ``x [..., heads, head_dim]``, ``cos`` /
     ``sin`` ``[..., rot / 2]`` (fp32, from the canonical table) broadcast over heads; fp32 arithmetic, one cast."""
     op = "rope"
@@ -642,8 +670,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, valid_ptr, scale,
     tl.store(out_ptr + qi * so_q + h * so_h + rd * so_d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
-              max_elements: int = 1 << 24, prefix: bool = False) -> torch.Tensor:
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                      max_elements: int = 1 << 24, prefix: bool = False) -> torch.Tensor:
     """Attention of each query row over its own kept keys, as :func:`~moealign.precision.canonical.c_attention`:
     ``q [Q, H, d]``, ``k, v [Q, L, H, d]`` or ``[1, L, H, d]`` (heads expanded for GQA), ``keep [Q, L]`` bool;
     scale ``1 / sqrt(d)``; ``[Q, H, d]`` in ``q.dtype``. Kept keys are taken in index order (a stable device sort
@@ -729,7 +757,7 @@ def _gates_kernel(logits_ptr, ids_ptr, out_ptr, n_experts, stride_l, stride_i, s
     tl.store(out_ptr + row * stride_o + slots, out, mask=live)
 
 
-def gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
+def gates_forward(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
     """The gate of each chosen expert ``[T, k]`` fp32, as :func:`~moealign.precision.canonical.c_gates`: ``softmax``
     over the chosen logits (``renormalize``) or the full softmax's value at each chosen expert."""
     op = "gates"
@@ -762,7 +790,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_g, stride_o, BLOCK: tl.const
     tl.store(out_ptr + row * stride_o + offs, act.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def silu_mul_forward(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SwiGLU of fp32 gate / up roots ``[P, 2I]`` (gate first): ``(g / (1 + exp(-g)) * u).to(dtype)`` ``[P, I]``."""
     op = "silu_mul"
     _tensor(gate_up, "gate_up", op, dims=2, dtypes=(torch.float32,))
@@ -799,15 +827,21 @@ def _expert_tiles(flat: torch.Tensor, n_experts: int, block_m: int):
     end = torch.minimum(start + block_m, group_start[e] + counts[e])
     start = torch.where(real, start, 0).to(torch.int32)
     end = torch.where(real, end, 0).to(torch.int32)
-    return perm, e.to(torch.int32), start, end, n_tiles
+    groups = torch.stack([group_start, group_start + counts]).to(torch.int32)    # each expert's [start, end)
+    return perm, e.to(torch.int32), start, end, n_tiles, groups
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
-            leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+def experts_forward(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                    leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
     """Each (token, slot)'s expert output ``[T, k, H]`` fp32 (the down projection's root), as
     :func:`~moealign.precision.canonical.c_experts`: ``w13 [E, 2I, H]`` (gate rows first), ``w2 [E, H, I]``, in
     ``x``'s dtype. Grouped by expert on the device; a pair's bits are those of :func:`tree_linear_partial` of its
     token with its expert's weights, then :func:`silu_mul`, then :func:`tree_linear_partial` of ``w2``."""
+    return _experts_run(x, ids, w13, w2, _experts_inputs(x, ids, w13, w2, leaf_width))[0]
+
+
+def _experts_inputs(x, ids, w13, w2, leaf_width) -> int:
+    """The experts' input checks (before any work); returns the leaf width."""
     op = "experts"
     _tensor(x, "x", op, dims=2)
     _tensor(ids, "ids", op, dims=2, dtypes=(torch.int64, torch.int32))
@@ -824,23 +858,31 @@ def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         if size == 0 or size % leaf_width:
             raise CanonicalError(f"{op}: the {what} {size} is not a positive multiple of the leaf width {leaf_width}")
     _same_device(op, x, ids, w13, w2)
+    return leaf_width
+
+
+def _experts_run(x, ids, w13, w2, leaf_width):
+    """The grouped experts on checked inputs: ``(out, schedule)``, ``schedule`` what the backward reuses (``None``
+    for no tokens): the fp32 gate / up roots in expert-sorted pair order, the sort, the pairs' tokens, the tiles."""
+    T, H = x.shape
     k = ids.shape[1]
     out = torch.empty((T, k, H), dtype=torch.float32, device=x.device)
     if T == 0:
-        return out
+        return out, None
     w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
     flat = ids.reshape(-1).to(torch.int64)
     block_m = LINEAR_TILES[x.dtype][0]
-    perm, tile_expert, start, end, n_tiles = _expert_tiles(flat, E, block_m)
+    perm, tile_expert, start, end, n_tiles, groups = _expert_tiles(flat, w13.shape[0], block_m)
     tokens = (perm // k).to(torch.int32)
-    gate_up = torch.empty((flat.numel(), two_i), dtype=torch.float32, device=x.device)
-    _launch_tree(x, w13, gate_up, None, leaf_width, (tokens, tile_expert, start, end), n_tiles)
-    act = silu_mul(gate_up, x.dtype)
+    tiles = (tile_expert, start, end)
+    gate_up = torch.empty((flat.numel(), w13.shape[1]), dtype=torch.float32, device=x.device)
+    _launch_tree(x, w13, gate_up, None, leaf_width, (tokens, *tiles), n_tiles)
+    act = silu_mul_forward(gate_up, x.dtype)
     pairs = torch.arange(flat.numel(), dtype=torch.int32, device=x.device)
     y = torch.empty((flat.numel(), H), dtype=torch.float32, device=x.device)
-    _launch_tree(act, w2, y, None, leaf_width, (pairs, tile_expert, start, end), n_tiles)
+    _launch_tree(act, w2, y, None, leaf_width, (pairs, *tiles), n_tiles)
     out.view(-1, H).index_copy_(0, perm, y)
-    return out
+    return out, (gate_up, perm, tokens, pairs, tiles, n_tiles, groups)
 
 
 @_jit()
@@ -856,7 +898,7 @@ def _combine_kernel(p_ptr, g_ptr, out_ptr, hidden, stride_pt, stride_pk, stride_
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine_forward(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``sum_j gates[:, j] * partials[:, j]`` left to right over the (ascending-id) slots, fp32, cast once, as
     :func:`~moealign.precision.canonical.c_combine` (``partials [T, k, H]`` fp32, ``gates [T, k]`` fp32)."""
     op = "combine"
@@ -876,8 +918,435 @@ def combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> 
     return out
 
 
+# --------------------------------------------------------------------------------------------------------
+# Autograd: the public names are differentiable; the forward is the kernel above (``<name>_forward``), the backward
+# standard torch math (and, for the grouped experts, Triton GEMMs on the forward's expert schedule). A gradient need
+# not have canonical bits: only the forward's log-probs are compared.
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Linear(torch.autograd.Function):
+    """:func:`linear` / :func:`tree_linear_partial`: ``dx = g @ W``, ``dW = g.T @ x``, ``db = sum g`` (matmuls in
+    the wider of the gradient's and ``x``'s dtypes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_dtype, leaf_width, partial):
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if partial:
+            return tree_linear_partial_forward(x, weight, leaf_width=leaf_width)
+        return linear_forward(x, weight, bias, out_dtype=out_dtype, leaf_width=leaf_width)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        cd = torch.promote_types(grad.dtype, ctx.x_dtype)
+        g = _flat(grad).to(cd)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (g @ weight.to(cd)).to(ctx.x_dtype).reshape(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            dw = (g.t() @ _flat(x).to(cd)).to(ctx.w_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+    """:func:`linear_forward`, differentiable in ``x``, ``weight`` and ``bias``."""
+    if _needs_grad(x, weight, bias):
+        return _Linear.apply(x, weight, bias, out_dtype, leaf_width, False)
+    return linear_forward(x, weight, bias, out_dtype=out_dtype, leaf_width=leaf_width)
+
+
+def tree_linear_partial(x: torch.Tensor, weight: torch.Tensor, *, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+    """:func:`tree_linear_partial_forward`, differentiable in ``x`` and ``weight`` (a TP rank's share of the
+    gradient; :func:`linear_from_roots` is torch adds, differentiable as it stands)."""
+    if _needs_grad(x, weight):
+        return _Linear.apply(x, weight, None, None, leaf_width, True)
+    return tree_linear_partial_forward(x, weight, leaf_width=leaf_width)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``dx = rstd * (gw - xhat * mean(gw * xhat))`` with ``gw = g * w``, ``dw = sum(g * y)`` (``y`` the rounded
+    normalised row); fp32, ``rstd`` recomputed from ``x`` (one row reduction)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_forward(x, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        rstd = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + ctx.eps)
+        xhat = xf * rstd
+        g = grad.float()
+        gw = g if weight is None else g * weight.to(x.dtype).float()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = _flat(g * xhat.to(x.dtype).float()).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm_forward`, differentiable in ``x`` and ``weight``."""
+    if _needs_grad(x, weight):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_forward(x, weight, eps)
+
+
+class _Rope(torch.autograd.Function):
+    """The rotation's transpose: ``dx1 = g1 cos + g2 sin``, ``dx2 = g2 cos - g1 sin``, the rest passed; ``cos`` /
+    ``sin`` (a table, normally constant) get ``sum(g1 x1 + g2 x2)`` / ``sum(g2 x1 - g1 x2)`` when they ask."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else None, cos, sin)
+        ctx.x_dtype = x.dtype
+        return rope_forward(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, cos, sin = ctx.saved_tensors
+        half = cos.shape[-1]
+        g = grad.float()
+        g1, g2 = g[..., :half], g[..., half:2 * half]
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        dx = dcos = dsin = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.cat([g1 * c + g2 * s, g2 * c - g1 * s, g[..., 2 * half:]], -1).to(ctx.x_dtype)
+        if x is not None:
+            xf = x.float()
+            x1, x2 = xf[..., :half], xf[..., half:2 * half]
+            if ctx.needs_input_grad[1]:
+                dcos = (g1 * x1 + g2 * x2).sum(-2).sum_to_size(cos.shape)
+            if ctx.needs_input_grad[2]:
+                dsin = (g2 * x1 - g1 * x2).sum(-2).sum_to_size(sin.shape)
+        return dx, dcos, dsin
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_forward`, differentiable in ``x`` (and in ``cos`` / ``sin`` if they require it)."""
+    if _needs_grad(x, cos, sin):
+        return _Rope.apply(x, cos, sin)
+    return rope_forward(x, cos, sin)
+
+
+def _attention_backward(q, k, v, keep, out, grad, max_elements):
+    """The softmax-attention gradient in fp32, query rows in chunks (``max_elements`` bounds a chunk's ``[rows, L,
+    H]`` scores, or its ``[rows, L, H, d]`` keys for per-row key sets): ``p`` recomputed from ``q``, ``k`` and the
+    mask (torch's softmax), ``D = rowsum(dO * O)`` from the saved output. A row with no kept key (NaN forward)
+    contributes no gradient."""
+    Q, H, d = q.shape
+    L = k.shape[1]
+    shared = k.shape[0] == 1
+    scale = 1.0 / math.sqrt(d)
+    f32 = torch.float32
+    dq = torch.empty(q.shape, dtype=f32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=f32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=f32, device=q.device)
+    if shared:
+        ks_all, vs_all = k[0].to(f32), v[0].to(f32)
+    pat = "lhd" if shared else "qlhd"
+    step = max(1, max_elements // max(1, L * H * (1 if shared else d)))
+    live = keep.any(-1)
+    for start in range(0, Q, step):
+        sl = slice(start, min(Q, start + step))
+        qf, g, o = q[sl].to(f32), grad[sl].to(f32), out[sl].to(f32)
+        ks, vs = (ks_all, vs_all) if shared else (k[sl].to(f32), v[sl].to(f32))
+        s = torch.einsum(f"qhd,{pat}->qlh", qf, ks) * scale
+        p = torch.softmax(s.masked_fill(~keep[sl, :, None], float("-inf")), dim=1)
+        p = p.masked_fill(~live[sl, None, None], 0.0)
+        o = o.masked_fill(~live[sl, None, None], 0.0)
+        dp = torch.einsum(f"qhd,{pat}->qlh", g, vs)
+        ds = p * (dp - (g * o).sum(-1)[:, None, :])
+        dq[sl] = torch.einsum(f"qlh,{pat}->qhd", ds, ks) * scale
+        if shared:
+            dk[0] += torch.einsum("qlh,qhd->lhd", ds, qf) * scale
+            dv[0] += torch.einsum("qlh,qhd->lhd", p, g)
+        else:
+            dk[sl] = torch.einsum("qlh,qhd->qlhd", ds, qf) * scale
+            dv[sl] = torch.einsum("qlh,qhd->qlhd", p, g)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """:func:`attention`'s backward: :func:`_attention_backward` (saves ``q``, ``k``, ``v``, ``keep`` and the
+    output)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, max_elements, prefix):
+        out = attention_forward(q, k, v, keep, max_elements=max_elements, prefix=prefix)
+        ctx.save_for_backward(q, k, v, keep, out)
+        ctx.max_elements = max_elements
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, keep, out = ctx.saved_tensors
+        return (*_attention_backward(q, k, v, keep, out, grad, ctx.max_elements), None, None, None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+              max_elements: int = 1 << 24, prefix: bool = False) -> torch.Tensor:
+    """:func:`attention_forward`, differentiable in ``q``, ``k`` and ``v`` (``max_elements`` bounds the backward's
+    chunks of query rows)."""
+    if _needs_grad(q, k, v):
+        return _Attention.apply(q, k, v, keep, max_elements, prefix)
+    return attention_forward(q, k, v, keep, max_elements=max_elements, prefix=prefix)
+
+
+class _Gates(torch.autograd.Function):
+    """Softmax gradients onto the chosen logits (``renormalize``: the softmax over the chosen ones,
+    ``dz = G (g - sum(g G))``) or onto every logit (the full softmax: ``dz = scatter(g G) - P sum(g G)``, ``P``
+    recomputed)."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, renormalize):
+        out = gates_forward(logits, ids, renormalize=renormalize)
+        ctx.save_for_backward(None if renormalize else logits, ids, out)
+        ctx.shape = logits.shape
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, ids, out = ctx.saved_tensors
+        gg = grad.float() * out
+        total = gg.sum(-1, keepdim=True)
+        dz = torch.zeros(ctx.shape, dtype=torch.float32, device=out.device)
+        if logits is None:
+            dz.scatter_(1, ids.long(), gg - out * total)
+        else:
+            dz.scatter_(1, ids.long(), gg)
+            dz -= torch.softmax(logits, -1) * total
+        return dz, None, None
+
+
+def gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> torch.Tensor:
+    """:func:`gates_forward`, differentiable in ``logits``."""
+    if _needs_grad(logits):
+        return _Gates.apply(logits, ids, renormalize)
+    return gates_forward(logits, ids, renormalize=renormalize)
+
+
+def _silu_mul_backward(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``d [g, u]`` of ``silu(g) * u`` (fp32): ``dg = dA u s (1 + g (1 - s))``, ``du = dA g s``, ``s = sigmoid(g)``."""
+    inter = gate_up.shape[1] // 2
+    g, u = gate_up[:, :inter], gate_up[:, inter:]
+    s = torch.sigmoid(g)
+    da = grad.float()
+    return torch.cat([da * u * (s * (1.0 + g * (1.0 - s))), da * (g * s)], 1)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, dtype):
+        ctx.save_for_backward(gate_up)
+        return silu_mul_forward(gate_up, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        return _silu_mul_backward(gate_up, grad), None
+
+
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`silu_mul_forward`, differentiable in ``gate_up``."""
+    if _needs_grad(gate_up):
+        return _SiluMul.apply(gate_up, dtype)
+    return silu_mul_forward(gate_up, dtype)
+
+
+#: ``(BLOCK_P, BLOCK_N, BLOCK_K)`` of the experts' weight-gradient kernel per dtype (``P`` the pairs reduced over).
+WGRAD_TILES = {
+    torch.float32: (32, 32, 32),
+    torch.float16: (32, 64, 64),
+    torch.bfloat16: (32, 64, 64),
+}
+
+
+@_jit()
+def _wgrad_kernel(a_ptr, b_ptr, brows_ptr, groups_ptr, out_ptr, N, K, n_experts,
+                  stride_ap, stride_an, stride_bm, stride_bk, stride_oe, stride_on, stride_ok,
+                  GATHER_B: tl.constexpr, FP32_IEEE: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[e] = sum over e's pairs p of a[p]^T b[rows[p]]`` (``[N, K]`` per expert): one program per (expert,
+    output tile), a loop over the expert's ``[start, end)`` of the sorted pairs, fp32 accumulation in ``tl.dot``."""
+    e = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    rn = (tile // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rp = tl.arange(0, BLOCK_P)
+    start = tl.load(groups_ptr + e)
+    end = tl.load(groups_ptr + n_experts + e)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_P):
+        pos = p0 + rp
+        live = pos < end
+        a = tl.load(a_ptr + pos[None, :].to(tl.int64) * stride_ap + rn[:, None] * stride_an,
+                    mask=live[None, :] & (rn[:, None] < N), other=0.0)
+        if GATHER_B:
+            brow = tl.load(brows_ptr + pos, mask=live, other=0).to(tl.int64)
+        else:
+            brow = pos.to(tl.int64)
+        b = tl.load(b_ptr + brow[:, None] * stride_bm + rk[None, :] * stride_bk,
+                    mask=live[:, None] & (rk[None, :] < K), other=0.0)
+        if FP32_IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + e * stride_oe + rn[:, None] * stride_on + rk[None, :] * stride_ok, acc,
+             mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def _grouped_wgrad(a: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor | None, groups: torch.Tensor,
+                   n_experts: int) -> torch.Tensor:
+    """Per expert ``sum_p a[p] (outer) b[b_rows[p]]`` over its sorted pairs (``groups [2, E]``: each expert's
+    ``[start, end)``) -> ``[E, N, K]`` fp32; ``a [P, N]`` and ``b`` in one dtype."""
+    N, K = a.shape[1], b.shape[1]
+    out = torch.empty((n_experts, N, K), dtype=torch.float32, device=a.device)
+    block_p, block_n, block_k = WGRAD_TILES[a.dtype]
+    grid = (n_experts, triton.cdiv(N, block_n) * triton.cdiv(K, block_k))
+    _wgrad_kernel[grid](a, b, b_rows if b_rows is not None else groups, groups, out, N, K, n_experts,
+                        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+                        out.stride(2), GATHER_B=b_rows is not None, FP32_IEEE=a.dtype == torch.float32,
+                        BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **_LAUNCH)
+    return out
+
+
+class _Experts(torch.autograd.Function):
+    """The grouped experts' backward on the forward's schedule (pairs sorted by expert, the same tiles), in the
+    activation dtype with fp32 accumulation (the upstream gradient is cast to it, as a stock bf16 backward does):
+    ``dA = dY @ W2[e]`` (the linear kernel, ``W2`` read transposed), the SwiGLU's derivative on the saved fp32
+    gate / up roots, ``dx = sum over slots of d[g, u] @ W13[e]``; ``dW2[e] = sum dY^T A``, ``dW13[e] = sum d[g, u]^T
+    x`` (:func:`_grouped_wgrad`, ``A`` recomputed by the SwiGLU kernel). Saves ``x``, the weights, the gate / up
+    roots ``[T k, 2I]`` fp32 and the schedule."""
+
+    @staticmethod
+    def forward(ctx, x, ids, w13, w2, leaf_width):
+        out, schedule = _experts_run(x, ids, w13, w2, _experts_inputs(x, ids, w13, w2, leaf_width))
+        ctx.schedule = schedule is not None
+        ctx.leaf_width = leaf_width
+        ctx.k = ids.shape[1]
+        if schedule is None:
+            ctx.save_for_backward(x, w13, w2)
+            return out
+        gate_up, perm, tokens, pairs, tiles, n_tiles, groups = schedule
+        ctx.n_tiles = n_tiles
+        ctx.save_for_backward(x, w13, w2, gate_up, perm, tokens, pairs, *tiles, groups)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, w13, w2, *rest = ctx.saved_tensors
+        if not ctx.schedule:
+            return torch.zeros_like(x), None, torch.zeros_like(w13), torch.zeros_like(w2), None
+        gate_up, perm, tokens, pairs, tile_expert, start, end, groups = rest
+        dt, lw = x.dtype, ctx.leaf_width
+        T, H = x.shape
+        E, I = w2.shape[0], w2.shape[2]
+        tiles = (tile_expert, start, end)
+        dy = grad.reshape(-1, H)[perm].to(dt)                               # expert-sorted pairs
+        dx = dw13 = dw2 = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            dact = torch.empty((perm.numel(), I), dtype=torch.float32, device=x.device)
+            _launch_tree(dy, w2.to(dt).transpose(1, 2), dact, None, lw, (pairs, *tiles), ctx.n_tiles)
+            dgu = _silu_mul_backward(gate_up, dact).to(dt)
+        if ctx.needs_input_grad[0]:
+            dxe = torch.empty((perm.numel(), H), dtype=torch.float32, device=x.device)
+            _launch_tree(dgu, w13.to(dt).transpose(1, 2), dxe, None, lw, (pairs, *tiles), ctx.n_tiles)
+            dx = torch.empty_like(dxe).index_copy_(0, perm, dxe).view(T, ctx.k, H).sum(1).to(dt)
+        if ctx.needs_input_grad[2]:
+            dw13 = _grouped_wgrad(dgu, x, tokens, groups, E).to(w13.dtype)
+        if ctx.needs_input_grad[3]:
+            dw2 = _grouped_wgrad(dy, silu_mul_forward(gate_up, dt), None, groups, E).to(w2.dtype)
+        return dx, None, dw13, dw2, None
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+            leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
+    """:func:`experts_forward`, differentiable in ``x``, ``w13`` and ``w2`` (not in ``ids``: routing is a
+    choice)."""
+    if _needs_grad(x, w13, w2):
+        return _Experts.apply(x, ids, w13, w2, leaf_width)
+    return experts_forward(x, ids, w13, w2, leaf_width=leaf_width)
+
+
+class _Combine(torch.autograd.Function):
+    """``d partials[:, j] = g * gates[:, j]``, ``d gates[:, j] = sum(g * partials[:, j])`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, partials, gates, dtype):
+        ctx.save_for_backward(partials if ctx.needs_input_grad[1] else None, gates if ctx.needs_input_grad[0] else None)
+        return combine_forward(partials, gates, dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        partials, gates = ctx.saved_tensors
+        g = grad.float()
+        dp = g[:, None, :] * gates[:, :, None] if ctx.needs_input_grad[0] else None
+        dg = torch.einsum("th,tkh->tk", g, partials) if ctx.needs_input_grad[1] else None
+        return dp, dg, None
+
+
+def combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine_forward`, differentiable in ``partials`` and ``gates``."""
+    if _needs_grad(partials, gates):
+        return _Combine.apply(partials, gates, dtype)
+    return combine_forward(partials, gates, dtype)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """``dx = g - exp(out) * sum(g)`` from the saved fp32 output."""
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        out = log_softmax_forward(x, dim)
+        ctx.save_for_backward(out)
+        ctx.dim, ctx.x_dtype = dim, x.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        g = grad.float()
+        return (g - torch.exp(out) * g.sum(ctx.dim, keepdim=True)).to(ctx.x_dtype), None
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """:func:`log_softmax_forward`, differentiable in ``x``."""
+    if _needs_grad(x):
+        return _LogSoftmax.apply(x, dim)
+    return log_softmax_forward(x, dim)
+
+
 #: Each op of :data:`~moealign.precision.canonical.SPEC` -> the ``c_*`` functions it covers -> the Triton function
-#: that stands for it on CUDA, with the same call signature.
+#: that stands for it on CUDA, with the same call signature, differentiable as the ``c_*`` function is (``topk``: no
+#: gradient).
 TRITON_OPS = {
     "linear": {"c_linear": linear},
     "norm": {"c_rms_norm": rms_norm},
