@@ -83,6 +83,16 @@ def test_clean_refit_passes_every_check_with_one_json_verdict(child):
 
 
 @needs_vllm
+def test_one_call_probes_measure_what_the_two_calls_measure(child):
+    """certify_refit's probes (Probe.both_gaps: one vLLM call, one trainer forward) give the gaps the separate calls
+    (Probe.gaps, Probe.decode_gaps) calibrated at step 0, so the calibrated bounds apply to them."""
+    import math
+
+    for kind in ("prefill", "decode"):
+        assert math.isclose(child["both_step0"][kind], child["step0"][kind], rel_tol=0.05, abs_tol=1e-7), kind
+
+
+@needs_vllm
 def test_decode_only_fault_passes_the_prefill_probe_and_fails_the_decode_probe(child):
     d = child["decode_fault"]
     # the negative control: the prefill probe (and the digests) cannot see a fault on decode steps

@@ -256,6 +256,9 @@ def test_ep2_pp2_replay_negative_controls(reference):
             trainer.forward(RAGGED, range(5), replay=True, fault="swap")
         fwd = trainer.forward(EQUAL, range(4), replay=True)          # negative control: no fault, no error
         assert fwd.flips.router_flip_rate == 0.0
+        from test_sharded_refit import check_stream_and_manifest     # the refit's stream and manifest, this world
+
+        check_stream_and_manifest(trainer)
     finally:
         trainer.close()
 
@@ -304,5 +307,8 @@ def test_tp2_ep2_bounded_and_each_rank_holds_its_own_pieces(reference):
             assert covered[name].all(), name
             assert torch.equal(full[name], ckpt.get(name)), name
         assert full["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 128, 128)
+        from test_sharded_refit import check_stream_and_manifest     # the refit's stream and manifest, this world
+
+        check_stream_and_manifest(trainer)
     finally:
         trainer.close()

@@ -350,6 +350,54 @@ def test_packed_layout_is_read_as_a_strided_view():
     assert _strided_inverse(shuffled) is None                             # no strided view: the caller gathers
 
 
+def test_digest_kernel_has_the_torch_paths_bits(monkeypatch):
+    """The native digest kernel (moealign._native, what span_lanes runs on a CPU) against span_lanes' torch path
+    (MOEALIGN_DIGEST_KERNEL=0), torch.equal: every element size, word-aligned and unaligned column starts, row
+    ranges out of order, columns read through a stride (a transposed view), vLLM's vec packing read in place as an
+    [E, Mo, Mi, K] view. Negative controls by construction: one flipped bit of the packed storage, and the packed
+    storage digested as if it were the logical layout, both change the lanes."""
+    from moealign._native import extension
+    from moealign.patches.vllm import refit as vr
+
+    if extension("digest") is None:
+        pytest.skip("moealign's native extension cannot be built here (no compiler): the torch path runs")
+
+    def both(t, rows, col=0):
+        native = vr._native_lanes(t, rows, col)
+        assert native is not None                                      # the kernel ran (not the fallback)
+        monkeypatch.setenv("MOEALIGN_DIGEST_KERNEL", "0")
+        assert vr._native_lanes(t, rows, col) is None
+        reference = vr.span_lanes(t, rows, col)
+        monkeypatch.delenv("MOEALIGN_DIGEST_KERNEL")
+        assert torch.equal(native, vr.span_lanes(t, rows, col))
+        return native, reference
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.bool):
+        for lead, m, n, col in ((3, 5, 7, 0), (2, 4, 9, 3), (1, 6, 16, 5), (2, 3, 1, 1), (1, 2, 0, 0)):
+            t = (torch.randn(lead, m, n + col, generator=g) * 50).to(dtype)[..., col:]
+            native, reference = both(t, [(4, 4 + m - 1), (0, 1)], col)
+            assert torch.equal(native, reference), (dtype, lead, m, n, col)
+            strided = (torch.randn(lead, n + col, m, generator=g) * 50).to(dtype).transpose(1, 2)[..., col:]
+            assert torch.equal(*both(strided, [(0, m)], col)), (dtype, "strided")
+    e, n, k = 3, 64, 40
+    logical = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
+    packed = logical.reshape(e, n // 16, 16, k).transpose(2, 3).contiguous()      # vLLM's vec: [N / 16, K, 16]
+
+    def read(storage):
+        return storage.as_strided([e, n // 16, 16, k], [n * k, 16 * k, 1, 16])
+
+    for rows, col in (([(0, n)], 0), ([(0, n // 2), (n, n + n // 2)], 4)):
+        want = vr.span_lanes(logical, rows, col)
+        native, reference = both(read(packed), rows, col)
+        assert torch.equal(native, want) and torch.equal(reference, want)
+        flipped = packed.clone()
+        flipped.view(torch.int16).view(-1)[n * k + 1234] ^= 1                      # in expert 1
+        assert not torch.equal(vr.span_lanes(read(flipped), rows, col)[1], want[1])
+        assert torch.equal(vr.span_lanes(read(flipped), rows, col)[0::2], want[0::2])   # only expert 1 changed
+        assert not torch.equal(vr.span_lanes(packed.reshape(e, n, k), rows, col), want)
+
+
 # --------------------------------------------------------------------------------------------------
 # shards summed over workers: simulated answers of a TP 2 engine
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ embedded model (fp32, TP = 1) with a fault planted in each place one check stand
 usage: python tests/vllm_certify_child.py
 
 Phase A (prefix caching off, a Megatron trainer, a calibrated probe with a decode):
+* ``both_step0``: certify_refit's one-call probes (``Probe.both_gaps``) on the calibration's weights: the gaps the
+  separate calls calibrated;
 * ``clean``: after moealign's refit every check passes (the prefix cache: not run, caching off);
 * ``decode_fault``: the CPU attention's output halved on decode steps only (``max_query_len == 1``): the prefill
   probe passes, the decode probe fails (and ``verify_refit``'s decode gap too); undone: passes again;
@@ -23,7 +25,6 @@ Phase B (a plain ``vllm.LLM`` with prefix caching on, snapshots as the trainer):
 from __future__ import annotations
 
 import json
-import sys
 
 
 def statuses(cert) -> dict:
@@ -51,6 +52,8 @@ def main() -> dict:
     probe = Probe(seqs, score_last=24, decode_tokens=8)
     probe.calibrate(llm, trainer)
     out["step0"] = {"prefill": probe.step0_gap, "decode": probe.decode_step0_gap}
+    (gap, _), (dgap, _) = probe.both_gaps(llm, trainer)          # certify_refit's one-call probes, the same weights
+    out["both_step0"] = {"prefill": gap, "decode": dgap}
     cert = certify_refit(llm, trainer, probe=probe)
     out["clean"] = {"ok": cert.ok, "statuses": statuses(cert), "json": json.loads(json.dumps(cert.to_dict()))}
 

@@ -14,11 +14,15 @@ transformers (bf16: the trainer). Interleaved rounds time:
     the step vLLM 0.32 skips and moealign's patch runs);
   - moealign's own work: the rest (config and layout checks, the value check of every tensor, naming, chunking,
     the phases' round trips);
-* ``verify``: ``verify_refit(llm, model)`` (every worker's tensors read back and digested, against the trainer's);
+* ``verify``: ``verify_refit(llm, model)`` (every worker's tensors read back and digested, against the trainer's),
+  split into the engine's side (``held_tensors``: the oneDNN / packed linears read back through their kernel, then
+  every held tensor digested, the prepacked experts through their strides) and the rest (the trainer's tensors
+  digested, the comparison);
 * ``manifest``: ``weight_manifest(model)`` (the trainer's digests, every dtype) and ``verify_refit(llm, manifest)``.
 
 Printed: bytes/s of the refit, each share of the refit (minimum round, and the median), verification as a share of
-the refit. ``--json`` writes the figures. A checkout without weight manifests (older moealign) skips that row.
+the refit and its parts (the kernel read-backs, the engine's digests, the trainer's digests and the comparison) as
+shares of the refit, with the digest kernel's throughput. ``--json`` writes the figures. A checkout without weight manifests (older moealign) skips that row.
 
     OMP_NUM_THREADS=1 python tools/bench_refit.py     # 1-3 minutes on 2 cores
     python tools/bench_refit.py --layers 2 --repeats 2 --json out.json
@@ -71,8 +75,12 @@ class Hooks:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
         from vllm.model_executor.model_loader.reload import layerwise
 
-        self.vllm = self.prepack = 0.0
+        from moealign.patches.vllm import refit as vr
+
+        self.vllm = self.prepack = self.held = self.readback = 0.0
         self._undo = []
+        self._patch(vr, "held_tensors", "held")
+        self._patch(vr, "_read_linear", "readback")
         self._patch(layerwise, "initialize_layerwise_reload", "vllm")
         self._patch(layerwise, "finalize_layerwise_reload", "vllm")
         self._patch(runner.model, "load_weights", "vllm")
@@ -93,7 +101,7 @@ class Hooks:
         self._undo.append((owner, name, original, in_class))
 
     def reset(self):
-        self.vllm = self.prepack = 0.0
+        self.vllm = self.prepack = self.held = self.readback = 0.0
 
     def undo(self):
         for owner, name, original, in_class in reversed(self._undo):
@@ -101,6 +109,21 @@ class Hooks:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
+
+
+@contextlib.contextmanager
+def torch_digests():
+    """The digests by their torch path (``MOEALIGN_DIGEST_KERNEL=0``: the prepacked experts copied into logical
+    order first), for the same run's baseline."""
+    old = os.environ.get("MOEALIGN_DIGEST_KERNEL")
+    os.environ["MOEALIGN_DIGEST_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MOEALIGN_DIGEST_KERNEL"]
+        else:
+            os.environ["MOEALIGN_DIGEST_KERNEL"] = old
 
 
 def main(argv=None) -> int:
@@ -126,9 +149,9 @@ def main(argv=None) -> int:
     from moealign.rl.refit import refit, verify_refit
 
     try:
-        from moealign.rl import WeightManifest, weight_manifest
+        from moealign.rl import weight_manifest
     except ImportError:                       # a checkout from before weight manifests
-        WeightManifest = weight_manifest = None
+        weight_manifest = None
 
     with tempfile.TemporaryDirectory(prefix="bench_refit_") as tmp:
         t0 = time.perf_counter()
@@ -143,7 +166,9 @@ def main(argv=None) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         hooks = Hooks(model_runner(llm))
         rounds: dict[str, list[float]] = {k: [] for k in ("refit", "vllm", "prepack", "moealign", "verify",
-                                                          "manifest_build", "manifest_verify")}
+                                                          "verify_readback", "verify_engine_digests",
+                                                          "verify_trainer", "verify_torch", "manifest_build",
+                                                          "manifest_verify", "manifest_verify_torch")}
         refit(llm, model)                     # warm-up (first-touch allocations, oneDNN handles)
         assert verify_refit(llm, model).ok
         manifest = None
@@ -156,9 +181,18 @@ def main(argv=None) -> int:
             rounds["prepack"].append(hooks.prepack)
             rounds["vllm"].append(hooks.vllm - hooks.prepack)
             rounds["moealign"].append(total - hooks.vllm)
+            hooks.reset()
             t0 = time.perf_counter()
             check = verify_refit(llm, model)
             rounds["verify"].append(time.perf_counter() - t0)
+            rounds["verify_readback"].append(hooks.readback)
+            rounds["verify_engine_digests"].append(hooks.held - hooks.readback)
+            rounds["verify_trainer"].append(rounds["verify"][-1] - hooks.held)
+            with torch_digests():
+                t0 = time.perf_counter()
+                check = verify_refit(llm, model)
+                rounds["verify_torch"].append(time.perf_counter() - t0)
+                assert check.ok, check.describe()
             assert check.ok, check.describe()
             if weight_manifest is not None:
                 t0 = time.perf_counter()
@@ -168,25 +202,39 @@ def main(argv=None) -> int:
                 check = verify_refit(llm, manifest)
                 rounds["manifest_verify"].append(time.perf_counter() - t0)
                 assert check.ok, check.describe()
+                with torch_digests():
+                    t0 = time.perf_counter()
+                    check = verify_refit(llm, manifest)
+                    rounds["manifest_verify_torch"].append(time.perf_counter() - t0)
+                    assert check.ok, check.describe()
         hooks.undo()
         with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
 
+    from moealign._native import extension
+
+    digest_kernel = "native" if extension("digest") is not None else "torch"
     best = {k: min(v) for k, v in rounds.items() if v}
     med = {k: statistics.median(v) for k, v in rounds.items() if v}
     # shares from the round with the fastest refit (its parts were measured together)
     i = rounds["refit"].index(best["refit"])
     parts = {k: rounds[k][i] for k in ("moealign", "vllm", "prepack")}
+    j = rounds["verify"].index(best["verify"])
+    vparts = {k: rounds[k][j] for k in ("verify_readback", "verify_engine_digests", "verify_trainer")}
     result = {"parameters": params, "bytes": nbytes, "build_s": built, "engine_start_s": started,
               "threads": torch.get_num_threads(), "repeats": args.repeats,
               "refit_s": best["refit"], "refit_median_s": med["refit"], "refit_bytes_per_s": nbytes / best["refit"],
               **{f"{k}_s": v for k, v in parts.items()},
               **{f"{k}_share": v / best["refit"] for k, v in parts.items()},
               "verify_s": best["verify"], "verify_median_s": med["verify"],
-              "verify_share": best["verify"] / best["refit"], "rounds": rounds}
+              "verify_share": best["verify"] / best["refit"], "verify_torch_s": best["verify_torch"],
+              "verify_torch_share": best["verify_torch"] / best["refit"], **{f"{k}_s": v for k, v in vparts.items()},
+              **{f"{k}_share": v / best["refit"] for k, v in vparts.items()},
+              "digest_kernel": digest_kernel, "rounds": rounds}
     if manifest is not None:
         result.update(manifest_build_s=best["manifest_build"], manifest_verify_s=best["manifest_verify"],
-                      manifest_verify_share=best["manifest_verify"] / best["refit"], manifest_bytes=manifest.nbytes,
+                      manifest_verify_share=best["manifest_verify"] / best["refit"],
+                      manifest_verify_torch_s=best["manifest_verify_torch"], manifest_bytes=manifest.nbytes,
                       manifest_ratio=manifest.nbytes / nbytes)
     print(f"model: {params / 1e6:.0f}M parameters, {nbytes / 1e6:.0f} MB bf16 (built in {built:.1f} s); vLLM start "
           f"{started:.1f} s; torch threads {result['threads']}; {args.repeats} rounds (minimum; median)")
@@ -194,12 +242,18 @@ def main(argv=None) -> int:
     for k, label in (("moealign", "moealign's own"), ("vllm", "vLLM's reload"), ("prepack", "CPU expert prepack")):
         print(f"  {label:18s} {parts[k]:7.2f} s   {parts[k] / best['refit']:6.1%} of the refit")
     print(f"verify_refit     {best['verify']:7.2f} s ({med['verify']:.2f})   {best['verify'] / best['refit']:6.1%} "
-          f"of the refit")
+          f"of the refit (digest kernel: {digest_kernel})")
+    for k, label in (("verify_readback", "kernel read-backs"), ("verify_engine_digests", "engine's digests"),
+                     ("verify_trainer", "trainer's + compare")):
+        print(f"  {label:18s} {vparts[k]:7.2f} s   {vparts[k] / best['refit']:6.1%} of the refit")
+    print(f"  (torch digests    {best['verify_torch']:7.2f} s   {best['verify_torch'] / best['refit']:6.1%} of the "
+          f"refit: the same run, MOEALIGN_DIGEST_KERNEL=0)")
     if manifest is not None:
         print(f"weight_manifest  {best['manifest_build']:7.2f} s   ({manifest.nbytes / 1e3:.0f} kB, "
               f"{manifest.nbytes / nbytes:.4%} of the model's bytes)")
         print(f"verify(manifest) {best['manifest_verify']:7.2f} s   {best['manifest_verify'] / best['refit']:6.1%} "
-              f"of the refit")
+              f"of the refit (torch digests {best['manifest_verify_torch']:.2f} s, "
+              f"{best['manifest_verify_torch'] / best['refit']:.1%})")
     if args.json:
         write_json(args.json, result)
     return 0

@@ -49,7 +49,9 @@ CHECKS: dict[str, tuple[str, str]] = {
         "SkyRL #1816 (tensors loaded under the wrong names, every byte count right)"),
     "derived_buffers": (
         "RoPE cos/sin caches that differ from the values their settings give, or settings that differ from the "
-        "checkpoint's config (theta, rotary dimension, positions); every other buffer is named as unchecked",
+        "checkpoint's config (theta, rotary dimension, positions); tensors derived from the weights at load (MLA's "
+        "absorbed W_UK_T / W_UV) that differ from what vLLM derives from the held kv_b_proj; every other buffer is "
+        "named as unchecked",
         "SGLang #28676 (derived tensors built once: log-prob diff 0.06 -> 3.83), vLLM #55087"),
     "prefill_probe": (
         "any forward difference on a prompt's single prefill (derived state no digest reads, a stale kernel copy): "
@@ -158,7 +160,8 @@ def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
 def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: int = 4, seed: int = 0) -> dict:
     """The prefix-cache check alone (:data:`CHECKS` ``prefix_cache``): ``{"status", "detail", "cached_tokens"}``.
     With caching on, each prompt (tiled to one KV block and a tail) is decoded as is, reusing whatever the cache holds
-    for it, then with a cache salt no block has (a cold run); tokens and log-probs must be equal (``torch.equal``).
+    for it, and, in the same vLLM call (same seeds), with a cache salt no block has (a cold run); tokens and log-probs
+    must be equal (``torch.equal``).
     The first run leaves the prompts' blocks cached under the current weights, priming the next check."""
     from ..patches.vllm.refit import as_llm, decode_token_ids, engine_busy
 
@@ -171,9 +174,11 @@ def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
                                 decode_tokens, int(llm.llm_engine.model_config.max_model_len))
     if tiled is None:
         return {"status": "not_run", "detail": why, "cached_tokens": 0}
-    with engine_busy(llm, "the prefix-cache check", exclusive=False):
-        hit = decode_token_ids(llm, tiled, decode_tokens, seed, None)
-        cold = decode_token_ids(llm, tiled, decode_tokens, seed, f"moealign-cold-{uuid.uuid4().hex}")
+    n = len(tiled)
+    with engine_busy(llm, "the prefix-cache check", exclusive=False):      # both runs in one call, the same seeds
+        both = decode_token_ids(llm, tiled + tiled, decode_tokens, [seed + i for i in range(n)] * 2,
+                                [None] * n + [f"moealign-cold-{uuid.uuid4().hex}"] * n)
+    hit, cold = both[:n], both[n:]
     cached = sum(h[2] for h in hit)
     bad = [i for i, (h, c) in enumerate(zip(hit, cold)) if h[0] != c[0] or not torch.equal(h[1], c[1])]
     if bad:
@@ -261,7 +266,8 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
         buffers = check_derived_buffers(llm)
         status = "failed" if buffers["problems"] else ("passed" if buffers["checked"] else "not_run")
         detail = ("; ".join(f"worker {r}: {why}" for r, why in buffers["problems"]) if buffers["problems"] else
-                  f"{buffers['checked']} RoPE cos/sin cache(s) equal their config-derived values bitwise"
+                  f"{buffers['checked']} derived buffer(s) / tensor(s) (RoPE caches, MLA's absorbed matrices) equal "
+                  f"the values recomputed from their sources bitwise"
                   if buffers["checked"] else "no derived buffer this check reads")
         if buffers["unchecked"]:
             detail += f"; unchecked buffers: {buffers['unchecked'][:6]}"
@@ -275,29 +281,34 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
         checks.append(_entry("prefill_probe", "not_run", why))
         checks.append(_entry("decode_probe", "not_run", why))
     else:
+        decodes = probe.decode_tokens > 0 and probe.decode_bound is not None and probe.decodes(llm)
         t = time.perf_counter()
-        gap, largest = probe.gaps(llm, trainer_or_manifest)
+        if decodes:             # both probes from one vLLM call and one trainer forward (Probe.both_gaps)
+            (gap, largest), (dgap, dmax) = probe.both_gaps(llm, trainer_or_manifest)
+        else:
+            gap, largest = probe.gaps(llm, trainer_or_manifest)
+        probe_s = time.perf_counter() - t
         ok = math.isfinite(gap) and gap <= probe.bound
         checks.append(_entry("prefill_probe", "passed" if ok else "failed",
-                             f"mean |delta log p| {gap:.3g} (bound {probe.bound:.3g}; largest {largest:.3g})",
-                             time.perf_counter() - t, gap=gap, bound=probe.bound, largest=largest))
+                             f"mean |delta log p| {gap:.3g} (bound {probe.bound:.3g}; largest {largest:.3g})"
+                             + ("; one vLLM call and one trainer forward with the decode probe" if decodes else ""),
+                             probe_s, gap=gap, bound=probe.bound, largest=largest))
         refit_check.probe_gap, refit_check.probe_bound, refit_check.probe_max = gap, probe.bound, largest
-        if probe.decode_tokens == 0 or probe.decode_bound is None or not probe.decodes(llm):
+        if not decodes:
             why = ("Probe.decode_tokens is 0" if probe.decode_tokens == 0 else
                    "prefix caching is on: moealign's recorder needs every position forwarded to give a decode's "
                    "routes (issue 38 item 0)" if not probe.decodes(llm) else
                    "the probe was calibrated without a decode (Probe.calibrate(..., decode=True))")
             checks.append(_entry("decode_probe", "not_run", why))
         else:
-            t = time.perf_counter()
-            dgap, dmax = probe.decode_gaps(llm, trainer_or_manifest)
             ok = math.isfinite(dgap) and dgap <= probe.decode_bound
             checks.append(_entry("decode_probe", "passed" if ok else "failed",
                                  f"mean |delta log p| {dgap:.3g} over {probe.decode_tokens} decoded tokens per "
                                  f"sequence (bound {probe.decode_bound:.3g}; largest {dmax:.3g})"
                                  + ("" if ok else ": the DECODE PATH differs from the prefill (which the prefill "
                                                   "probe checks)"),
-                                 time.perf_counter() - t, gap=dgap, bound=probe.decode_bound, largest=dmax))
+                                 0.0, gap=dgap, bound=probe.decode_bound, largest=dmax,
+                                 shared_with="prefill_probe"))
             refit_check.decode_gap, refit_check.decode_bound, refit_check.decode_max = dgap, probe.decode_bound, dmax
     if prompts is None:
         checks.append(_entry("prefix_cache", "not_run", "no probe and no cache_prompts"))
@@ -311,8 +322,8 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
         (x.startswith("decode path") and "decode_probe" in ran) or (x.startswith("prefix") and "prefix_cache" in ran)
         or (x.startswith("non-weight buffers") and "derived_buffers" in ran))]
     if "derived_buffers" in ran:
-        not_checked.append("derived state other than the RoPE caches (see docs/refit.md, per family): only the probes "
-                           "see it")
+        not_checked.append("derived state other than the RoPE caches and MLA's absorbed matrices (see docs/refit.md, "
+                           "per family): only the probes see it")
     if "prefill_probe" not in ran:
         not_checked.insert(0, "the forward (no probe ran: the weights were compared, the logits were not)")
     return RefitCertificate(checks=checks, config=_engine_config(llm, sleep, probe),

@@ -174,7 +174,8 @@ class RLCheckConfig:
                              if getattr(self, name) != 1)
             raise ConfigError(f"{given}: the sharded trainer scores but does not train yet: rl-check needs its "
                               f"backward (Megatron's forward_backward schedule with a loss, gradients reduced over its "
-                              f"data-parallel ranks, an optimizer step on every rank) and a refit from its ranks; "
+                              f"data-parallel ranks, an optimizer step on every rank; the refit from its ranks exists: "
+                              f"moealign.rl.refit(llm, trainer)); "
                               f"measure the sharded trainer with moealign mismatch {given}")
 
     def _precisions(self) -> None:

@@ -20,6 +20,12 @@ up to the digest of the whole, so the workers' shards are summed and compared wi
 (:func:`moealign.patches.vllm.refit.verify_digests`). About 100 bytes per entry per dtype: 0.3% of the embedded
 model (fp32), 0.02% of a 432M-parameter bf16 model (docs/refit.md).
 
+A sharded trainer's manifest (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`) is computed where
+its weights live: each rank digests the pieces it owns (tensor-parallel slices, expert rows, its stage's layers;
+data-parallel copies once) at their offsets in the full tensors, and the driver adds each tensor's contributions,
+which gives the digest of the whole tensor bit for bit (the same sum over disjoint blocks as the engine side's):
+the manifest equals the one of the same weights on one rank, and no tensor is gathered (docs/scale.md).
+
 The file is JSON, written atomically (:func:`moealign._files.atomic_write`) and read through the one input guard
 (:func:`moealign._files.read_json_file`: a regular file, bounded size and nesting); every field is checked on
 load and a corrupt or hostile file is refused by name (:class:`~moealign.errors.InputError`).
@@ -27,7 +33,9 @@ load and a corrupt or hostile file is refused by name (:class:`~moealign.errors.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -209,8 +217,9 @@ class WeightManifest:
 
     @classmethod
     def merge(cls, manifests: Iterable["WeightManifest"]) -> "WeightManifest":
-        """One manifest from several (each rank of a sharded trainer digests the tensors it owns whole: EP, PP):
-        a tensor given by two must agree (shape and every dtype both state), as must the configs."""
+        """One manifest from several (ranks that each digest the tensors they own whole: EP, PP): a tensor given by
+        two must agree (shape and every dtype both state), as must the configs. Pieces of one tensor (TP slices) are
+        not merged here: :func:`weight_manifest` of a sharded trainer adds their digest contributions instead."""
         items = list(manifests)
         if not items or not all(isinstance(m, WeightManifest) for m in items):
             raise InputTypeError("WeightManifest.merge takes one or more WeightManifest")
@@ -291,19 +300,83 @@ def _named(trainer, hf_config):
     return trainer_tensors(trainer, hf_config)
 
 
+def _piece_span(t: torch.Tensor, offsets: tuple[int, ...], full: tuple[int, ...], expert: bool) -> torch.Tensor:
+    """What the piece ``t`` of a full tensor of shape ``full`` at ``offsets`` contributes to its layout digest
+    (``[L, 2]`` int64 lanes: one per expert of a fused experts piece, else ``L = 1``), the full tensor seen as
+    :func:`~moealign.patches.vllm.refit.layout_digest` sees it (every dimension but the last folded into rows)."""
+    from ..patches.vllm.refit import span_lanes
+
+    if expert:                         # [experts, rows, columns]: each expert's matrix digested on its own
+        return span_lanes(t, [(offsets[1], offsets[1] + t.shape[1])], offsets[2])
+    if t.dim() <= 1:
+        return span_lanes(t.reshape(1, 1, -1), [(0, 1)], offsets[0] if t.dim() else 0)
+    lead = [range(o, o + n) for o, n in zip(offsets[:-2], t.shape[:-2])]
+    strides = [math.prod(full[i + 1:-1]) for i in range(len(full) - 2)]
+    rows = []
+    for index in itertools.product(*lead):          # one row range per index of the dimensions before the rows
+        base = sum(i * s for i, s in zip(index, strides))
+        rows.append((base + offsets[-2], base + offsets[-2] + t.shape[-2]))
+    return span_lanes(t.reshape(1, -1, t.shape[-1]), rows, offsets[-1])
+
+
+def _piece_digests(pieces, dtypes: tuple[str, ...]) -> list:
+    """Run on a sharded trainer's rank, over the pieces it owns of one mapping group
+    (:meth:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer.map_hf_shards`): per piece ``(name, full shape,
+    offsets, experts?, bytes, {dtype: lanes})``, each floating piece cast to every dtype of ``dtypes`` (others at their
+    own), its contribution to the full tensor's layout digest."""
+    out = []
+    for piece in pieces:
+        t = piece.tensor.detach()
+        if t.is_meta or t.is_complex():
+            raise InputError(f"weight_manifest: {piece.name!r} is {'a meta tensor' if t.is_meta else 'complex'}")
+        own = str(t.dtype).replace("torch.", "")
+        expert = _FUSED_EXPERTS.search(piece.name) is not None and len(piece.full_shape) == 3
+        digests = {}
+        for dtype in (dtypes if t.is_floating_point() else (own,)):
+            cast = t if own == dtype else t.to(getattr(torch, dtype))
+            digests[dtype] = _piece_span(cast, tuple(piece.offsets), tuple(piece.full_shape), expert).tolist()
+        out.append((piece.name, tuple(piece.full_shape), tuple(piece.offsets), expert, t.numel() * t.element_size(),
+                    digests))
+    return out
+
+
+def _sharded_manifest(trainer, targets: tuple[str, ...], comparable) -> WeightManifest:
+    """Each rank digests the pieces it owns (:func:`_piece_digests`; every element once over the world: data-parallel
+    copies skipped), this process adds the contributions of each tensor's pieces (tensor-parallel slices, expert
+    rows): the layout digest of a full tensor is the sum, mod 2^64, of its disjoint blocks' contributions, so the
+    result equals the manifest of the same weights on one rank, and nothing is gathered."""
+    tensors: dict = {}
+    model_bytes = 0
+    for group in trainer.map_hf_shards(_piece_digests, targets):
+        for name, full, offsets, expert, nbytes, digests in group:
+            model_bytes += nbytes
+            for dtype, lanes in digests.items():
+                for i, (a, b) in enumerate(lanes):
+                    key, shape = (f"{name}[{offsets[0] + i}]", tuple(full[1:])) if expert else (name, tuple(full))
+                    entry = tensors.setdefault(key, (shape, {}))[1]
+                    old = entry.get(dtype, (0, 0))
+                    entry[dtype] = ((old[0] + a) & _MASK64, (old[1] + b) & _MASK64)
+    if not tensors:
+        raise ConfigError("weight_manifest: the trainer has no tensors")
+    return WeightManifest(tensors=tensors, config=comparable, model_bytes=model_bytes)
+
+
 def weight_manifest(trainer, hf_config=None, *, dtypes=DEFAULT_DTYPES) -> WeightManifest:
     """The :class:`WeightManifest` of a trainer's current weights: ``trainer`` as :func:`moealign.rl.refit` takes it
-    (a moealign train engine, a Megatron ``GPTModel`` with ``hf_config``, a transformers model, or a mapping of
-    transformers names to tensors). Each floating tensor is digested at every dtype of ``dtypes`` (the engine's
-    dtype must be among them: the default covers bf16, fp16 and fp32 engines), on the tensor's own device, one
-    tensor at a time; fused experts ``[E, ...]`` one digest per expert. Refused by name before any work: an argument
-    of another type, an empty trainer, a value that is not a real tensor with data."""
+    (a moealign train engine, a Megatron ``GPTModel`` with ``hf_config``, a transformers model, a sharded Megatron
+    trainer (each rank digests its own pieces, the digests of each tensor's pieces are added here: nothing
+    gathered), or a mapping of transformers names to tensors). Each floating tensor is digested at every dtype of
+    ``dtypes`` (the engine's dtype must be among them: the default covers bf16, fp16 and fp32 engines), on the tensor's
+    own device, one tensor at a time; fused experts ``[E, ...]`` one digest per expert. Refused by name before any work:
+    an argument of another type, an empty trainer, a value that is not a real tensor with data."""
     from ..patches.vllm.refit import layout_digest
-    from .trainer_state import comparable_config, trainer_config
+    from .trainer_state import comparable_config, is_sharded_trainer, trainer_config
 
     targets = _dtype_names(dtypes)
     config = trainer_config(trainer, hf_config)
     comparable = comparable_config(config) if config is not None else None
+    if is_sharded_trainer(trainer):
+        return _sharded_manifest(trainer, targets, comparable)
     tensors: dict = {}
     seen: set[str] = set()
     model_bytes = 0

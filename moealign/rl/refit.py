@@ -26,8 +26,12 @@ is off by nats on average (vLLM's stock reload on the CPU build: 4-7), an exact 
 probe scores prefills; calibrated with a decode (:meth:`Probe.calibrate`, wherever the engine has prefix caching
 off) it also decodes ``decode_tokens`` tokens from each sequence with vLLM's own sampler and a fixed seed
 (:meth:`Probe.decode_gaps`: routes recorded, the trainer teacher-forced replaying them, the same kind of bound), so a
-fault on the decode path alone is caught. Prefix-cache reuse and derived buffers are checked by
-:func:`moealign.rl.certify_refit`; what a :class:`RefitCheck` did not check it says (``not_checked``).
+fault on the decode path alone is caught. Tensors the engine derives from the weights at load (the family's
+``derived_tensors``: DeepSeek-V3's MLA ``W_UK_T`` / ``W_UV``, which vLLM's decode path reads instead of
+``kv_b_proj``) are recomputed in every worker from what it holds, as vLLM derives them, and compared bitwise
+(:func:`~moealign.patches.vllm.refit.check_derived_tensors`; no round trip for a family that derives nothing).
+Prefix-cache reuse and derived buffers (RoPE caches) are checked by :func:`moealign.rl.certify_refit`; what a
+:class:`RefitCheck` did not check it says (``not_checked``).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 from ..errors import ConfigError, InputTypeError, RefitError
 from ..record import RolloutRecord, Sample, SamplingParams
 from .trainer_state import (ARCHITECTURE_FIELDS, FORWARD_FIELDS, architecture_differences, comparable_config,
-                            comparable_fields, trainer_config, trainer_tensors)
+                            comparable_fields, is_sharded_trainer, trainer_config, trainer_tensors)
 
 __all__ = ["Probe", "RefitCheck", "trainer_tensors", "trainer_config", "refit", "verify_refit",
            "check_same_architecture", "architecture_differences", "comparable_config", "comparable_fields",
@@ -86,7 +90,9 @@ def _snapshot(trainer: Mapping) -> dict[str, torch.Tensor]:
 def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
     """Push the trainer's weights into every worker of ``llm`` in place; returns
     :class:`~moealign.patches.vllm.refit.RefitResult`. ``trainer`` may also be a snapshot (a mapping of transformers
-    names to tensors, e.g. the weights of N steps earlier; with ``hf_config`` its config is compared too).
+    names to tensors, e.g. the weights of N steps earlier; with ``hf_config`` its config is compared too) or a
+    :class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer` (the tensors stream from its ranks, a chunk
+    at a time, each rank writing its pieces into place; every rank checks its values first: :func:`_refit_sharded`).
 
     Refused before any tensor moves (:class:`~moealign.errors.RefitError` naming the problem): a config field that
     changes the forward differs from the engine's (:func:`check_same_architecture`), the checkpoint layout differs,
@@ -100,6 +106,8 @@ def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
     config = trainer_config(trainer, hf_config)
     if config is not None:
         check_same_architecture(llm, config)
+    if is_sharded_trainer(trainer):
+        return _refit_sharded(llm, trainer, layout, vr.CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     if isinstance(trainer, Mapping):
         snapshot = _snapshot(trainer)
         manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(snapshot.items(), layout)}
@@ -114,6 +122,35 @@ def refit(llm, trainer, hf_config=None, *, chunk_bytes: int | None = None):
             return vr.checkpoint_named(trainer_tensors(trainer, hf_config), layout)
     kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     return vr.refit_weights(llm, source, manifest, **kwargs)
+
+
+def _check_piece_values(group, dtype: str) -> None:
+    """Run on a sharded trainer's rank over one mapping group it owns, unconverted (``[(Megatron name, transformers
+    names, tensor)]``: the conversion only moves values): every value a finite tensor the engine's ``dtype`` holds
+    (:func:`moealign.patches.vllm.refit.check_values`), named by the transformers tensors it holds a piece of."""
+    from ..patches.vllm.refit import check_values
+
+    check_values(((f"{' / '.join(hf)} (a piece on this rank: Megatron {key})", t) for key, hf, t in group),
+                 getattr(torch, dtype))
+
+
+def _refit_sharded(llm, trainer, layout, chunk_bytes: int):
+    """The refit from a sharded trainer's ranks (:func:`refit`): the names and shapes from every rank's plan checked
+    against the engine's checkpoint, then every rank checks the values of the pieces it owns (nothing moved yet),
+    then the tensors stream chunk by chunk from the ranks into the workers, one chunk in flight
+    (:meth:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer.hf_tensors`; the stream is read once, so
+    :func:`~moealign.patches.vllm.refit.refit_weights` checks each chunk again as it arrives and names what had moved
+    if one fails)."""
+    from ..patches.vllm import refit as vr
+
+    manifest = {n: tuple(t.shape) for n, t in vr.checkpoint_named(trainer_tensors(trainer, meta=True,
+                                                                                  chunk_bytes=chunk_bytes), layout)}
+    vr.check_manifest(manifest, layout)
+    dtype = str(vr.engine_dtype(llm)).replace("torch.", "")
+    trainer.map_hf_shards(_check_piece_values, dtype, what="the refit's value check (no weight had moved)",
+                          converted=False)
+    stream = vr.checkpoint_named(trainer_tensors(trainer, chunk_bytes=chunk_bytes), layout)
+    return vr.refit_weights(llm, stream, manifest, chunk_bytes=chunk_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,6 +288,41 @@ class Probe:
         diff = (train_lp - torch.cat([s.logprobs for s in record.samples]).float()).abs()
         return float(diff.mean()), float(diff.max())
 
+    def both_gaps(self, llm, train_engine) -> tuple[tuple[float, float], tuple[float, float]]:
+        """The prefill probe and the decode probe in one vLLM call and one trainer forward: ``((mean, max) over the
+        last ``score_last`` tokens of each sequence, (mean, max) over the ``decode_tokens`` decoded ones)``. vLLM
+        decodes from the sequences as :meth:`decode_gaps` does (its own routing and sampler, seed ``seed + i``) and
+        scores their prompts in the same prefill (``prompt_logprobs``); the trainer teacher-forces sequence + decoded
+        tokens once, replaying every route vLLM recorded (prefill and decode steps), and both spans are read off
+        that forward. The prefill span comes from vLLM's prefill alone, the decoded span from its decode steps: a
+        fault on the decode path only still fails the decode span alone."""
+        from ..patches.vllm.refit import as_llm, engine_busy
+        from ..patches.vllm.rollout import generate_with_record
+        from ..routing_replay.sampling_mask import full_logprob
+
+        self.validate()
+        llm = as_llm(llm)
+        if not self.decodes(llm):
+            raise ConfigError("the decode probe cannot run on this engine: decode_tokens is 0")
+        forward = _probe_forward(train_engine)
+        with engine_busy(llm, "the refit probes", exclusive=False):
+            decoded, prompt_lps = generate_with_record(
+                llm, [s.tolist() for s in self.sequences], sampling=SamplingParams(),
+                max_new_tokens=self.decode_tokens, seed=self.seed, record_kept_sets=False, prompt_logprobs=True)
+        samples, spans = [], []
+        for s, plp in zip(decoded.samples, prompt_lps):
+            start = s.prompt_len - self.score_last                  # the prefill probe's span, then the decoded one
+            samples.append(Sample(token_ids=s.token_ids, prompt_len=start, routes=s.routes, sampling=SamplingParams(),
+                                  logprobs=torch.cat([plp[start - 1:], s.logprobs.float()])))
+            spans.append((self.score_last, s.length - s.prompt_len))
+        record = RolloutRecord(decoded.meta, samples)
+        fwd = forward(record, list(range(len(record))))
+        diff = (full_logprob(fwd.logits, fwd.tokens, temperature=1.0).cpu()
+                - torch.cat([x.logprobs for x in samples])).abs()
+        parts = diff.split([n for span in spans for n in span])
+        prefill, decode = torch.cat(parts[0::2]), torch.cat(parts[1::2])
+        return (float(prefill.mean()), float(prefill.max())), (float(decode.mean()), float(decode.max()))
+
     def gaps(self, llm, train_engine) -> tuple[float, float]:
         """``(mean, max)`` |Δ log p| on the probe: vLLM with its own routing vs the trainer replaying its routes.
         ``train_engine``: a moealign train engine (``forward(record, indices, replay=True)``; Megatron's or
@@ -324,7 +396,9 @@ def _probe_forward(train_engine):
 class RefitCheck:
     """:func:`verify_refit`'s verdict: the weight digests (:class:`~moealign.patches.vllm.refit.WeightCheck`), the
     config fields that differ from the engine's (each fails the check), the probe gap against its bound (``None``:
-    no probe run), and what was not checked (``not_checked``: stated, never implied)."""
+    no probe run), the tensors derived at load (``derived``: :func:`~moealign.patches.vllm.refit.check_derived_tensors`'s
+    answer, ``{"checked": n, "problems": [(worker, why)], "unchecked": [...]}``; each problem fails the check), and
+    what was not checked (``not_checked``: stated, never implied)."""
 
     weights: Any
     probe_gap: float | None = None
@@ -337,6 +411,11 @@ class RefitCheck:
     decode_gap: float | None = None
     decode_bound: float | None = None
     decode_max: float | None = None
+    derived: dict | None = None
+
+    @property
+    def derived_ok(self) -> bool:
+        return not (self.derived or {}).get("problems")
 
     @property
     def probe_ok(self) -> bool:
@@ -350,10 +429,19 @@ class RefitCheck:
 
     @property
     def ok(self) -> bool:
-        return bool(self.weights.ok) and self.probe_ok and self.decode_ok and not self.config_mismatches
+        return bool(self.weights.ok) and self.probe_ok and self.decode_ok and self.derived_ok and \
+            not self.config_mismatches
 
     def describe(self) -> str:
         parts = [self.weights.describe()]
+        if not self.derived_ok:
+            problems = self.derived["problems"]
+            parts.append(f"{len(problems)} tensor(s) derived at load differ from what the engine derives from the "
+                         f"weights it holds (stale: " + "; ".join(f"worker {r}: {why}" for r, why in problems[:4])
+                         + ")")
+        elif self.derived and self.derived.get("checked"):
+            parts.append(f"{self.derived['checked']} tensor(s) derived at load equal what the engine derives from the "
+                         f"weights it holds")
         if self.config_mismatches:
             parts.append("config differs from the engine's: " + ", ".join(self.config_mismatches))
         if self.probe_gap is not None:
@@ -373,7 +461,10 @@ class RefitCheck:
         return {"ok": self.ok, "weights": self.weights.to_dict(), "config_mismatches": list(self.config_mismatches),
                 "probe_gap": self.probe_gap, "probe_bound": self.probe_bound, "probe_max": self.probe_max,
                 "decode_gap": self.decode_gap, "decode_bound": self.decode_bound, "decode_max": self.decode_max,
-                "seconds": round(self.seconds, 6), "notes": list(self.notes), "not_checked": list(self.not_checked)}
+                "seconds": round(self.seconds, 6), "notes": list(self.notes), "not_checked": list(self.not_checked),
+                "derived": None if self.derived is None else {
+                    "checked": self.derived["checked"], "problems": [list(p) for p in self.derived["problems"]],
+                    "unchecked": list(self.derived["unchecked"])}}
 
 
 def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | None = None) -> RefitCheck:
@@ -386,7 +477,7 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
     (:func:`architecture_differences`: a difference fails the check). Never raises for a failed check: read
     ``.ok`` or call ``.check()``; refused by name (before any work) for arguments it cannot use, a refit of the
     same engine under way, a shut-down engine."""
-    from ..patches.vllm.refit import as_llm, check_awake, verify_digests, verify_weights
+    from ..patches.vllm.refit import as_llm, check_awake, check_derived_tensors, verify_digests, verify_weights
     from .manifest import WeightManifest
 
     t0 = time.perf_counter()
@@ -406,7 +497,7 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
             not_checked.insert(0, "the config (the manifest states none)")
         weights = verify_digests(llm, trainer.digests())
         return RefitCheck(weights=weights, seconds=time.perf_counter() - t0, config_mismatches=differ,
-                          not_checked=not_checked)
+                          not_checked=not_checked, derived=check_derived_tensors(llm))
     if probe is not None:
         if not isinstance(probe, Probe):
             raise InputTypeError(f"probe must be a moealign.rl.Probe, got {type(probe).__name__}")
@@ -423,8 +514,13 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
     differ = [] if config is None else architecture_differences(llm.llm_engine.model_config.hf_config, config)
     if expected is None and isinstance(trainer, Mapping):
         weights = verify_weights(llm, _snapshot(trainer))
+    elif expected is None and is_sharded_trainer(trainer):    # each rank digests its own pieces: nothing gathered
+        from .manifest import weight_manifest
+
+        weights = verify_digests(llm, weight_manifest(trainer, hf_config).digests())
     else:
         weights = verify_weights(llm, expected if expected is not None else trainer_tensors(trainer, hf_config))
+    derived = check_derived_tensors(llm)
     gap = bound = largest = None
     not_checked = list(NOT_CHECKED)
     if probe is None:
@@ -444,4 +540,5 @@ def verify_refit(llm, trainer, hf_config=None, *, expected=None, probe: Probe | 
                                                  "not calibrated (Probe.calibrate with decode=True)"))
     return RefitCheck(weights=weights, probe_gap=gap, probe_bound=bound, probe_max=largest,
                       seconds=time.perf_counter() - t0, notes=notes, config_mismatches=differ,
-                      not_checked=not_checked, decode_gap=dgap, decode_bound=dbound, decode_max=dmax)
+                      not_checked=not_checked, decode_gap=dgap, decode_bound=dbound, decode_max=dmax,
+                      derived=derived)

@@ -11,8 +11,8 @@ import torch
 
 from ..errors import ConfigError, InputTypeError
 
-__all__ = ["ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "trainer_tensors", "trainer_config", "architecture_differences",
-           "comparable_config", "comparable_fields"]
+__all__ = ["ARCHITECTURE_FIELDS", "FORWARD_FIELDS", "SHARDED_CHUNK_BYTES", "is_sharded_trainer", "trainer_tensors",
+           "trainer_config", "architecture_differences", "comparable_config", "comparable_fields"]
 
 #: Config fields that must agree between the trainer and the engine before any tensor moves: the shapes.
 ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -33,8 +33,19 @@ FORWARD_FIELDS = ("hidden_act", "hidden_activation", "rms_norm_eps", "layer_norm
                   "logit_scale", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
                   "logits_scaling", "max_position_embeddings", "position_embedding_type")
 _ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
+#: The chunk of a stream from a sharded trainer's ranks when the caller names none (the refit passes its own).
+SHARDED_CHUNK_BYTES = 64 << 20
+
+
 def _is_megatron(model) -> bool:
     return type(model).__module__.startswith("megatron.")
+
+
+def is_sharded_trainer(trainer) -> bool:
+    """Whether ``trainer`` is a :class:`moealign.patches.megatron.sharded.ShardedMegatronTrainer` (one process per
+    rank: its tensors live in its ranks and are streamed from them; told by class, no engine import)."""
+    return any(c.__name__ == "ShardedMegatronTrainer" and c.__module__ == "moealign.patches.megatron.sharded"
+               for c in type(trainer).__mro__)
 
 
 def _unwrap(trainer) -> tuple[torch.nn.Module, Any]:
@@ -51,8 +62,15 @@ def _unwrap(trainer) -> tuple[torch.nn.Module, Any]:
                          f"mapping of transformers names to tensors, got {type(trainer).__name__}")
 
 
-def trainer_tensors(trainer, hf_config=None, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(transformers name, full tensor)`` of the trainer's weights, streamed (``meta=True``: shapes only)."""
+def trainer_tensors(trainer, hf_config=None, *, meta: bool = False,
+                    chunk_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(transformers name, full tensor)`` of the trainer's weights, streamed (``meta=True``: shapes only). A sharded
+    trainer's come from its ranks in chunks of about ``chunk_bytes`` (default :data:`SHARDED_CHUNK_BYTES`), each
+    tensor's pieces written into one buffer by the ranks that hold them
+    (:meth:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer.hf_tensors`)."""
+    if is_sharded_trainer(trainer):
+        return trainer.hf_tensors(chunk_bytes=SHARDED_CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
+                                  meta=meta)
     model, own = _unwrap(trainer)
     config = hf_config if hf_config is not None else own
     if _is_megatron(model):
@@ -129,6 +147,8 @@ def _trainer_config(trainer, hf_config):
         return hf_config
     if isinstance(trainer, Mapping):
         return None
+    if is_sharded_trainer(trainer):
+        return trainer.hf_config
     return _unwrap(trainer)[1]
 
 

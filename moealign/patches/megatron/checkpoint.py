@@ -50,8 +50,6 @@ Megatron-Bridge requires transformer-engine and ``transformers<5``. Neither runs
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +79,7 @@ __all__ = [
     "open_hf_checkpoint",
     "HFShard",
     "iter_hf_shards_from_megatron",
+    "HFShardGroups",
 ]
 
 
@@ -972,33 +971,60 @@ def iter_hf_shards_from_megatron(megatron_model: torch.nn.Module, hf_config, *, 
     ``experts.*`` tensors), its tensor-parallel slices (whole query groups of q / k / v, the gate and up halves of
     a GLU, columns of row-parallel weights, vocabulary rows). Every rank together yields every element once per
     data-parallel copy. ``meta=True``: meta-device tensors. Nothing is gathered."""
-    megatron_version()
-    shard, groups, params, raw = _mapped_params(megatron_model, hf_config, meta)
-    total = _num_experts(hf_config)
-    for g in groups:
-        param = raw[g.mcore_keys[0]]
+    source = HFShardGroups(megatron_model, hf_config, meta=meta)
+    for index in range(len(source)):
+        yield from source.group(index)
+
+
+class HFShardGroups:
+    """This rank's pieces (:func:`iter_hf_shards_from_megatron`) one mapping group at a time, each group converted
+    only when asked for (``group(i)``: the :class:`HFShard` pieces of group ``i``, e.g. q / k / v, or one layer's
+    experts): what a rank streams a chunk of a refit from without converting (or holding) the rest. The mapping is
+    checked once, when built (:class:`CheckpointMismatchError`)."""
+
+    def __init__(self, megatron_model: torch.nn.Module, hf_config, *, meta: bool = False):
+        megatron_version()
+        _, self._groups, self._params, self._raw = _mapped_params(megatron_model, hf_config, meta)
+        self._total = _num_experts(hf_config)
+        self._config = megatron_model.config
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def megatron_tensors(self, index: int) -> list[tuple[str, tuple[str, ...], torch.Tensor]]:
+        """Group ``index`` as this rank holds it, unconverted: ``(Megatron name, the transformers names it maps to,
+        tensor)`` per Megatron tensor (no copy; a check over values needs no conversion)."""
+        g = self._groups[index]
+        return [(key, tuple(g.hf_keys), self._params[key]) for key in g.mcore_keys]
+
+    def group(self, index: int) -> list[HFShard]:
+        g = self._groups[index]
+        param = self._raw[g.mcore_keys[0]]
         split = bool(getattr(param, "tensor_model_parallel", False))
         rank, size = _parallel_ranks(g.mcore_keys[0]) if split else (0, 1)
         dim = int(getattr(param, "partition_dim", 0)) if split else 0
-        for key, tensor in zip(g.hf_keys, g.to_hf([params[k] for k in g.mcore_keys])):
+        out = []
+        for key, tensor in zip(g.hf_keys, g.to_hf([self._params[k] for k in g.mcore_keys])):
             offsets = [0] * tensor.dim()
             full = list(tensor.shape)
             if g.expert:
                 offsets[0] = g.rows[0] if g.rows is not None else 0
-                full[0] = total
+                full[0] = self._total
             if size > 1:
                 hf_dim = dim + 1 if g.expert else dim
-                if g.expert and _is_glu_fc1(g.mcore_keys[0], megatron_model.config):
+                if g.expert and _is_glu_fc1(g.mcore_keys[0], self._config):
                     # fused [gate; up] rows: this rank holds a slice of each half, two pieces of the full tensor
                     half = tensor.shape[hf_dim] // 2
                     full[hf_dim] = size * tensor.shape[hf_dim]
                     for part, base in ((0, 0), (1, full[hf_dim] // 2)):
                         offsets[hf_dim] = base + rank * half
-                        yield HFShard(key, tensor.narrow(hf_dim, part * half, half), tuple(offsets), tuple(full))
+                        out.append(HFShard(key, tensor.narrow(hf_dim, part * half, half), tuple(offsets),
+                                           tuple(full)))
                     continue
                 offsets[hf_dim] = rank * tensor.shape[hf_dim]
                 full[hf_dim] = size * tensor.shape[hf_dim]
-            yield HFShard(key, tensor, tuple(offsets), tuple(full))
+            out.append(HFShard(key, tensor, tuple(offsets), tuple(full)))
+        return out
 
 
 def hf_state_dict_from_megatron(megatron_model: torch.nn.Module, hf_config) -> dict[str, torch.Tensor]:

@@ -40,8 +40,18 @@ disjoint shards add up to the digest of the whole: :func:`span_lanes`, :func:`sh
 :func:`verify_weights` compares each (tensor, worker) with what the trainer's tensor (cast to the held dtype)
 contributes over the same rows and columns and names every (tensor, worker) that differs; :func:`verify_digests`
 sums the workers' shards and compares them with digests alone (a weight manifest, :mod:`moealign.rl.manifest`).
-Un-fusing is written for the qwen3_moe layout (``qkv_proj``, ``gate_up_proj``, ``w13`` / ``w2``); another family is
-refused by name.
+Un-fusing is written for the qwen3_moe layout (``qkv_proj``, ``gate_up_proj``, ``w13`` / ``w2``) and DeepSeek-V3's
+(MLA's ``fused_qkv_a_proj`` into ``q_a_proj`` / ``kv_a_proj_with_mqa``, ``q_b_proj`` / ``kv_b_proj``, the shared
+experts, the router's correction bias); another family is refused by name (``MoEFamily.verified``).
+
+**Tensors derived at load** (a family's ``derived_tensors``: DeepSeek-V3's MLA ``W_UK_T`` / ``W_UV``, from
+``kv_b_proj``). They are not streamed: vLLM's finish phase re-runs each attention layer's
+``process_weights_after_loading`` after every other layer was reloaded, which recomputes them in place (unquantized,
+in the engine's dtype, they are views of ``kv_b_proj``'s storage anyway). The finish phase then proves it: in every
+worker they are recomputed from the held ``kv_b_proj`` with vLLM's own ``split_kv_b_proj`` and the layouts of
+``MLAAttention.process_weights_after_loading`` and compared bitwise; a stale one fails the refit by name
+(:func:`_derived_check`). The verifier runs the same check (:func:`check_derived_tensors`, also part of
+:func:`check_derived_buffers`).
 """
 
 from __future__ import annotations
@@ -59,8 +69,9 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from ..._native import extension
 from ...checkpoint_check import checkpoint_shapes
-from ...families import verified_families
+from ...families import FAMILIES, verified_families
 from ...errors import (ConfigError, EngineError, InputTypeError, MoealignError, RefitError, UnsupportedEngineError,
                        UnsupportedModelError)
 from ...handle import PatchHandle
@@ -71,7 +82,7 @@ __all__ = ["SUPPORTED_VLLM_REFIT", "RefitResult", "WeightCheck", "CPUExpertsPrep
            "checkpoint_layout", "checkpoint_named", "check_manifest", "check_values", "as_llm", "engine_model_path",
            "engine_dtype", "engine_busy", "refit_weights", "DIGEST_NAME", "layout_digest", "span_lanes", "shard_span",
            "expected_lanes", "held_tensors", "verify_weights", "verify_digests", "CPU_NO_SLEEP_MODE", "sleep_mode",
-           "check_awake", "check_derived_buffers", "decode_token_ids"]
+           "check_awake", "check_derived_buffers", "check_derived_tensors", "decode_token_ids"]
 
 #: vLLM versions whose reload path (layerwise reload, ``UnquantizedFusedMoEMethod._setup_kernel``) moealign drives.
 SUPPORTED_VLLM_REFIT = ">=0.32,<0.34"
@@ -503,9 +514,13 @@ def _rpc_load(worker, key: str, chunk: list) -> int:
     return len(chunk)
 
 
-def _rpc_finish(worker, key: str) -> list[str] | None:
-    """Process the layers, put the kernels' tensors back, undo the patch, reset caches; the parameters not loaded
-    (``None``: no refit ``key`` was under way in this worker, e.g. its begin failed)."""
+def _rpc_finish(worker, key: str) -> dict | None:
+    """Process the layers, put the kernels' tensors back, undo the patch, reset caches; ``{"unloaded": the
+    parameters neither loaded nor derived, "stale": the derived tensors (the family's ``derived_tensors``: MLA's
+    ``W_UK_T`` / ``W_UV``) that differ from what vLLM derives from the reloaded tensors}`` (``None``: no refit
+    ``key`` was under way in this worker, e.g. its begin failed). vLLM's finish re-runs each attention layer's
+    ``process_weights_after_loading`` after every other layer was reloaded (``_finalize_attention_layer``), which
+    recomputes MLA's absorbed matrices in place; the check proves it did."""
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     state = _WORKER_STATE.pop(key, None)
@@ -520,8 +535,9 @@ def _rpc_finish(worker, key: str) -> list[str] | None:
         fn = getattr(runner, reset, None)
         if callable(fn):
             fn()
-    names = {n for n, _ in runner.model.named_parameters()}
-    return sorted(names - state["loaded"])
+    leaves = _derived_leaves(runner)
+    names = {n for n, _ in runner.model.named_parameters() if n.rpartition(".")[2] not in leaves}
+    return {"unloaded": sorted(names - state["loaded"]), "stale": _derived_check(runner)["problems"]}
 
 
 def _chunks(named: Iterable[tuple[str, torch.Tensor]], limit: int, dtype: torch.dtype | None) -> Iterator[list]:
@@ -640,12 +656,18 @@ def _stream(llm, engine: _EngineState, named, manifest, chunk_bytes: int, dtype:
     missing = sorted(set(manifest) - seen)
     if missing:
         raise RefitError(mixed(f"refit stream ended without {len(missing)} announced tensors: {missing[:4]}"))
-    for rank, names in enumerate(unloaded or []):
-        if names is None:
+    for rank, answer in enumerate(unloaded or []):
+        if answer is None:
             raise RefitError(mixed(f"vLLM worker {rank} had no refit {key!r} under way when it was finished"))
+        names, stale = answer["unloaded"], answer["stale"]
         if names:
             raise RefitError(mixed(f"refit left {len(names)} parameters of vLLM worker {rank} unloaded: "
                                    f"{names[:4]}"))
+        if stale:
+            raise RefitError(f"refit left {len(stale)} tensor(s) derived at load stale in vLLM worker {rank}: every "
+                             f"streamed tensor was replaced, but vLLM's reload did not recompute these from the new "
+                             f"weights (the engine serves them until a refit recomputes them): " + "; ".join(stale[:4])
+                             + (f" and {len(stale) - 4} more" if len(stale) > 4 else ""))
     reset = getattr(llm, "reset_prefix_cache", None)
     if callable(reset):
         reset()
@@ -736,18 +758,44 @@ def _words(t: torch.Tensor, col_start: int) -> tuple[torch.Tensor, int]:
     return buf.view(torch.int64), first
 
 
+def _row_keys(rows: list[tuple[int, int]], device) -> torch.Tensor:
+    return torch.cat([_keys(1, a, b, device) for a, b in rows]) if len(rows) != 1 else \
+        _keys(1, rows[0][0], rows[0][1], device)
+
+
+def _native_lanes(t: torch.Tensor, rows: list[tuple[int, int]], col_start: int) -> torch.Tensor | None:
+    """:func:`span_lanes` by the native kernel (:mod:`moealign._native`), or None where it does not run (not a CPU
+    tensor, the kernel switched off or not buildable)."""
+    if t.device.type != "cpu" or t.element_size() not in (1, 2, 4, 8) or t.dim() not in (3, 4):
+        return None
+    module = extension("digest")
+    if module is None:
+        return None
+    size, n = t.element_size(), t.shape[-1]
+    off, first = (col_start * size) % 8, (col_start * size) // 8
+    keys = _keys(0, first, first + (off + n * size + 7) // 8, t.device)
+    return module.layout_lanes(t.unsqueeze(2) if t.dim() == 3 else t, keys, _row_keys(rows, t.device), off)
+
+
 def span_lanes(t: torch.Tensor, rows: list[tuple[int, int]], col_start: int = 0) -> torch.Tensor:
     """The two int64 lanes ``[L, 2]`` that the block ``t`` (``[L, M, n]``: ``L`` tensors at once, e.g. experts; its
     ``M`` rows are the full tensor's rows ``rows`` (ranges, in order), its ``n`` columns start at ``col_start``)
     contributes to each tensor's layout digest (:func:`layout_digest`). Contributions of disjoint blocks add up
     (mod 2^64) to the digest of the whole: what lets TP shards held by different workers be checked against one
-    digest of the full tensor."""
+    digest of the full tensor. ``t`` may also be ``[L, Mo, Mi, n]`` (row ``mo * Mi + mi``: a strided view such as
+    vLLM's prepacked experts in logical order). On a CPU the native kernel reads ``t`` through its strides, on every
+    intra-op thread (:mod:`moealign._native`: the same bits; ``MOEALIGN_DIGEST_KERNEL=0`` or no compiler: this torch
+    path, a copy of a view that is not row-contiguous)."""
+    native = _native_lanes(t, rows, col_start)
+    if native is not None:
+        return native
+    if t.dim() == 4:
+        t = t.reshape(t.shape[0], t.shape[1] * t.shape[2], t.shape[3])
     lead, m = t.shape[0], t.shape[1]
     words, first = _words(t, col_start)
     q = words.shape[-1]
     keys = _keys(0, first, first + q, t.device)
-    row_keys = torch.cat([_keys(1, a, b, t.device) for a, b in rows]) if len(rows) != 1 else \
-        _keys(1, rows[0][0], rows[0][1], t.device)
+    row_keys = _row_keys(rows, t.device)
     flat = words.reshape(lead * m, q)
     per_row = torch.empty(lead * m, 2, dtype=torch.int64, device=t.device)
     step = max(1, _DIGEST_BLOCK // max(q, 1))
@@ -935,9 +983,18 @@ def _packed_layout(shape: tuple[int, int], dtype: torch.dtype, isa: str) -> tupl
 
 def _unpacked_experts(param: torch.Tensor, isa: str):
     """(In a worker) the prepacked experts ``[E, N, K]`` in logical layout, a few experts at a time:
-    ``(first expert, [e, N, K] tensor)``."""
+    ``(first expert, [e, N, K] tensor)``; where the native digest kernel runs and the packing splits only the rows
+    (vLLM's ``vec`` packing: ``[N / 16, K, 16]``), every expert at once as an ``[E, Mo, Mi, K]`` view of the packed
+    storage (no copy: :func:`span_lanes` reads it through its strides)."""
     e_all, n, k = param.shape
     layout = _packed_layout((n, k), param.dtype, isa)
+    if layout[0] != "index" and param.device.type == "cpu" and extension("digest") is not None:
+        sizes, strides = layout                 # rows split [Mo, Mi] at most, columns whole: read in place, no copy
+        if len(sizes) == 2 and sizes[-1] == k:
+            sizes, strides = [sizes[0], 1, k], [strides[0], 1, strides[1]]
+        if len(sizes) == 3 and sizes[0] * sizes[1] == n and sizes[2] == k:
+            yield 0, param.as_strided([e_all, *sizes], [n * k, *strides])
+            return
     per = max(1, _UNPACK_BYTES // max(1, n * k * param.element_size()))
     for e0 in range(0, e_all, per):
         part = param[e0:e0 + per]
@@ -965,6 +1022,7 @@ def _rpc_held(worker) -> dict:
     modules = dict(model.named_modules())
     out: dict[str, Any] = {}
     cpu_experts = _cpu_experts_class()
+    derived = _derived_leaves(runner)           # derived at load, not loaded: _derived_check reads them
 
     def put(name, tensor, shard, full_shape, packed=False):
         dtype = str(tensor.dtype).replace("torch.", "")
@@ -981,7 +1039,11 @@ def _rpc_held(worker) -> dict:
         module = modules.get(mname)
         tp_rank = int(getattr(module, "tp_rank", 0) or 0)
         tp_size = int(getattr(module, "tp_size", 1) or 1)
-        if mname.endswith("self_attn.qkv_proj"):
+        if leaf in derived:
+            continue
+        if mname.endswith(_MLA_COLUMN) or mname.endswith("self_attn.fused_qkv_a_proj"):
+            _put_mla(put, mname, leaf, module, param, tp_rank, tp_size)
+        elif mname.endswith("self_attn.qkv_proj"):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             hd = int(module.head_size)
             q, k, v = torch.split(t, [module.num_heads * hd, module.num_kv_heads * hd, module.num_kv_heads * hd])
@@ -993,7 +1055,7 @@ def _rpc_held(worker) -> dict:
             for name, part in (("k_proj", k), ("v_proj", v)):
                 put(f"{base}{name}.{leaf}", part, ("chunk", 0, tp_rank // replicas, kv_world),
                     (part.shape[0] * kv_world, *part.shape[1:]), packed)
-        elif mname.endswith("mlp.gate_up_proj"):
+        elif mname.endswith(("mlp.gate_up_proj", "mlp.shared_experts.gate_up_proj")):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             gate, up = t.chunk(2, dim=0)
             base = mname[:-len("gate_up_proj")]
@@ -1032,7 +1094,7 @@ def _rpc_held(worker) -> dict:
                 for i, lanes in enumerate(span_lanes(logical, rows, col).tolist()):
                     out[f"{hf}[{e0 + i}]"] = (_unsigned(lanes), tuple(held.shape[1:]), dtype,
                                               ("expert", e0 + i, shard), packed, full)
-        elif mname.endswith(("o_proj", "mlp.down_proj")):
+        elif mname.endswith(("o_proj", "mlp.down_proj", "mlp.shared_experts.down_proj")):
             t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             if leaf == "weight":
                 put(pname, t, ("chunk", 1, tp_rank, tp_size), (t.shape[0], t.shape[1] * tp_size), packed)
@@ -1052,13 +1114,39 @@ def _rpc_held(worker) -> dict:
             else:                   # the embedding reads its parameter (F.embedding)
                 put(pname, param.detach()[:end - start], shard, full)
         elif mname.endswith("mlp.gate"):
-            t, packed = _read_linear(module, param)
+            # the router's weight through its kernel; a selection bias (e_score_correction_bias) is read as held
+            t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
             put(pname, t, ("full",), tuple(t.shape), packed)
         elif param.numel() == 0:
             raise UnsupportedEngineError(f"{pname}: vLLM holds it packed in a way moealign cannot read back")
         else:
             put(pname, param.detach(), ("full",), tuple(param.shape))
     return out
+
+
+#: MLA's column-parallel projections (vLLM's DeepSeek-V2/V3 attention): each rank holds its heads' rows.
+_MLA_COLUMN = ("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.q_proj")
+
+
+def _put_mla(put, mname: str, leaf: str, module, param: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+    """(In a worker) MLA's projections in transformers names: ``fused_qkv_a_proj`` (replicated: ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` stacked by rows, vLLM's ``output_sizes``) un-fused; ``q_b_proj`` / ``kv_b_proj`` /
+    ``q_proj`` (column parallel: this rank's heads' rows), each read where its forward reads it."""
+    if param.numel() == 0 and (mname.endswith("kv_b_proj") or not callable(getattr(module, "cpu_linear", None))):
+        raise UnsupportedEngineError(f"{mname}.{leaf}: vLLM released this weight (the AMX MLA backend keeps only "
+                                     f"its own packed W_UK / W_UV); moealign cannot read it back")
+    t, packed = _read_linear(module, param) if leaf == "weight" else (param.detach(), False)
+    if mname.endswith("self_attn.fused_qkv_a_proj"):
+        sizes = [int(n) for n in getattr(module, "output_sizes", ())]
+        if len(sizes) != 2 or sum(sizes) != t.shape[0] * tp_size:
+            raise UnsupportedEngineError(f"{mname}: output sizes {sizes} do not split its {t.shape[0]} rows into "
+                                         f"q_a_proj and kv_a_proj_with_mqa")
+        base = mname[:-len("fused_qkv_a_proj")]
+        for name, part, full in zip(("q_a_proj", "kv_a_proj_with_mqa"), t.split([n // tp_size for n in sizes]),
+                                    sizes):
+            put(f"{base}{name}.{leaf}", part, ("chunk", 0, tp_rank, tp_size), (full, *part.shape[1:]), packed)
+        return
+    put(f"{mname}.{leaf}", t, ("chunk", 0, tp_rank, tp_size), (t.shape[0] * tp_size, *t.shape[1:]), packed)
 
 
 def held_tensors(llm: Any) -> list[dict]:
@@ -1287,10 +1375,80 @@ def _rope_modules(model) -> list[tuple[str, Any]]:
     return found
 
 
+def _derived_leaves(runner) -> dict[str, str]:
+    """(In a worker) ``{engine tensor leaf name: the checkpoint tensor it is derived from}``: the family's
+    ``derived_tensors`` (engine-free facts, :mod:`moealign.families`; empty for an unregistered family)."""
+    family = FAMILIES.get(getattr(runner.model_config.hf_config, "model_type", None))
+    return dict(family.derived_tensors) if family is not None else {}
+
+
+def _mla_absorbed(module, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """(In a worker) MLA's absorbed matrices as vLLM derives them from the ``kv_b_proj`` the module holds now:
+    ``split_kv_b_proj`` (vLLM's own function) then the layouts of ``MLAAttention.process_weights_after_loading``'s
+    unquantized branch (``W_UV``: ``(L, N, V) -> (N, L, V)``; ``W_UK_T``: ``(L, N, P) -> (N, P, L)``)."""
+    from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
+
+    w_uk, w_uv = split_kv_b_proj(module.kv_b_proj, act_dtype, module.kv_lora_rank, module.num_heads,
+                                 module.qk_nope_head_dim, module.v_head_dim)
+    return {"W_UV": w_uv.transpose(0, 1), "W_UK_T": w_uk.permute(1, 2, 0)}
+
+
+def _mla_not_derived(module) -> str | None:
+    """Why this MLA layer does not hold vLLM's generic absorbed matrices (they cannot be recomputed and compared)."""
+    if getattr(module, "is_amx_bmm_enabled", False):
+        return ("the AMX MLA backend packs its own W_UK / W_UV and releases kv_b_proj's weight; moealign does not "
+                "read them back")
+    for flag in ("is_aiter_triton_fp4_bmm_enabled", "is_aiter_triton_fp8_bmm_enabled", "dcp_q_replicate"):
+        if getattr(module, flag, False):
+            return f"{flag}: the absorbed matrices are quantized or gathered (not vLLM's generic W_UK_T / W_UV)"
+    return None
+
+
+def _derived_check(runner) -> dict:
+    """(In a worker) the family's derived tensors (:func:`_derived_leaves`) in every MLA attention layer:
+    recomputed from the held ``kv_b_proj`` as vLLM derives them (:func:`_mla_absorbed`) and compared bitwise with
+    what the layer holds (what the decode path reads). ``{"checked": names, "problems": texts, "unchecked": texts}``."""
+    checked, problems, unchecked = [], [], []
+    leaves = _derived_leaves(runner)
+    if not leaves:
+        return {"checked": checked, "problems": problems, "unchecked": unchecked}
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    act_dtype = runner.model_config.dtype
+    layers = [(n, m) for n, m in runner.model.named_modules() if isinstance(m, MLAAttention)]
+    if not layers:
+        problems.append(f"the family derives {sorted(leaves)} at load, but the engine holds no MLA attention layer "
+                        f"to read them from")
+    for name, module in layers:
+        why = _mla_not_derived(module)
+        if why is not None:
+            unchecked += [f"{name}.{leaf} ({why})" for leaf in sorted(leaves)]
+            continue
+        with torch.no_grad():
+            fresh = _mla_absorbed(module, act_dtype)
+        for leaf, source in sorted(leaves.items()):
+            where = f"{name}.{leaf}"
+            held, want = getattr(module, leaf, None), fresh.get(leaf)
+            if want is None:
+                problems.append(f"{where}: moealign does not know how vLLM derives it from {source}")
+                continue
+            checked.append(where)
+            if not isinstance(held, torch.Tensor) or held.shape != want.shape or held.dtype != want.dtype:
+                problems.append(f"{where}: held {getattr(held, 'shape', held)} "
+                                f"{getattr(held, 'dtype', '')}, vLLM derives {tuple(want.shape)} {want.dtype} from "
+                                f"{source}")
+            elif not torch.equal(held, want):
+                diff = float((held.float() - want.float()).abs().max())
+                problems.append(f"{where}: differs from what vLLM derives from the held {source} (max |diff| "
+                                f"{diff:.3g}): stale, the decode path reads it")
+    return {"checked": checked, "problems": problems, "unchecked": unchecked}
+
+
 def _rpc_derived(worker) -> dict:
     """(In a worker) every buffer of the model, checked where a check exists: RoPE ``cos_sin_cache`` recomputed from
     the module's own settings (``_compute_cos_sin_cache``, cast as vLLM casts it: bitwise) and those settings
-    against the checkpoint's config (theta, rotary dimension, positions); the other buffers named, unchecked."""
+    against the checkpoint's config (theta, rotary dimension, positions); the family's tensors derived at load (MLA's
+    ``W_UK_T`` / ``W_UV``: :func:`_derived_check`); the other buffers named, unchecked."""
     runner = _runner(worker)
     model = runner.model
     config = runner.model_config.hf_config
@@ -1326,11 +1484,16 @@ def _rpc_derived(worker) -> dict:
                 continue
             if isinstance(buf, torch.Tensor):
                 unchecked.append(f"{name}.{leaf}" if name else leaf)
+    derived = _derived_check(runner)
+    checked += derived["checked"]
+    problems += derived["problems"]
+    unchecked += derived["unchecked"]
     return {"checked": checked, "problems": problems, "unchecked": sorted(set(unchecked))}
 
 
 def check_derived_buffers(llm: Any) -> dict:
-    """The derived buffers of every worker (:func:`_rpc_derived`): ``{"checked": n, "problems": [(rank, why)],
+    """The derived buffers and tensors of every worker (:func:`_rpc_derived`: RoPE caches, the family's tensors
+    derived at load such as MLA's ``W_UK_T`` / ``W_UV``): ``{"checked": n, "problems": [(rank, why)],
     "unchecked": [names]}``; refused by name on a sleeping / shut-down engine."""
     llm = as_llm(llm)
     check_awake(llm, "the derived-buffer check")
@@ -1341,15 +1504,40 @@ def check_derived_buffers(llm: Any) -> dict:
     return {"checked": sum(len(a["checked"]) for a in answers), "problems": problems, "unchecked": unchecked}
 
 
-def decode_token_ids(llm, prompts: list[list[int]], decode_tokens: int, seed: int, salt: str | None):
+def _rpc_derived_tensors(worker) -> dict:
+    return _derived_check(_runner(worker))
+
+
+def check_derived_tensors(llm: Any) -> dict:
+    """The family's tensors derived at load (``MoEFamily.derived_tensors``: MLA's ``W_UK_T`` / ``W_UV``) in every
+    worker, recomputed from the held source as vLLM derives them and compared bitwise (:func:`_derived_check`):
+    ``{"checked": n, "problems": [(rank, why)], "unchecked": [names and why]}``. A family that derives nothing
+    costs no round trip (``checked`` 0). Refused by name on a sleeping / shut-down engine and during a refit."""
+    llm = as_llm(llm)
+    family = FAMILIES.get(getattr(llm.llm_engine.model_config.hf_config, "model_type", None))
+    if family is None or not family.derived_tensors:
+        return {"checked": 0, "problems": [], "unchecked": []}
+    check_awake(llm, "the derived-tensor check")
+    with engine_busy(llm, "the derived-tensor check", exclusive=False):
+        answers = llm.collective_rpc(_rpc_derived_tensors)
+    return {"checked": sum(len(a["checked"]) for a in answers),
+            "problems": [(rank, why) for rank, a in enumerate(answers) for why in a["problems"]],
+            "unchecked": sorted({n for a in answers for n in a["unchecked"]})}
+
+
+def decode_token_ids(llm, prompts: list[list[int]], decode_tokens: int, seed: int | list[int],
+                     salt: str | None | list[str | None]):
     """``[(token ids, log-probs float64, cached prompt tokens)]``: vLLM's own decode of ``decode_tokens`` tokens from
     each token-id prompt (temperature 1, seed ``seed + i``, its processed log-probs), through its prefix cache unless
-    ``salt`` (a ``cache_salt``) makes the run cold: the certificate's prefix-cache check (:mod:`moealign.rl.certify`)."""
+    ``salt`` (a ``cache_salt``) makes the run cold: the certificate's prefix-cache check (:mod:`moealign.rl.certify`).
+    ``seed`` / ``salt`` may also be lists, one per prompt (a cached and a cold run of the same prompts in one call)."""
     from vllm import SamplingParams as VllmSamplingParams
 
-    inputs = [{"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})} for p in prompts]
-    params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=decode_tokens, seed=seed + i, logprobs=0,
-                                 detokenize=False) for i in range(len(prompts))]
+    salts = list(salt) if isinstance(salt, (list, tuple)) else [salt] * len(prompts)
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p, **({"cache_salt": x} if x else {})} for p, x in zip(prompts, salts)]
+    params = [VllmSamplingParams(n=1, temperature=1.0, max_tokens=decode_tokens, seed=x, logprobs=0,
+                                 detokenize=False) for x in seeds]
     outs = llm.generate(inputs, params, use_tqdm=False)
     result = []
     for o in outs:

@@ -824,6 +824,7 @@ def generate_with_record(
     record_routes: bool = True,
     record_kept_sets: bool = True,
     validate: bool = False,
+    prompt_logprobs: bool = False,
 ) -> RolloutRecord:
     """Sample one response per prompt with the in-process ``vllm.LLM`` ``llm`` and return its
     :class:`~moealign.record.RolloutRecord` (the transformers adapter's format, ``meta.engine == "vllm"``).
@@ -840,6 +841,10 @@ def generate_with_record(
     tokens (:class:`~moealign.errors.ReplayError` on a mismatch) and undone on return or on an exception.
     ``validate=True`` also runs the record's full validation (as the transformers adapter, off by default: it
     costs about 3% of a small CPU rollout; records read from files are always validated).
+    ``prompt_logprobs=True``: vLLM also scores each prompt in its prefill (raw log-probs at temperature 1, vLLM's
+    ``prompt_logprobs``; such requests never read the prefix cache) and ``(record, [float32 [prompt_len - 1]])`` is
+    returned: per prompt, the log-prob of prompt token ``p`` for ``p = 1 ..`` (the refit certificate's probes: one
+    call for the prefill and the decode probe).
     """
     if not isinstance(sampling, SamplingParams):
         raise InputTypeError(f"sampling must be a moealign.record.SamplingParams, got {type(sampling).__name__}")
@@ -857,7 +862,8 @@ def generate_with_record(
 
     params = [VllmSamplingParams(n=1, temperature=float(sampling.temperature), top_k=int(sampling.top_k),
                                  top_p=float(sampling.top_p), min_p=float(sampling.min_p), max_tokens=max_new_tokens,
-                                 seed=seed + i, logprobs=0, detokenize=False)
+                                 seed=seed + i, logprobs=0, detokenize=False,
+                                 **({"prompt_logprobs": 0} if prompt_logprobs else {}))
               for i in range(len(inputs))]
     cached = CachedPrefixRoutes(engine_scheduler(llm)).attach() if prefix_caching_on(llm) else None
     try:
@@ -876,7 +882,23 @@ def generate_with_record(
         captured = (names, with_cached_rows(names, rows, cached.hits, cached.block_size), sampler)
     samples = _assemble(outputs, captured, sampling, record_kept_sets)
     _check_and_compact(samples, meta)
-    return RolloutRecord(meta, samples, validate=validate)
+    record = RolloutRecord(meta, samples, validate=validate)
+    return (record, [_prompt_logprobs(out, b) for b, out in enumerate(outputs)]) if prompt_logprobs else record
+
+
+def _prompt_logprobs(out, b: int) -> torch.Tensor:
+    """vLLM's prompt log-probs of output ``out`` (prompt ``b``) as float32 ``[prompt_len - 1]`` (tokens 1 ..)."""
+    tokens, plp = list(out.prompt_token_ids or []), out.prompt_logprobs
+    if plp is None or len(plp) != len(tokens):
+        raise EngineError(f"prompt {b}: vLLM returned {None if plp is None else len(plp)} prompt log-probs for "
+                          f"{len(tokens)} tokens")
+    values = []
+    for p in range(1, len(tokens)):
+        entry = plp[p]
+        if entry is None or tokens[p] not in entry:
+            raise EngineError(f"prompt {b}: no prompt log-prob for token {tokens[p]} at position {p}")
+        values.append(entry[tokens[p]].logprob)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def _exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
