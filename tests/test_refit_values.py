@@ -51,3 +51,29 @@ def test_a_bad_value_in_a_run_is_named_by_its_tensor():
     with pytest.raises(RefitError, match=r"experts\.3\.down_proj\.weight' overflows the engine's float16"):
         check_values(named, torch.float16)
     check_values(named, torch.float32)
+
+
+def test_padded_experts_are_read_as_the_checkpoints_slice():
+    """vLLM 0.32's CPU build allocates a narrow expert slice wider than it is (DeepSeek-V3's expert width 32 at
+    TP 2: moe_config says 16 per rank, w13 holds 2 x 32 rows, w2 32 columns): the refit check reads the slice (gate
+    rows [0, 16), up rows [32, 48), w2 columns [0, 16)); an unpadded layout is read as held. Found on
+    embedded:tiny_deepseek at --rollout-tp 2, where every expert was a false mismatch."""
+    from types import SimpleNamespace
+
+    from moealign.patches.vllm.refit import _expert_padding
+
+    module = SimpleNamespace(moe_config=SimpleNamespace(intermediate_size_per_partition=16,
+                                                        intermediate_size_per_partition_unpadded=None))
+    e, h = 3, 8
+    w13 = torch.randn(e, 64, h)
+    shape, cut = _expert_padding(module, "w13_weight", (64, h))
+    assert shape == (32, h)
+    assert torch.equal(cut(w13), torch.cat([w13[:, :16], w13[:, 32:48]], dim=1))
+    assert not torch.equal(cut(w13), w13[:, :32])                 # negative control: not the first 32 rows
+    w2 = torch.randn(e, h, 32)
+    shape, cut = _expert_padding(module, "w2_weight", (h, 32))
+    assert shape == (h, 16) and torch.equal(cut(w2), w2[:, :, :16])
+    # held exactly as wide as the slice: nothing to cut
+    assert _expert_padding(module, "w13_weight", (32, h)) is None
+    assert _expert_padding(module, "w2_weight", (h, 16)) is None
+    assert _expert_padding(SimpleNamespace(), "w2_weight", (h, 16)) is None

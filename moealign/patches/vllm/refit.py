@@ -1005,6 +1005,32 @@ def _unpacked_experts(param: torch.Tensor, isa: str):
             yield e0, part.as_strided([part.shape[0], *sizes], [n * k, *strides]).reshape(part.shape)
 
 
+def _expert_padding(module, leaf: str, held: tuple[int, int]):
+    """(In a worker) where vLLM padded a rank's experts, ``None`` where it did not; else ``(logical per-rank shape, a
+    function taking held experts [e, ...] (any layout torch reshapes) to the checkpoint's rows and columns)``. vLLM
+    0.32's CPU build allocates each rank's experts wider than its slice when the slice is narrow (DeepSeek-V3's
+    expert width 32 at TP 2: ``moe_config.intermediate_size_per_partition`` 16, ``w13`` ``[E, 2 x 32, H]`` with the
+    gate rows in ``[0, 16)`` and the up rows in ``[32, 48)``, ``w2`` ``[E, H, 32]`` with the slice in columns
+    ``[0, 16)``); the padding is never part of the result (its ``w13`` rows are zero, so its activations are zero
+    whatever ``w2`` holds there), so the check reads the slice: ``w13`` gate rows ``[0, i)`` and up rows
+    ``[I, I + i)``, ``w2`` columns ``[0, i)``."""
+    config = getattr(module, "moe_config", None)
+    i_log = int(getattr(config, "intermediate_size_per_partition_unpadded", 0) or
+                getattr(config, "intermediate_size_per_partition", 0) or 0)
+    i_pad = held[0] // 2 if leaf == "w13_weight" else held[1]
+    if not i_log or i_log >= i_pad or (leaf == "w13_weight" and held[0] % 2):
+        return None
+    if leaf == "w13_weight":
+        h = held[1]
+
+        def cut(x):
+            x = x.reshape(x.shape[0], 2 * i_pad, h)
+            return torch.cat([x[:, :i_log], x[:, i_pad:i_pad + i_log]], dim=1)
+        return (2 * i_log, h), cut
+    h = held[0]
+    return (h, i_log), lambda x: x.reshape(x.shape[0], h, i_pad)[:, :, :i_log].contiguous()
+
+
 def _rpc_held(worker) -> dict:
     """(In a worker) this rank's held tensors in transformers names: ``{name: (lanes, local shape, dtype, shard,
     packed, full shape)}``: ``lanes`` what the held bytes contribute to the full tensor's layout digest
@@ -1079,17 +1105,21 @@ def _rpc_held(worker) -> dict:
             tp_rank, tp_size = int(getattr(moe, "tp_rank", 0) or 0), int(getattr(moe, "tp_size", 1) or 1)
             shard = ("glu", 1, tp_rank, tp_size) if leaf == "w13_weight" else ("chunk", 2, tp_rank, tp_size)
             held = param.detach()
-            full = (held.shape[1] * tp_size, held.shape[2]) if leaf == "w13_weight" else \
-                (held.shape[1], held.shape[2] * tp_size)
+            unpad = None if tree is not None else _expert_padding(module, leaf, tuple(held.shape[1:]))
+            logical_shape = tuple(held.shape[1:]) if unpad is None else unpad[0]
+            full = (logical_shape[0] * tp_size, logical_shape[1]) if leaf == "w13_weight" else \
+                (logical_shape[0], logical_shape[1] * tp_size)
             rows, col, n = shard_span(("expert", 0, shard), full)
             dtype = str(held.dtype).replace("torch.", "")
-            if tuple(held.shape[1:]) != (sum(b - a for a, b in rows), n):
+            if logical_shape != (sum(b - a for a, b in rows), n):
                 for e in range(held.shape[0]):
                     out[f"{hf}[{e}]"] = (None, tuple(held.shape[1:]), dtype, ("expert", e, shard), packed, full)
                 continue
             # every expert's contribution in one vectorised pass (a few experts unpacked at a time): a mangled
             # expert is named
             parts = _unpacked_experts(held, kernel.isa) if packed else [(0, held)]
+            if unpad is not None:
+                parts = ((e0, unpad[1](part)) for e0, part in parts)
             for e0, logical in parts:
                 for i, lanes in enumerate(span_lanes(logical, rows, col).tolist()):
                     out[f"{hf}[{e0 + i}]"] = (_unsigned(lanes), tuple(held.shape[1:]), dtype,
