@@ -123,7 +123,8 @@ def _add_mismatch(sub) -> None:
                                     "top_p": 0.9, "device": "auto"}, help={
         "rollout_tp": "--rollout vllm: tensor-parallel size (stock reductions unless the vLLM plugin's tree reductions "
                       "are on: MOEALIGN_VLLM_PATCHES=tree)",
-        "aligned": "the canonical forward on both engines (--rollout vllm|hf, --train megatron|hf; qwen3_moe, CPU): "
+        "aligned": "the canonical forward on both engines (--rollout vllm|hf, --train megatron|hf; CPU, or CUDA with "
+                   "--rollout hf): "
                    "every op (linear, norm, "
                    "RoPE, attention, router, experts, LM head, log-softmax) one moealign implementation, so the fully "
                    "aligned run is bitwise equal; one precision on both sides (default bf16)",

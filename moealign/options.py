@@ -219,24 +219,46 @@ def check_model(model: str | None, model_path: str, max_new_tokens: int) -> dict
 
 
 def check_aligned_run(model_path: str, *, rollout_precision: str, train_precision: str, device: str,
-                      rollout_tp: int, train_tp: int = 1) -> None:
+                      rollout_tp: int, train_tp: int = 1, rollout_engine: str = "vllm",
+                      train_sharded: bool = False) -> None:
     """``--aligned``, the checks every command makes (each refusal names its reason): one plain precision on both
-    sides (fp32 or bf16), the CPU (the canonical attention serves vLLM's CPU backend), a checkpoint whose every op the
-    canonical forward covers (:func:`~moealign.precision.canonical.check_canonical_model`) and rollout and trainer TP
-    sizes its trees cut (:func:`~moealign.precision.canonical.check_canonical_tp`; the sharded trainer's EP and PP
-    need no cut: :mod:`moealign.patches.megatron.canonical`)."""
-    from .precision.canonical import check_canonical_model, check_canonical_tp
+    sides (fp32 or bf16), a checkpoint whose every op the canonical forward covers
+    (:func:`~moealign.precision.canonical.check_canonical_model`) and rollout and trainer TP sizes its trees cut
+    (:func:`~moealign.precision.canonical.check_canonical_tp`; the sharded trainer's EP and PP need no cut:
+    :mod:`moealign.patches.megatron.canonical`). On CUDA (the Triton kernels, ``canonical_triton``): the transformers
+    rollout engine only (``rollout_engine="hf"``; vLLM's CUDA build cannot be installed beside the project's torch),
+    a family with a kernel for every op (:data:`~moealign.precision.canonical.TRITON_FAMILIES`), one trainer rank and
+    what :func:`~moealign.precision.canonical_triton.check_canonical_cuda` refuses (no Triton, an older GPU, TF32)."""
+    from .precision.canonical import TRITON_FAMILIES, check_canonical_model, check_canonical_tp, default_backend
 
+    default_backend()                        # MOEALIGN_CANONICAL_BACKEND, if set, names a backend
     if rollout_precision != train_precision or rollout_precision not in ("fp32", "bf16"):
         raise ConfigError(f"--aligned covers one plain precision on both sides (fp32 or bf16), not rollout "
                           f"{rollout_precision} / train {train_precision}")
-    if device != "cpu":
-        raise ConfigError(f"--aligned on {device}: the canonical attention serves vLLM's CPU attention backend; "
-                          "vLLM's CUDA backends are not covered yet (use --device cpu)")
+    cuda = device != "cpu"
+    if cuda and rollout_engine != "hf":
+        raise ConfigError(f"--aligned --rollout {rollout_engine} on {device}: vLLM's CUDA build pins another torch "
+                          "(vLLM 0.33's wheel needs torch 2.14) and cannot be installed beside the project's GPU torch; "
+                          "no vLLM CUDA binding of the canonical kernels exists (use --rollout hf on a GPU, or "
+                          "--device cpu)")
     config = read_model_config(model_path)
     check_canonical_model(config)
     check_canonical_tp(config, rollout_tp, "--rollout-tp")
     check_canonical_tp(config, train_tp, "--train-tp")
+    if not cuda:
+        return
+    family = config.get("model_type")
+    if family not in TRITON_FAMILIES:
+        raise ConfigError(f"--aligned on {device} covers {list(TRITON_FAMILIES)} checkpoints; model_type {family!r} is "
+                          f"not covered there (DeepSeek-V3's sigmoid grouped router, MLA's rope and value head dim have "
+                          f"no Triton kernels; use --device cpu)")
+    if train_tp > 1 or train_sharded:
+        raise ConfigError(f"--aligned on {device} runs the trainer on one rank: TP > 1 on CUDA needs each shard's "
+                          "tree_linear_partial roots added by tree_all_reduce over NCCL, and the sharded trainer has "
+                          "not run the Triton kernels (drop --train-tp / --train-ep / --train-pp)")
+    from .precision.canonical_triton import check_canonical_cuda
+
+    check_canonical_cuda(device, {"fp32": torch.float32, "bf16": torch.bfloat16}[rollout_precision])
 
 
 def check_train_parallel(model_path: str, *, tp, ep, pp, dispatcher, device: str):

@@ -28,25 +28,16 @@ if on_cpu and not T._INTERPRET:
     sys.exit("the CPU run needs TRITON_INTERPRET=1")
 stock_moves = None
 if on_cpu:
-    from triton.runtime import interpreter
+    from triton_interp import install_mma_like_dot      # tests/ is this script's sys.path[0]
 
     # The interpreter's tl.dot is numpy's BLAS, whose bits for a row depend on the row's place in the tile (OpenBLAS
-    # sgemm; a GPU's MMA gives every row of a tile the same instruction sequence). Stand in for the MMA: each
-    # element the fp32 products of its row and column summed in K order, nothing else.
+    # sgemm): the stand-in MMA (tests/triton_interp.py) sums each element's products in K order.
     a0 = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32)
     a1 = np.roll(a0, 7, axis=0)
     stock_moves = not np.array_equal(np.matmul(a1, a0, dtype=np.float32)[7:],
                                      np.matmul(a0, a0, dtype=np.float32)[:-7])
 
-    def _mma_like_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        x, y = a.data.astype(np.float32), b.data.astype(np.float32)
-        acc = np.zeros((x.shape[0], y.shape[1]), dtype=np.float32)
-        for kk in range(x.shape[1]):
-            acc += x[:, kk, None] * y[None, kk, :]
-        return interpreter.TensorHandle(acc + d.data, d.dtype.scalar)
-
-    stock_dot = interpreter.InterpreterBuilder.create_dot
-    interpreter.InterpreterBuilder.create_dot = _mma_like_dot
+    stock_dot = install_mma_like_dot()
 else:
     for dt in T.KERNEL_DTYPES:
         T.check_canonical_cuda(dev, dt)
@@ -99,11 +90,13 @@ if on_cpu:
     # negative control of the position checks: with the interpreter's stock (BLAS) dot, rows moved by 7 places in
     # their tiles change bits, and the same comparison catches it
     x, w = torch.randn(64, 128), torch.randn(48, 128)
+    from triton.runtime import interpreter
+
     interpreter.InterpreterBuilder.create_dot = stock_dot
     try:
         moved = not torch.equal(T.linear(x.roll(7, 0), w).roll(-7, 0), T.linear(x, w))
     finally:
-        interpreter.InterpreterBuilder.create_dot = _mma_like_dot
+        install_mma_like_dot()
     assert moved and torch.equal(T.linear(x.roll(7, 0), w).roll(-7, 0), T.linear(x, w))
 # the router's logits: fp32 out of 16-bit inputs keeps the root
 xh, wh = torch.randn(9, 64).half(), torch.randn(8, 64).half()

@@ -23,6 +23,12 @@ Steps, each in its own process with its own time limit (a failed or timed-out st
   canonical-triton  tests/canonical_triton_child.py --device cuda: the canonical forward's Triton kernels
                  (moealign/precision/canonical_triton.py) in fp32, fp16 and bf16: accuracy, bitwise invariances, gradients
                  and their negative controls, as under the interpreter on the CPU (skipped in the CPU dry run)
+  canonical-fp32, canonical-bf16  ``moealign mismatch --aligned --rollout hf --train megatron --device cuda``
+                 in fp32 and bf16: the canonical forward on the Triton kernels in both engines (issue 40); figure:
+                 the bitwise verdict (``torch.equal`` of every response token's log-prob), the step fails on any
+                 difference (``--fail-above max_abs_logp_diff=0``); in the CPU dry run the CPU definition runs
+  bench-canonical  tools/bench_aligned.py --engines megatron,hf on the embedded model and the random MoE: aligned /
+                 stock forward and forward + backward per engine, against issue 40's goal of 1.25x a training step
   diagnose       ``moealign mismatch --diagnose`` (the number of lever sets run)
   suite          optional, last, with the time left (``--suite-budget``): the whole test suite serially with
                  failure names (``pytest -q -rf``); its counts, and the failed tests' names below the table
@@ -166,6 +172,23 @@ def _aligned_figure(path):
         m = runs["routing_replay+sampling_mask"]
         return (f"max|dlogp| replay+mask {m['max_abs_logp_diff']:.3g} (0 expected), router flips "
                 f"{runs['baseline']['router_flip_rate']:.4f}")
+    return figure
+
+
+def _canonical_figure(path):
+    def figure(proc):
+        a = _json(path)["aligned"]
+        verdict = "bitwise equal" if a["bitwise_equal"] else f"NOT bitwise: max|dlogp| {a['max_abs_logp_diff']:.3g}"
+        return f"{verdict}, {a['num_tokens'] - a['tokens_differing']} of {a['num_tokens']} log-probs torch.equal"
+    return figure
+
+
+def _bench_canonical_figure(path):
+    def figure(proc):
+        d = _json(path)
+        parts = [f"{key.replace('_', ' ')} train {m['train_ratio']:.2f}x (fwd {m['forward_ratio']:.2f}x)"
+                 for key, m in d.items() if isinstance(m, dict) and "train_ratio" in m]
+        return "; ".join(parts) + (f"; goal <= {d['goal_train_ratio']}x" if "goal_train_ratio" in d else "")
     return figure
 
 
@@ -322,6 +345,25 @@ def main(argv=None) -> int:
               figure=lambda p: "bitwise invariances ok on " + p.stdout.split("RESULT ok on ", 1)[1].split(": ", 1)[0])
     else:
         r.skip("canonical-triton", "CUDA only (on the CPU: tests/test_canonical_triton_interp.py, the interpreter)")
+    # issue 40: --aligned on CUDA (the canonical ops' Triton kernels in transformers and Megatron), bitwise
+    for dtype in ("fp32", "bf16"):
+        if not have_mg:
+            r.skip(f"canonical-{dtype}", "megatron-core not available")
+            continue
+        out = os.path.join(r.scratch, f"canonical-{dtype}.json")
+        r.run(f"canonical-{dtype}", moealign + ["mismatch", "--aligned", "--rollout", "hf", "--train", "megatron",
+                                                "--rollout-dtype", dtype, "--device", dev, "-q", "--json", out,
+                                                "--fail-above", "max_abs_logp_diff=0"] + small, 240,
+              figure=_canonical_figure(out))
+    if have_mg:
+        out = os.path.join(r.scratch, "bench-canonical.json")
+        sizes = (["--batch", "2", "--seq", "8", "--wide-batch", "1", "--wide-seq", "8", "--repeats", "1"] if quick
+                 else ["--batch", "16", "--seq", "128", "--wide-batch", "8", "--wide-seq", "256", "--repeats", "5"])
+        model = ["--model", model_dir] if made is not None and made.returncode == 0 else []
+        r.run("bench-canonical", [py, "tools/bench_aligned.py", "--no-vllm", "--engines", "megatron,hf", "--device",
+                                  dev, "--json", out] + model + sizes, 240, figure=_bench_canonical_figure(out))
+    else:
+        r.skip("bench-canonical", "megatron-core not available")
     out = os.path.join(r.scratch, "diagnose.json")
 
     def diagnose_figure(p):

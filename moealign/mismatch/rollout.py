@@ -267,11 +267,6 @@ class MismatchConfig:
         if "hf" in (self.rollout_engine, self.train_engine):
             from ..patches.hf.canonical import HF_FAMILIES
 
-            if self.rollout_engine == "hf" and self.resolved_device() != "cpu":
-                raise ConfigError(f"--aligned --rollout hf on {self.resolved_device()}: the transformers binding runs "
-                                  f"the canonical ops' CPU definition; their CUDA kernels are not wired to it yet "
-                                  f"(use --device cpu)")
-
             family = read_model_config(self.model_path()).get("model_type")
             if family not in HF_FAMILIES:
                 raise ConfigError(f"--aligned with a transformers engine (--rollout {self.rollout_engine} --train "
@@ -284,7 +279,8 @@ class MismatchConfig:
                               "comes from; --aligned-skip OP leaves an op stock (a negative control)")
         check_aligned_run(self.model_path(), rollout_precision=self.rollout_precision,
                           train_precision=self.train_precision, device=self.resolved_device(),
-                          rollout_tp=self.rollout_tp or 1, train_tp=self.train_tp or 1)
+                          rollout_tp=self.rollout_tp or 1, train_tp=self.train_tp or 1,
+                          rollout_engine=self.rollout_engine, train_sharded=self.train_sharded)
 
     def inputs(self) -> dict[str, str | None]:
         """``{flag: path}`` of every file or directory the run reads (outputs may not name one); ``--model`` is the

@@ -49,11 +49,21 @@ DeepSeek-V3        rope: de-interleave, then NeoX (:func:`c_rope_deinterleaved`)
 Everything is differentiable (autograd through the elementwise ops; :func:`c_exp` / :func:`c_log` carry their
 own exact derivatives), so a trainer runs its backward through the same forward. The price is speed: these
 are elementwise-product kernels, not GEMMs (see ``tools/bench_aligned.py``).
+
+**On CUDA** each ``c_*`` op whose input is a CUDA tensor runs its Triton kernel instead
+(:data:`moealign.precision.canonical_triton.TRITON_OPS`, imported on first use; the choice is a device attribute
+check, no host sync): the same formula, its bits fixed on a given card (not equal to this CPU definition's). The ops
+with no Triton kernel (DeepSeek-V3's :func:`c_sigmoid`, :func:`c_grouped_topk`, :func:`c_sigmoid_gates`,
+:func:`c_rope_deinterleaved`) refuse CUDA by name; :func:`c_silu_and_mul` runs the kernels' SwiGLU. The backend is
+:data:`BACKENDS`: ``MOEALIGN_CANONICAL_BACKEND`` (read once, at import) or :func:`canonical_backend` (a scoped switch,
+per function: the tests' way to run the Triton path on CPU tensors under ``TRITON_INTERPRET=1``, and a negative
+control that leaves one op on this definition).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -66,7 +76,15 @@ __all__ = [
     "LEAF_WIDTH",
     "OPS",
     "SPEC",
+    "BACKENDS",
+    "BACKEND_ENV",
+    "TRITON_FAMILIES",
     "engine_ops",
+    "canonical_backend",
+    "parse_backend",
+    "default_backend",
+    "on_triton",
+    "check_device_backend",
     "route_ids",
     "CanonicalError",
     "c_exp",
@@ -148,6 +166,130 @@ OPS = tuple(SPEC)
 def engine_ops(engine: str) -> tuple[str, ...]:
     """The ops of :data:`SPEC` an engine binding installs (``"vllm"``, ``"megatron"`` or ``"hf"``)."""
     return tuple(op for op, (_, where) in SPEC.items() if where.get(engine) is not None)
+
+# --------------------------------------------------------------------------------------------------------
+# The backend: the CPU definition below, or the Triton kernels (canonical_triton) for CUDA tensors
+
+#: ``"auto"``: a ``c_*`` op on a CUDA tensor runs its Triton kernel, on any other tensor the definition in this module;
+#: ``"triton"``: every call runs the Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``: the tests run the
+#: dispatch and the bindings end to end without a GPU); ``"cpu"``: this module's definition everywhere (CUDA tensors
+#: too: slow, a negative control).
+BACKENDS = ("auto", "triton", "cpu")
+#: The environment variable naming the process's default backend (read once, when this module is imported).
+BACKEND_ENV = "MOEALIGN_CANONICAL_BACKEND"
+#: The families whose every op has a Triton kernel: those ``--aligned`` covers on CUDA (DeepSeek-V3's sigmoid grouped
+#: router, MLA's rope and value head dim and its dense SwiGLU layers have none).
+TRITON_FAMILIES = ("qwen3_moe",)
+#: The ``c_*`` functions that run their Triton kernel on the Triton backend, and those with none (refused there).
+_DISPATCHED = ("c_linear", "c_rms_norm", "c_rope", "c_attention", "c_topk", "c_gates", "c_experts", "c_combine",
+               "c_log_softmax", "c_silu_and_mul")
+_NO_TRITON = ("c_sigmoid", "c_grouped_topk", "c_sigmoid_gates", "c_rope_deinterleaved")
+
+
+def parse_backend(value: str | None, what: str = BACKEND_ENV) -> str:
+    """A backend name of :data:`BACKENDS` (``None`` or empty: ``"auto"``), else a :class:`CanonicalError` naming it."""
+    value = "auto" if value is None or not str(value).strip() else str(value).strip().lower()
+    if value not in BACKENDS:
+        raise CanonicalError(f"{what}={value!r}: the canonical ops' backend is one of {', '.join(BACKENDS)}")
+    return value
+
+
+try:                                  # read once; a bad value is named by default_backend(), never ignored
+    _BACKEND, _BACKEND_ERROR = parse_backend(os.environ.get(BACKEND_ENV)), None
+except CanonicalError as exc:
+    _BACKEND, _BACKEND_ERROR = "auto", str(exc)
+_ROUTES: dict[str, str] = {}          # c_* name -> backend, set by canonical_backend (scoped)
+_TRITON_FUNCTIONS: dict = {}          # c_* name -> its Triton function (filled on first use)
+
+
+def default_backend() -> str:
+    """The process's backend, :data:`BACKEND_ENV` as read when this module was imported (``"auto"`` when unset); a
+    value outside :data:`BACKENDS` raises a :class:`CanonicalError` naming it (here, and from every op and check that
+    reads the backend: the commands' option checks call this first, before any work)."""
+    if _BACKEND_ERROR is not None:
+        raise CanonicalError(_BACKEND_ERROR)
+    return _BACKEND
+
+
+def on_triton(x: torch.Tensor | torch.device | str, name: str = "c_linear") -> bool:
+    """Whether the ``c_*`` function ``name`` runs its Triton kernel for ``x`` (a tensor, or the device its inputs are
+    on) under the current backend. A device attribute read: no host sync."""
+    backend = _ROUTES.get(name) or default_backend()
+    if backend == "auto":
+        return (x.is_cuda if isinstance(x, torch.Tensor) else torch.device(x).type == "cuda")
+    return backend == "triton"
+
+
+def _kernel(name: str):
+    """The Triton function standing for ``name`` (:data:`~moealign.precision.canonical_triton.TRITON_OPS`)."""
+    fn = _TRITON_FUNCTIONS.get(name)
+    if fn is None:
+        from . import canonical_triton
+
+        for functions in canonical_triton.TRITON_OPS.values():
+            _TRITON_FUNCTIONS.update(functions)
+        _TRITON_FUNCTIONS.setdefault("c_silu_and_mul", _triton_silu_and_mul)
+        fn = _TRITON_FUNCTIONS[name]
+    return fn
+
+
+def _triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`c_silu_and_mul` on the kernels' SwiGLU (``silu_mul`` of the fp32 halves, one cast; exact upcast)."""
+    from .canonical_triton import silu_mul
+
+    half = x.shape[-1] // 2
+    out = silu_mul(x.reshape(-1, x.shape[-1]).to(torch.float32), x.dtype)
+    return out.reshape(*x.shape[:-1], half)
+
+
+def _refuse_triton(name: str, x: torch.Tensor) -> None:
+    if on_triton(x, name):
+        raise CanonicalError(f"{name}: the canonical forward has no Triton kernel for it (DeepSeek-V3's sigmoid "
+                             f"grouped router and MLA's rope), so it does not run on CUDA; on CUDA --aligned covers "
+                             f"{list(TRITON_FAMILIES)}")
+
+
+def canonical_backend(backend: str, functions=None):
+    """Run the ``c_*`` ``functions`` (default: every one) on ``backend`` (:data:`BACKENDS`) until the returned
+    :class:`~moealign.handle.PatchHandle` is undone (a context manager; process-wide, nested uses restore what they
+    found). ``canonical_backend("triton")`` under ``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors;
+    ``canonical_backend("cpu", ["c_rms_norm"])`` leaves one op on the CPU definition (a negative control)."""
+    from ..handle import PatchHandle
+
+    backend = parse_backend(backend, "backend")
+    known = list(_DISPATCHED + _NO_TRITON)
+    names = known if functions is None else list(functions)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise CanonicalError(f"canonical_backend: unknown functions {unknown}; the canonical functions are {known}")
+    saved = {n: _ROUTES.get(n) for n in names}
+    handle = PatchHandle(f"canonical backend {backend} for {', '.join(names) if functions is not None else 'every op'}",
+                         "process")
+    _ROUTES.update(dict.fromkeys(names, backend))
+
+    def restore() -> None:
+        for n, value in saved.items():
+            if value is None:
+                _ROUTES.pop(n, None)
+            else:
+                _ROUTES[n] = value
+
+    handle.add_callback(restore, "the canonical ops' backend")
+    return handle
+
+
+def check_device_backend(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Where a binding installs the canonical forward (once, before any work): ``True`` when its ops will run the
+    Triton kernels on ``device`` (``check_canonical_cuda(device, dtype)`` then refuses, by name, what the kernels do not
+    cover: no Triton, an older GPU, the dtype, TF32 switched on; a CPU device is left to the interpreter's tests)."""
+    if not on_triton(device):
+        return False
+    if torch.device(device).type == "cuda":
+        from .canonical_triton import check_canonical_cuda
+
+        check_canonical_cuda(device, dtype)
+    return True
+
 
 _LN2_HI = 6.93147180369123816490e-01      # fdlibm's split of ln 2: n * _LN2_HI is exact for |n| < 2**11
 _LN2_LO = 1.90821492927058770002e-10
@@ -237,6 +379,8 @@ def c_silu(x: torch.Tensor) -> torch.Tensor:
 
 def c_log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``log_softmax`` in fp32 (fp64 for fp64): ``x - max - log(tree_sum(exp(x - max)))``; ``-inf`` stays ``-inf``."""
+    if on_triton(x, "c_log_softmax"):
+        return _kernel("c_log_softmax")(x, dim)
     xf = x.to(_float_out(x))
     shifted = xf - xf.amax(dim=dim, keepdim=True)
     return shifted - c_log(fixed_tree_sum(c_exp(shifted), dim)).unsqueeze(dim)
@@ -246,6 +390,8 @@ def c_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
              out_dtype: torch.dtype | None = None, leaf_width: int = LEAF_WIDTH) -> torch.Tensor:
     """``x @ weight.T + bias``: the leaf tree of each output's products (fp32 nodes), cast once to ``out_dtype``
     (default ``x.dtype``; ``torch.float32`` keeps the root, e.g. the router's logits)."""
+    if on_triton(x, "c_linear"):
+        return _kernel("c_linear")(x, weight, bias, out_dtype=out_dtype, leaf_width=leaf_width)
     out = tree_linear(x, weight.to(x.dtype), leaf_width=leaf_width)
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -254,6 +400,8 @@ def c_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def c_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: ``(x32 * (1 / sqrt(tree_sum(x32 * x32) / H + eps))).to(x.dtype) * weight``."""
+    if on_triton(x, "c_rms_norm"):
+        return _kernel("c_rms_norm")(x, weight, eps)
     xf = x.to(_float_out(x))
     var = fixed_tree_sum(xf * xf, -1).unsqueeze(-1) / x.shape[-1]
     y = (xf * (1.0 / torch.sqrt(var + eps))).to(x.dtype)
@@ -304,6 +452,8 @@ def rope_reserve(max_positions: int, rotary_dim: int, base: float, device: torch
 def c_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX-style rotation of the first ``2 * cos.shape[-1]`` dims of ``x [..., heads, head_dim]``; ``cos`` /
     ``sin`` ``[..., rot / 2]`` broadcast over heads. fp32 arithmetic, cast once; the rest of each head passes."""
+    if on_triton(x, "c_rope"):
+        return _kernel("c_rope")(x, cos, sin)
     half = cos.shape[-1]
     xf = x.to(_float_out(x))
     x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
@@ -318,6 +468,7 @@ def c_rope_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     ``rope_interleave`` and Megatron's MLA do) and rotated by :func:`c_rope`. The output stays in the de-interleaved
     (NeoX) layout on both engines: query and key rows are permuted alike, and the attention's trees read them in that
     one order."""
+    _refuse_triton("c_rope_deinterleaved", x)
     rot = 2 * cos.shape[-1]
     head = x[..., :rot]
     return c_rope(torch.cat([head[..., 0::2], head[..., 1::2], x[..., rot:]], dim=-1), cos, sin)
@@ -404,6 +555,8 @@ def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
     processed in chunks bounded by ``max_elements`` products (no effect on the bits). Differentiable (the
     backward is the stock attention gradient).
     """
+    if on_triton(q, "c_attention"):
+        return _kernel("c_attention")(q, k, v, keep, max_elements=max_elements, prefix=prefix)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _Attention.apply(q, k, v, keep, max_elements, prefix)
     return _attention_rows(q, k, v, keep, max_elements, prefix)
@@ -412,6 +565,8 @@ def c_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.T
 def c_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` experts of each row ``[T, E]`` with the largest logits (stable: ties go to the lower id),
     returned in ascending expert id ``[T, k]`` int64."""
+    if on_triton(logits, "c_topk"):
+        return _kernel("c_topk")(logits, k)
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
     return torch.sort(order, dim=-1).values
 
@@ -420,6 +575,8 @@ def c_gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: bool) -> to
     """The gate of each chosen expert ``[T, k]`` fp32 from fp32 router logits ``[T, E]`` and ids ``[T, k]`` in
     ascending order: ``softmax`` over the chosen logits (``renormalize``: equal to the full softmax renormalised,
     in exact arithmetic) or the full softmax's value at each chosen expert."""
+    if on_triton(logits, "c_gates"):
+        return _kernel("c_gates")(logits, ids, renormalize=renormalize)
     lf = logits.to(torch.float32)
     if renormalize:
         chosen = torch.gather(lf, 1, ids)
@@ -486,6 +643,8 @@ def c_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.T
     All (token, slot) pairs are computed at once (each gathers its expert's weights), so the bits are those of
     :func:`c_linear` per pair, without a Python loop over experts or a host sync.
     """
+    if on_triton(x, "c_experts"):
+        return _kernel("c_experts")(x, ids, w13, w2, leaf_width=leaf_width)
     T, k = ids.shape
     flat = ids.reshape(-1)
     inter = w13.shape[1] // 2
@@ -497,6 +656,8 @@ def c_experts(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.T
 
 def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``sum_j gates[:, j] * partials[:, j]`` left to right over the (ascending-id) slots, fp32, cast once."""
+    if on_triton(partials, "c_combine"):
+        return _kernel("c_combine")(partials, gates, dtype)
     g = gates.to(torch.float32)
     out = partials[:, 0] * g[:, :1]
     for j in range(1, partials.shape[1]):
@@ -507,12 +668,15 @@ def c_combine(partials: torch.Tensor, gates: torch.Tensor, dtype: torch.dtype) -
 def c_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """A dense SwiGLU's activation: ``x = [g, u]`` (gate half first, the activation dtype, as a linear layer's output)
     -> ``(c_silu(g) * u).to(x.dtype)`` (fp32 arithmetic, cast once). The shared expert and the dense MLP layers."""
+    if on_triton(x, "c_silu_and_mul"):
+        return _kernel("c_silu_and_mul")(x)
     half = x.shape[-1] // 2
     return (c_silu(x[..., :half]) * x[..., half:].to(_float_out(x))).to(x.dtype)
 
 
 def c_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``1 / (1 + c_exp(-x))`` in fp32 (fp64 for fp64): the sigmoid router's scores."""
+    _refuse_triton("c_sigmoid", x)
     xf = x.to(_float_out(x))
     return 1.0 / (1.0 + c_exp(-xf))
 
@@ -524,6 +688,7 @@ def c_grouped_topk(logits: torch.Tensor, k: int, *, bias: torch.Tensor | None = 
     when a group holds one expert), the ``topk_group`` best groups kept (stable: ties to the lower group id), the
     other groups' experts masked to ``-inf``, then :func:`c_topk` (ties to the lower expert id). Returns the ``k``
     chosen ids ascending ``[T, k]`` int64."""
+    _refuse_triton("c_grouped_topk", logits)
     scores = c_sigmoid(logits.to(torch.float32))
     if bias is not None:
         scores = scores + bias.to(torch.float32)
@@ -542,6 +707,7 @@ def c_sigmoid_gates(logits: torch.Tensor, ids: torch.Tensor, *, renormalize: boo
     """The sigmoid router's gate of each chosen expert ``[T, k]`` fp32 (ids ascending): its *unbiased* score
     ``c_sigmoid(logit)``, divided by ``fixed_tree_sum`` of the chosen scores ``+ 1e-20`` when ``renormalize``
     (``norm_topk_prob``). The ``routed_scaling_factor`` is applied to the combined output (:data:`SPEC` experts)."""
+    _refuse_triton("c_sigmoid_gates", logits)
     gates = c_sigmoid(torch.gather(logits.to(torch.float32), 1, ids))
     if renormalize:
         gates = gates / (fixed_tree_sum(gates, -1).unsqueeze(-1) + 1e-20)

@@ -28,6 +28,11 @@ Refused at setup, naming it (:class:`~moealign.errors.CanonicalError`): a family
 ...), a dtype other than fp32 / bf16 or mixed dtypes, an attention implementation other than ``eager`` / ``sdpa`` /
 ``moealign_bi`` (flash, flex and paged attention keep their own masks and caches), a router with a bias or another
 scoring, attention dropout in training mode, a module of a class the canonical forward does not know.
+
+**On CUDA** the same binding runs the Triton kernels: every ``C.c_*`` call dispatches on its input's device
+(:mod:`moealign.precision.canonical`, the backend), and :func:`apply_canonical_forward` calls
+:func:`~moealign.precision.canonical_triton.check_canonical_cuda` once for the model's device and dtype (no Triton, a
+GPU below compute capability 8.0, TF32 switched on: refused by name before any op is installed).
 """
 
 from __future__ import annotations
@@ -241,6 +246,8 @@ def apply_canonical_forward(model: torch.nn.Module, ops=MODEL_OPS) -> PatchHandl
         raise ConfigError(f"unknown canonical ops {unknown}; known: {list(C.OPS)}")
     ops = tuple(op for op in ops if op in MODEL_OPS)          # ops of other engines' families: none to install here
     rot, base = _check_model(model, ops)
+    param = next(model.parameters())
+    C.check_device_backend(param.device, param.dtype)      # on CUDA: the Triton kernels' refusals, once, here
     if "rope" in ops:
         C.rope_reserve(int(model.config.max_position_embeddings), rot, base, next(model.parameters()).device)
     renormalize = bool(getattr(model.config, "norm_topk_prob", True))

@@ -48,6 +48,11 @@ with values of their own head dim. ``TopKRouter.routing`` keeps Megatron's selec
 ``moe_router_topk_scaling_factor``, as Megatron's do, for a stock MoE layer); ``MoELayer.forward`` combines, scales the
 combined output by the factor in the activation dtype and adds the shared expert's output (vLLM's MoE runner's
 order); ``MLP.forward`` of the dense layers and the shared expert: ``c_linear``, ``c_silu_and_mul``, ``c_linear``.
+
+**On CUDA** (one rank, ``qwen3_moe``) the same binding runs the Triton kernels: every ``C.c_*`` call dispatches on its
+input's device (:mod:`moealign.precision.canonical`, the backend); :func:`apply_canonical_forward` calls
+:func:`~moealign.precision.canonical_triton.check_canonical_cuda` once for the model's device and dtype and refuses, by
+name, TP / EP / expert-TP / PP above 1 and MLA there (:func:`_check_triton_world`).
 """
 
 from __future__ import annotations
@@ -121,6 +126,23 @@ def _check_config(config) -> None:
         problems.append("experts other than SwiGLU")
     if problems:
         raise CanonicalError("the canonical forward does not cover this Megatron config: " + ", ".join(problems))
+
+
+def _check_triton_world(config) -> None:
+    """The Triton kernels (CUDA) are wired for one rank of a ``qwen3_moe`` model. TP > 1 would need each row-parallel
+    shard's fp32 subtree roots (``canonical_triton.tree_linear_partial``) added by ``tree_all_reduce`` over NCCL (the
+    same tree as ``linear_from_roots``), the experts' shards likewise, and EP / PP a run on several GPUs: none has run,
+    so they are refused by name; so is MLA (DeepSeek-V3's rope, router and value head dim have no kernels)."""
+    problems = [f"{name}={getattr(config, name)}" for name in (
+        "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "pipeline_model_parallel_size") if (getattr(config, name, 1) or 1) != 1]
+    if problems:
+        raise CanonicalError("the canonical forward on CUDA (the Triton kernels) runs on one rank; not "
+                             + ", ".join(problems) + " (TP > 1 needs the shards' tree_linear_partial roots added by "
+                             "tree_all_reduce over NCCL, not run yet)")
+    if getattr(config, "multi_latent_attention", False):
+        raise CanonicalError("the canonical forward on CUDA (the Triton kernels) does not cover MLA (DeepSeek-V3): its "
+                             "sigmoid grouped router, de-interleaved rope and value head dim have no Triton kernels")
 
 
 def _group_size(group) -> int:
@@ -420,6 +442,9 @@ def apply_canonical_forward(model: torch.nn.Module, *, rope_base: float, max_pos
     config = model.config
     _check_config(config)
     _check_shards(model)
+    param = next(model.parameters())
+    if C.check_device_backend(param.device, param.dtype):   # the Triton kernels (CUDA): refusals once, here
+        _check_triton_world(config)
     escaped = []
     for name, module in model.named_modules():
         cls = type(module)
