@@ -119,6 +119,20 @@ def test_stale_prefix_cache_is_named_and_moealigns_refit_passes(child):
 
 
 @needs_vllm
+def test_default_prefix_check_one_probe_sequence_one_token_names_a_stale_cache(child):
+    """certify_refit's own prefix check (no cache_prompts: the probe's first sequence tiled to a KV block + 8 tokens,
+    one sampled token per run) on moealign's rollout engine: with the refit's cache reset disabled, the digests and
+    both probes pass (their requests never read the prefix cache) and the prefix check alone fails."""
+    s = child["probe_cache_stale"]
+    assert s["first_failed"] == "prefix_cache"
+    assert all(s["statuses"][n] == "passed" for n in ("tensor_digests", "derived_buffers", "prefill_probe",
+                                                      "decode_probe"))
+    assert s["prefix"]["cached_tokens"] == 128 and "PREFIX CACHE" in s["prefix"]["detail"]   # one block, one prompt
+    clean = next(c for c in child["clean"]["json"]["checks"] if c["name"] == "prefix_cache")
+    assert clean["status"] == "passed" and clean["detail"].startswith("1 prompt of 136 tokens, 1 sampled token:")
+
+
+@needs_vllm
 def test_derived_buffer_fault_passes_the_digests_and_is_named(child):
     r = child["rope_fault"]
     assert r["statuses"]["tensor_digests"] == "passed" and r["first_failed"] == "derived_buffers"

@@ -3,15 +3,18 @@ embedded model (fp32, TP = 1) with a fault planted in each place one check stand
 
 usage: python tests/vllm_certify_child.py
 
-Phase A (prefix caching off, a Megatron trainer, a calibrated probe with a decode):
+Phase A (moealign's rollout engine: prefix caching on; a Megatron trainer, a calibrated probe with a decode: the
+default 2 decoded tokens):
 * ``both_step0``: certify_refit's one-call probes (``Probe.both_gaps``) on the calibration's weights: the gaps the
   separate calls calibrated;
-* ``clean``: after moealign's refit every check passes (the prefix cache: not run, caching off);
+* ``clean``: after moealign's refit every check passes;
 * ``decode_fault``: the CPU attention's output halved on decode steps only (``max_query_len == 1``): the prefill
   probe passes, the decode probe fails (and ``verify_refit``'s decode gap too); undone: passes again;
 * ``rope_fault``: one RoPE cos/sin cache nudged in place: the digests pass, ``derived_buffers`` fails;
 * ``base_restored``: the trainer updated and refit, then the engine given the base checkpoint back (what a wake
   after a level-2 sleep did in TRL #5312): ``tensor_digests`` fails naming the tensors;
+* ``probe_cache_stale``: then back to the trainer's weights with the cache reset disabled: the digests and both
+  probes pass, the default prefix check (the probe's first sequence, one sampled token) fails;
 * ``sleep``: ``llm.sleep(1|2)`` then every moealign call refused by name; ``wake_up()``: certified again; vLLM's own
   refusal of ``enable_sleep_mode=True`` on the CPU build;
 * ``refused``: a probe longer than the context, a probe with a weight manifest (no teacher-forced side).
@@ -49,7 +52,7 @@ def main() -> dict:
     seqs = [torch.tensor(tok(p)["input_ids"][:32]) for p in default_prompts()[:2]]
     base = {n: t.detach().clone() for n, t in trainer_tensors(trainer)}
     refit(llm, trainer)
-    probe = Probe(seqs, score_last=24, decode_tokens=8)
+    probe = Probe(seqs, score_last=24)          # decode_tokens: the default (2)
     probe.calibrate(llm, trainer)
     out["step0"] = {"prefill": probe.step0_gap, "decode": probe.decode_step0_gap}
     (gap, _), (dgap, _) = probe.both_gaps(llm, trainer)          # certify_refit's one-call probes, the same weights
@@ -106,7 +109,21 @@ def main() -> dict:
     out["base_restored"] = {"updated_ok": updated.ok, "updated_statuses": statuses(updated),
                             "first_failed": cert.first_failed, "statuses": statuses(cert),
                             "named": sorted({m[0] for m in cert.refit_check.weights.mismatches})[:4]}
-    refit(llm, trainer)
+    # the certificate above primed the probe's first sequence under the base weights; back to the trainer's with the
+    # cache reset disabled: the digests and both probes pass (the probes' requests never read the prefix cache), the
+    # default prefix check (the probe's first sequence) names the stale cache
+    import vllm
+
+    reset = vllm.LLM.reset_prefix_cache
+    vllm.LLM.reset_prefix_cache = lambda self, *a, **k: True
+    try:
+        refit(llm, trainer)
+        cert = certify_refit(llm, trainer, probe=probe)
+    finally:
+        vllm.LLM.reset_prefix_cache = reset
+    out["probe_cache_stale"] = {"first_failed": cert.first_failed, "statuses": statuses(cert),
+                                "prefix": next(c for c in cert.checks if c["name"] == "prefix_cache")}
+    llm.reset_prefix_cache()
 
     # 4. sleep / wake: vLLM's CPU build has no sleep mode; a sleeping engine is refused by name
     sleep = {}
@@ -156,14 +173,11 @@ def main() -> dict:
     moved = dict(base)
     for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"):
         moved[k] = base[k] * 1.5
-    out["primed"] = prime_prefix_cache(cached, seqs, decode_tokens=8)
+    out["primed"] = prime_prefix_cache(cached, seqs)
     refit(cached, moved)
     cert = certify_refit(cached, moved, cache_prompts=seqs)
     out["cache_ok"] = {"ok": cert.ok, "statuses": statuses(cert),
                        "prefix": next(c for c in cert.checks if c["name"] == "prefix_cache")}
-    import vllm
-
-    reset = vllm.LLM.reset_prefix_cache
     vllm.LLM.reset_prefix_cache = lambda self, *a, **k: True          # a refit whose cache reset is disabled
     try:
         refit(cached, base)

@@ -30,7 +30,13 @@ import torch
 from ..errors import ConfigError, InputTypeError, RefitError
 from .refit import NOT_CHECKED, Probe, verify_refit
 
-__all__ = ["CHECKS", "RefitCertificate", "certify_refit", "prefix_cache_check", "prime_prefix_cache"]
+__all__ = ["CHECKS", "PREFIX_CHECK_TOKENS", "RefitCertificate", "certify_refit", "prefix_cache_check",
+           "prime_prefix_cache"]
+
+#: Tokens the prefix-cache check samples per run: one. The first sampled token's log-prob comes from the prefill of
+#: the prompt's tail, whose attention reads the cached block, so stale KV changes it (bitwise compared); more tokens
+#: would add decode steps (~3 ms each on the embedded model) that read the same block again and catch nothing more.
+PREFIX_CHECK_TOKENS = 1
 
 #: The checks in verdict order: ``name -> (what it catches, the public bug it stands for)``.
 CHECKS: dict[str, tuple[str, str]] = {
@@ -63,8 +69,9 @@ CHECKS: dict[str, tuple[str, str]] = {
         "decode's routes",
         "NeMo-RL #2895 (decode CUDA graphs kept old pointers: prefill fine, decode corrupt, gen_kl_error 0.55)"),
     "prefix_cache": (
-        "KV computed before the refit served after it: a probe prompt long enough to fill a KV block, decoded with "
-        "caching on, must equal a cold run of the same prompt (a cache salt no block has), bitwise",
+        "KV computed before the refit served after it: a probe prompt long enough to fill a KV block, run with "
+        "caching on (one sampled token, whose log-prob the tail's prefill computes reading the cached block), must "
+        "equal a cold run of the same prompt (a cache salt no block has), bitwise",
         "NeMo-RL #4018 (prefix cache never reset across 17 refits: KV up to 17 steps old)"),
 }
 
@@ -136,9 +143,10 @@ def _check_prompts(prompts, what: str) -> list[torch.Tensor]:
     return list(prompts)
 
 
-def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: int = 4, seed: int = 0) -> int:
-    """Decode the prefix-cache check's prompts once (plain ``llm.generate``, caching on) so that their KV blocks
-    are cached: call it before the first refit; :func:`certify_refit` re-primes them after every check. Returns the
+def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: int = PREFIX_CHECK_TOKENS,
+                       seed: int = 0) -> int:
+    """Run the prefix-cache check's prompts once (plain ``llm.generate``, caching on, one sampled token: a prefill)
+    so that their KV blocks are cached: call it before the first refit; :func:`certify_refit` re-primes them after every check. Returns the
     number of prompts (0 where the check cannot apply: caching off, a context too short)."""
     from ..patches.vllm.refit import as_llm, check_awake, decode_token_ids, engine_busy
 
@@ -157,11 +165,13 @@ def prime_prefix_cache(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
     return len(tiled)
 
 
-def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: int = 4, seed: int = 0) -> dict:
+def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: int = PREFIX_CHECK_TOKENS,
+                       seed: int = 0) -> dict:
     """The prefix-cache check alone (:data:`CHECKS` ``prefix_cache``): ``{"status", "detail", "cached_tokens"}``.
-    With caching on, each prompt (tiled to one KV block and a tail) is decoded as is, reusing whatever the cache holds
-    for it, and, in the same vLLM call (same seeds), with a cache salt no block has (a cold run); tokens and log-probs
-    must be equal (``torch.equal``).
+    With caching on, each prompt (tiled to one KV block and a tail) is run as is, reusing whatever the cache holds
+    for it, and, in the same vLLM call (same seeds), with a cache salt no block has (a cold run); the sampled tokens
+    and their log-probs must be equal (``torch.equal``). ``decode_tokens`` (default :data:`PREFIX_CHECK_TOKENS`, one:
+    the whole check is one prefill step) tokens are sampled per run.
     The first run leaves the prompts' blocks cached under the current weights, priming the next check."""
     from ..patches.vllm.refit import as_llm, decode_token_ids, engine_busy
 
@@ -192,8 +202,9 @@ def prefix_cache_check(llm, prompts: Sequence[torch.Tensor], *, decode_tokens: i
                           f"{diff:.3g}); {len(bad)} of {len(tiled)} prompts differ. The refit did not reset the "
                           f"prefix cache (llm.reset_prefix_cache())"}
     return {"status": "passed", "cached_tokens": cached,
-            "detail": f"{len(tiled)} prompts of {len(tiled[0])} tokens: decodes reusing {cached} cached tokens equal "
-                      f"cold runs bitwise"}
+            "detail": f"{len(tiled)} prompt{'s' if len(tiled) > 1 else ''} of {len(tiled[0])} tokens, "
+                      f"{decode_tokens} sampled token{'s' if decode_tokens > 1 else ''}: runs reusing {cached} cached "
+                      f"tokens equal cold runs bitwise"}
 
 
 def _engine_config(llm, sleep: dict, probe: Probe | None) -> dict:
@@ -222,10 +233,11 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
     ``trainer_or_manifest``: what :func:`~moealign.rl.verify_refit` takes (a moealign train engine, a Megatron
     ``GPTModel`` / transformers model, a snapshot mapping, a :class:`~moealign.rl.WeightManifest`). ``probe``: a
     calibrated :class:`~moealign.rl.Probe` (the prefill probe; the decode probe where it was calibrated with a
-    decode and the engine has prefix caching off; its sequences are the prefix-cache check's prompts); it needs a
-    train engine. ``expected``: the tensors the engine should hold when they are not the trainer's (staleness; the
-    probes then do not run). ``cache_prompts``: the prefix-cache check's prompts without a probe (a manifest).
-    ``derived=False`` skips the buffer check."""
+    decode; its first sequence is the prefix-cache check's prompt: one KV block of stale KV is as visible as two, and
+    each prompt costs a cached and a cold prefill of a block and a tail); it needs a train engine. ``expected``: the
+    tensors the engine should hold when they are not the trainer's (staleness; the probes then do not run).
+    ``cache_prompts``: the prefix-cache check's prompts (all of them; without a probe, e.g. with a manifest, the only
+    ones). ``derived=False`` skips the buffer check."""
     from ..patches.vllm.refit import as_llm, check_awake, check_derived_buffers
     from .manifest import WeightManifest
 
@@ -244,10 +256,9 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
             probe.check_runs(llm, need_trainer=False)
     if expected is not None and manifest:
         raise ConfigError("certify_refit with a weight manifest: expected= needs the trainer's tensors")
-    prompts = cache_prompts if cache_prompts is not None else (probe.sequences if probe is not None else None)
+    prompts = cache_prompts if cache_prompts is not None else (probe.sequences[:1] if probe is not None else None)
     if prompts is not None:
         prompts = _check_prompts(prompts, "cache_prompts")
-    decode_tokens = probe.decode_tokens if probe is not None and probe.decode_tokens > 0 else 4
     seed = probe.seed if probe is not None else 0
 
     checks = [_entry("engine_awake", "passed", "awake; sleep mode " + (
@@ -314,7 +325,7 @@ def certify_refit(llm, trainer_or_manifest, hf_config=None, *, probe: Probe | No
         checks.append(_entry("prefix_cache", "not_run", "no probe and no cache_prompts"))
     else:
         t = time.perf_counter()
-        result = prefix_cache_check(llm, prompts, decode_tokens=decode_tokens, seed=seed)
+        result = prefix_cache_check(llm, prompts, seed=seed)
         checks.append(_entry("prefix_cache", result["status"], result["detail"], time.perf_counter() - t,
                              cached_tokens=result["cached_tokens"]))
     ran = {c["name"] for c in checks if c["status"] != "not_run"}

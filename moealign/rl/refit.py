@@ -172,7 +172,14 @@ def _number(name: str, value, *, positive: bool = True, allow_none: bool = False
 class Probe:
     """Probe sequences (token ids, the last ``score_last`` tokens of each scored) and the bound on the mean
     |Δ log p| between vLLM and the trainer over them (``None`` until :meth:`calibrate` measures it). Every field
-    is checked when built and again when used (:meth:`validate`, :class:`~moealign.errors.ConfigError`)."""
+    is checked when built and again when used (:meth:`validate`, :class:`~moealign.errors.ConfigError`).
+
+    ``decode_tokens`` (default 2): tokens the decode probe samples per sequence. The first comes from the prefill's
+    logits; the second from one decode step (one query token: the decode kernels, the KV the prefill wrote read
+    from the cache, the step's own KV written to the cache and read back in the same attention). Two is the
+    smallest count that runs a decode step; each further token is one more engine step (~3 ms on the embedded
+    model) through the same path. A fault that shows only from the second decode step on (KV written by one decode
+    step and read by the next, e.g. a stale decode-only buffer indexed by step) needs ``decode_tokens=3`` or more."""
 
     sequences: list[torch.Tensor]
     score_last: int = 24
@@ -180,7 +187,7 @@ class Probe:
     factor: float = 8.0
     floor: float = 1e-6
     step0_gap: float | None = None
-    decode_tokens: int = 8
+    decode_tokens: int = 2
     seed: int = 0
     decode_bound: float | None = None
     decode_step0_gap: float | None = None
