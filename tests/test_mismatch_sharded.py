@@ -49,8 +49,7 @@ TOL = 5e-5
     (["mismatch", "--train-ep", "2", "--train", "hf"], "--train-ep 2 shards the Megatron trainer"),
     (["mismatch", "--train-ep", "2", "--train-precision", "fp8-e4m3-tensor"], "Megatron's FP8 needs "
                                                                               "transformer-engine layers"),
-    (["rl-check", "--train-ep", "2", "--train-pp", "2"], "the sharded trainer scores but does not train yet: rl-check "
-                                                         "needs its backward"),
+    (["rl-check", "--train-ep", "3"], "--train-ep 3: Megatron cannot build this layout: expert parallel size 3"),
     (["rl-check", "--train-pp", "3"], "--train-pp 3: Megatron cannot build this layout"),
     # vLLM's expert / data parallelism where the CPU build cannot run them (docs/scale.md), with vLLM's reason
     (["mismatch", "--rollout-tp", "2", "--rollout-ep", "2"], "--rollout-ep 2: vLLM's CPU build cannot run expert "

@@ -635,9 +635,9 @@ def megatron_train_engine(model_path: str, precision: str = "fp32", device: str 
     sharded trainer (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`: one process per rank,
     Megatron's own parallelism, routing replay and its verifier on every rank; ``dispatcher``: its MoE token
     dispatcher; ``aligned``: the canonical forward on every rank, :mod:`moealign.patches.megatron.canonical`, TP 1's
-    bits). The sharded trainer scores only: what it does not do yet is refused by name (the commands refuse it
-    earlier, with the flags: :class:`~moealign.mismatch.MismatchConfig`). Its ranks share this process's torch
-    threads (at least one each)."""
+    bits). The sharded trainer scores, and trains through its ``train_step`` (rl-check); what it does not do yet is
+    refused by name (the commands refuse it earlier, with the flags: :class:`~moealign.mismatch.MismatchConfig`).
+    Its ranks share this process's torch threads (at least one each)."""
     if tp == ep == pp == 1:
         return MegatronTrainEngine(model_path, precision, device, batch_invariant=batch_invariant, attention=attention,
                                    aligned=aligned, aligned_skip=aligned_skip)

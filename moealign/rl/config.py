@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..options import (
-    TRAIN_PARALLEL_FIELDS,
     check_aligned_run,
     check_count,
     check_device,
@@ -101,8 +100,8 @@ class RLCheckConfig:
     aligned: bool = False               # the canonical forward on both engines: bitwise equal at every step
     rollout_ep: int = 1                 # vLLM expert / data parallelism: above 1 refused where it cannot run
     rollout_dp: int = 1
-    train_tp: int = 1                   # the trainer's Megatron layout: above 1 is refused (the sharded trainer
-    train_ep: int = 1                   # scores but does not train yet)
+    train_tp: int = 1                   # the trainer's Megatron layout: above 1 the sharded trainer (one process
+    train_ep: int = 1                   # per rank) trains
     train_pp: int = 1
     train_dispatcher: str = "alltoall"
 
@@ -165,18 +164,13 @@ class RLCheckConfig:
         check_checkpoint_tensors(self.model_path(), config)     # last: the options' own refusals come first
 
     def _check_train_parallel(self) -> None:
-        """``--train-tp`` / ``--train-ep`` / ``--train-pp``: a layout Megatron can build (the checks ``mismatch``
-        makes), and then refused above 1: rl-check trains, and the sharded trainer only scores."""
-        layout = check_train_parallel(self.model_path(), tp=self.train_tp, ep=self.train_ep, pp=self.train_pp,
-                                      dispatcher=self.train_dispatcher, device=self.resolved_device())
-        if layout.world > 1:
-            given = " ".join(f"--{name.replace('_', '-')} {getattr(self, name)}" for name in TRAIN_PARALLEL_FIELDS
-                             if getattr(self, name) != 1)
-            raise ConfigError(f"{given}: the sharded trainer scores but does not train yet: rl-check needs its "
-                              f"backward (Megatron's forward_backward schedule with a loss, gradients reduced over its "
-                              f"data-parallel ranks, an optimizer step on every rank; the refit from its ranks exists: "
-                              f"moealign.rl.refit(llm, trainer)); "
-                              f"measure the sharded trainer with moealign mismatch {given}")
+        """``--train-tp`` / ``--train-ep`` / ``--train-pp`` / ``--train-dispatcher``: a layout Megatron can build (the
+        checks ``mismatch`` makes, before any process starts); above 1 the sharded trainer trains
+        (:meth:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer.train_step`). ``train_layout`` is the
+        report's ``train.parallel``."""
+        self.train_layout = check_train_parallel(self.model_path(), tp=self.train_tp, ep=self.train_ep,
+                                                 pp=self.train_pp, dispatcher=self.train_dispatcher,
+                                                 device=self.resolved_device())
 
     def _precisions(self) -> None:
         if not isinstance(self.aligned, bool):
@@ -200,7 +194,8 @@ class RLCheckConfig:
                                   f"identical weights): drop {flag}")
         check_aligned_run(self.model_path(), rollout_precision=self.rollout_precision,
                           train_precision=self.train_precision, device=self.resolved_device(),
-                          rollout_tp=self.rollout_tp)
+                          rollout_tp=self.rollout_tp, train_tp=self.train_tp,
+                          train_sharded=self.train_layout.world > 1)
 
     @property
     def replay(self) -> bool:

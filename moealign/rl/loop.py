@@ -11,7 +11,9 @@ One step (synchronous; with ``staleness = N`` the rollout engine holds the weigh
    Megatron re-computes the log-probs with the chosen levers (routing replay through Megatron's
    RouterReplay, the sampling mask: the log-prob restricted to the recorded kept set), the rollout correction
    (a :mod:`moealign.correction` preset, decoupled: pi_old = the trainer's own log-probs) weights / masks the
-   tokens, PPO-clip loss (ratio 1 at the point: one update per batch), backward, grad-norm clip, Adam step;
+   tokens, PPO-clip loss (ratio 1 at the point: one update per batch), backward, grad-norm clip, Adam step
+   (``--train-tp / --train-ep / --train-pp`` above 1: the sharded trainer, the same loss on its logits, its gradient
+   with respect to them sent to the ranks, which run the backward and the step: :meth:`_Run._train_sharded`);
 4. **measure**: the mismatch metrics ``moealign mismatch`` reports (same names) between the trainer's log-probs
    (before the update) and the rollout's, the router flips of the trainer against the record;
 5. **refit**: the trainer's weights streamed into every vLLM worker in place (:func:`moealign.rl.refit.refit`);
@@ -69,19 +71,25 @@ class _Run:
 
     def __init__(self, cfg: RLCheckConfig, name: str, levers: str, rollout, log: Callable[[str], None]):
         from ..correction import RolloutCorrectionConfig
-        from ..mismatch.engines import MegatronTrainEngine
+        from ..mismatch.engines import megatron_train_engine
 
         self.cfg, self.name, self.levers, self.log = cfg, name, levers, log
         self.replay, self.mask = LEVERS[levers]
         self.rollout = rollout
         self.llm = rollout.llm
         self.correction = RolloutCorrectionConfig.preset(cfg.correction)
-        self.trainer = MegatronTrainEngine(cfg.model_path(), cfg.train_precision, cfg.resolved_device(),
-                                           **({"aligned": True} if cfg.aligned else {}))
-        self.params = [p for p in self.trainer.model.parameters()]
-        for p in self.params:
-            p.requires_grad_(True)
-        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+        # one process at TP = EP = PP = 1, else the sharded trainer (one process per rank; its optimizer lives on
+        # its ranks: ShardedMegatronTrainer.train_step)
+        self.trainer = megatron_train_engine(cfg.model_path(), cfg.train_precision, cfg.resolved_device(),
+                                             tp=cfg.train_tp, ep=cfg.train_ep, pp=cfg.train_pp,
+                                             dispatcher=cfg.train_dispatcher, aligned=bool(cfg.aligned))
+        self.sharded = cfg.train_layout.world > 1
+        self.params = self.optimizer = None
+        if not self.sharded:
+            self.params = [p for p in self.trainer.model.parameters()]
+            for p in self.params:
+                p.requires_grad_(True)
+            self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
         self.tokenizer = self.llm.get_tokenizer()
 
     def close(self) -> None:
@@ -98,34 +106,28 @@ class _Run:
 
         return log_softmax_mode() if self.cfg.aligned else contextlib.nullcontext()
 
-    def _train(self, record) -> tuple[dict, object]:
-        from ..mismatch.engines import TrainForward
+    def _logprobs(self, record, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The per-token log-probs the loss uses, from the trainer's logits at the response positions: the kept-set
+        log-prob under the sampling mask, else the full vocabulary's (the canonical log-softmax under --aligned)."""
         from ..record import kept_sets_of
         from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 
+        with self._log_softmax():
+            if self.mask:
+                kept = kept_sets_of(record.samples, logits.shape[-1]).to(logits.device)    # checked at build
+                return kept_logprob(logits, tokens, kept, temperature=self.cfg.temperature)
+            return full_logprob(logits, tokens, temperature=self.cfg.temperature)
+
+    def _loss(self, record, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The step's loss from the log-probs of the first training forward (``logp``, with its graph) -- the one
+        objective both trainers optimise (the single-process trainer backpropagates it through its model; the sharded
+        one takes its gradient with respect to the logits and sends it to its ranks): the rollout correction
+        (decoupled, pi_old = ``logp`` detached), group-relative advantages of the reward, PPO-clip. Returns the loss
+        and the step's figures (reward, engine gap, correction)."""
         from ..correction.losses import ppo_clip_loss
 
         cfg = self.cfg
-        idx = list(range(len(record)))
         lengths = [s.response_len for s in record.samples]
-
-        def logprobs(fwd):
-            with self._log_softmax():
-                if self.mask:
-                    kept = kept_sets_of(record.samples, fwd.logits.shape[-1]).to(fwd.logits.device)   # checked at build
-                    return kept_logprob(fwd.logits, fwd.tokens, kept, temperature=cfg.temperature)
-                return full_logprob(fwd.logits, fwd.tokens, temperature=cfg.temperature)
-
-        recompute = None
-        if cfg.aligned:        # the trainer's recompute before the update (no grad), kept: the certificate's 2nd term
-            with torch.no_grad():
-                recompute = logprobs(self.trainer.forward(record, idx, replay=self.replay, capture=False))
-        fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
-        logp = logprobs(fwd)                              # the first training forward, inside the update
-        rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(logp.device)
-        aligned = None
-        if cfg.aligned:
-            aligned = certificate(rollout_flat, recompute, logp.detach())
         logp_pad = _pad(logp, lengths)
         old = logp_pad.detach()
         rollout_lp = _pad(torch.cat([s.logprobs.float() for s in record.samples]).to(old.device), lengths)
@@ -136,22 +138,74 @@ class _Run:
         adv = group_advantages(reward, cfg.group_size).to(old.device)
         loss, _ = ppo_clip_loss(logp_pad, old, adv[:, None].expand_as(old).contiguous(), kept,
                                 rollout_is_weights=weights)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-        self.optimizer.step()
         corr_floats = {k: v for k, v in corr.to_floats().items() if "masked" in k or "oob" in k or "veto" in k}
         dropped = (kept == 0) if weights is None else ((kept == 0) | (weights == 0))   # RS mask or IcePop's zeros
         masked = float((dropped & (mask > 0)).sum()) / max(1.0, float(mask.sum()))
         # mean |delta log p| between the engine's and the trainer's log-probs of the rollout (the refit probe of the
         # aligned loop: same weights, vLLM's routes replayed, the same kept sets)
         engine_gap = float(((old - rollout_lp).abs() * mask).sum() / mask.sum().clamp(min=1))
-        out = {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
-               "engine_gap": engine_gap, **({"aligned": aligned} if aligned is not None else {}),
-               "loss": float(loss.detach()), "grad_norm": grad_norm,
-               "correction": {"masked_fraction": masked, **corr_floats}}
+        return loss, {"reward_mean": float(reward.mean()), "reward_std": float(reward.std(unbiased=False)),
+                      "engine_gap": engine_gap, "correction": {"masked_fraction": masked, **corr_floats}}
+
+    def _train(self, record) -> tuple[dict, object]:
+        """Score, loss, backward, clip, Adam: in this process (the single-process trainer), or through the sharded
+        trainer's two passes (:meth:`_train_sharded`)."""
+        from ..mismatch.engines import TrainForward
+
+        if self.sharded:
+            return self._train_sharded(record)
+        cfg = self.cfg
+        idx = list(range(len(record)))
+        recompute = None
+        if cfg.aligned:        # the trainer's recompute before the update (no grad), kept: the certificate's 2nd term
+            with torch.no_grad():
+                fwd0 = self.trainer.forward(record, idx, replay=self.replay, capture=False)
+                recompute = self._logprobs(record, fwd0.logits, fwd0.tokens)
+        fwd = self.trainer.forward(record, idx, replay=self.replay, grad=True)
+        logp = self._logprobs(record, fwd.logits, fwd.tokens)      # the first training forward, inside the update
+        loss, out = self._loss(record, logp)
+        if cfg.aligned:
+            rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(logp.device)
+            out["aligned"] = certificate(rollout_flat, recompute, logp.detach())
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        self.optimizer.step()
+        out.update(loss=float(loss.detach()), grad_norm=grad_norm)
         detached = TrainForward(logits=fwd.logits.detach(), tokens=fwd.tokens, routes=fwd.routes)
         return out, detached
+
+    def _train_sharded(self, record) -> tuple[dict, object]:
+        """The sharded trainer's step. Pass 1: its forward (Megatron's schedule, forward only; the certificate's
+        recompute under --aligned) returns the logits; here the loss (:meth:`_loss`, the same objective) on a leaf
+        copy of them, its backward giving G = dLoss/dlogits; pass 2: every rank's forward + backward with the
+        surrogate sum(logits * G) (:meth:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer.train_step`:
+        gradients reduced over the data-parallel ranks, the global norm, the clip, each rank's Adam step). Pass 2's
+        logits must be pass 1's bit for bit (the gradient was taken at them; the certificate's training term)."""
+        from ..errors import EngineError
+        from ..mismatch.engines import TrainForward
+
+        cfg = self.cfg
+        idx = list(range(len(record)))
+        fwd = self.trainer.forward(record, idx, replay=self.replay)
+        leaf = fwd.logits.detach().clone().requires_grad_(True)
+        logp = self._logprobs(record, leaf, fwd.tokens)
+        loss, out = self._loss(record, logp)
+        loss.backward()
+        step = self.trainer.train_step(record, idx, leaf.grad.float(), replay=self.replay, lr=cfg.lr,
+                                       max_grad_norm=cfg.max_grad_norm)
+        if not torch.equal(step.logits, fwd.logits):
+            differ = int((step.logits != fwd.logits).any(-1).sum())
+            raise EngineError(f"the sharded trainer's training pass computed other logits than its forward at "
+                              f"{differ} of {fwd.logits.shape[0]} response tokens: the gradient sent to its ranks "
+                              f"was not taken at the logits they trained on")
+        if cfg.aligned:
+            with torch.no_grad():
+                train = self._logprobs(record, step.logits, fwd.tokens)
+            rollout_flat = torch.cat([s.logprobs.float() for s in record.samples]).to(train.device)
+            out["aligned"] = certificate(rollout_flat, logp.detach(), train)
+        out.update(loss=float(loss.detach()), grad_norm=float(step.grad_norm))
+        return out, TrainForward(logits=fwd.logits, tokens=fwd.tokens, routes=fwd.routes)
 
     def _measure(self, record, fwd) -> dict:
         from ..mismatch.report import side_metrics
@@ -300,6 +354,8 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
     """Run ``moealign rl-check`` (see the module docstring); returns the JSON-ready report."""
     from ..embedded import default_prompts
     from ..mismatch.engines import VLLMRolloutEngine, describe_engine
+    from ..mismatch.run import describe_train
+    from ..options import train_parallel_note
     from ..patches.vllm.refit import check_refit_version
 
     log = log or (lambda msg: None)
@@ -312,7 +368,11 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
         raise ConfigError(f"--num-prompts {cfg.num_prompts}: the prompt set holds {len(prompts)}")
     runs_wanted = [("stock", "none"), ("aligned", cfg.levers if cfg.levers != "none" else "all")] if cfg.compare \
         else [("aligned" if cfg.levers != "none" else "stock", cfg.levers)]
-    log(f"rollout: vllm {cfg.rollout_precision} (TP={cfg.rollout_tp}); train: megatron {cfg.train_precision}")
+    log(f"rollout: vllm {cfg.rollout_precision} (TP={cfg.rollout_tp}); train: megatron {cfg.train_precision}"
+        + ("" if cfg.train_layout.world == 1 else f" ({cfg.train_layout}, {cfg.train_dispatcher} dispatcher)"))
+    slow = train_parallel_note(cfg.train_layout, cfg.resolved_device())
+    if slow:
+        log(slow)
     rollout = VLLMRolloutEngine(cfg.model_path(), cfg.rollout_precision, cfg.resolved_device(), tp=cfg.rollout_tp,
                                 **({"aligned": True} if cfg.aligned else {}))
     runs = []
@@ -322,7 +382,7 @@ def run_rl_check(cfg: RLCheckConfig, *, log: Callable[[str], None] | None = None
             run = _Run(cfg, name, levers, rollout, log)
             try:
                 runs.append(run.run(prompts))
-                train_desc = describe_engine(run.trainer)
+                train_desc = describe_train(cfg, run.trainer)      # + parallel (the layout that trained)
             finally:
                 run.close()
     finally:

@@ -9,6 +9,9 @@
         fwd.logprobs        # per sample, the log-prob of each response token (fp32, full vocabulary)
         fwd.flips           # router flips of the experts every router used against the record's
         fwd.ranks           # per rank: its coordinates, its layers, what its replay verifier checked
+        loss = my_loss(leaf := fwd.logits.clone().requires_grad_())         # any loss of the logits
+        loss.backward()
+        step = trainer.train_step(record, range(len(record)), leaf.grad, replay=True, lr=2e-3, max_grad_norm=1.0)
 
 The driver (this process) validates the layout (:func:`~moealign.patches.megatron.checkpoint.check_parallel_layout`,
 a :class:`~moealign.errors.ConfigError` before any process starts) and starts ``world = tp * pp * dp`` rank processes
@@ -31,6 +34,12 @@ Replay: each rank drives Megatron's ``RouterReplay`` through :class:`~moealign.p
 for its own routers (bound by global ``layer_number``: a pipeline stage holds a subset), one ``set_routes`` per
 micro-batch in the schedule's own order, with the per-forward token check and the dispatcher verifier; after the
 schedule ``check(calls=micro-batches)`` runs on every rank. A failure names the rank and its coordinates.
+
+Training (:meth:`ShardedMegatronTrainer.train_step`, what ``rl-check`` runs): the caller's loss is a function of
+the logits :meth:`~ShardedMegatronTrainer.forward` returned; given G = dLoss/dlogits, every rank runs the schedule
+again with ``forward_only=False`` and, on the last stage, the surrogate ``sum(logits * G)`` (replay as in the forward);
+then the gradients are summed over the data-parallel (expert-data-parallel) groups, the global norm is Megatron's,
+the clip is ``clip_grad_norm_``'s and each rank's ``torch.optim.Adam`` steps its own parameters.
 
 Failures: a rank that raises answers with its error (the driver raises the same :mod:`moealign.errors` class
 naming the rank); a rank that dies is named with its exit (:func:`moealign.exits.child_failure`) and the others are
@@ -57,13 +66,16 @@ from ... import errors as _errors_module
 from ...errors import ConfigError, EngineError, EngineTimeoutError, MoealignWarning, ReplayError
 from .checkpoint import ParallelLayout, check_parallel_layout
 
-__all__ = ["DISPATCHERS", "FAULTS", "TIMERS", "HFPiece", "HFTensorPlan", "ShardedForward", "ShardedMegatronTrainer",
-           "precision_fields", "process_memory"]
+__all__ = ["DISPATCHERS", "FAULTS", "TRAIN_FAULTS", "TIMERS", "HFPiece", "HFTensorPlan", "ShardedForward",
+           "ShardedMegatronTrainer", "ShardedTrainStep", "precision_fields", "process_memory"]
 
 #: Megatron's MoE token dispatchers the sharded trainer runs (``moe_token_dispatcher_type``).
 DISPATCHERS = ("alltoall", "allgather")
 #: Negative controls of :meth:`ShardedMegatronTrainer.forward` (``fault=``): what each rank does to its replay rows.
 FAULTS = ("shift", "swap")
+#: Negative controls of :meth:`ShardedMegatronTrainer.train_step` (``fault=(name, rank)``): ``"no-grad"`` withholds
+#: the loss's gradient from that rank (its surrogate's gradient zeros), ``"skip-step"`` skips its optimizer step.
+TRAIN_FAULTS = ("no-grad", "skip-step")
 #: The per-rank timers of a forward (seconds summed over the rank's micro-batches; each rank's
 #: ``ranks[i]["timings"]``): moealign's own replay work, in CPU time of the rank's thread (``time.thread_time``: what
 #: the rank spent, not how long it waited for a core when ranks share them), ``set_routes`` (the micro-batch's ReplayBatch built and
@@ -93,6 +105,30 @@ class ShardedForward:
     logprobs: list[torch.Tensor]
     flips: object
     ranks: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class ShardedTrainStep:
+    """One optimizer step of the sharded trainer (:meth:`ShardedMegatronTrainer.train_step`): ``logits``
+    ``[n_response_tokens, V]`` float32 of the training pass (before the update, in record order: equal to
+    :meth:`~ShardedMegatronTrainer.forward`'s bit for bit, the gradient was taken at them), ``grad_norm`` the global
+    gradient norm before clipping (every rank's, agreed), ``ranks`` each rank's report (replay counts, timings)."""
+
+    logits: torch.Tensor
+    grad_norm: float
+    ranks: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Batches:
+    batch: object
+    n: int
+    mbs: int
+    num_mb: int
+    rows: list
+    per_dp: list
+    command: dict
+    resp_counts: list
 
 
 @dataclass(frozen=True)
@@ -406,24 +442,14 @@ class ShardedMegatronTrainer:
         mbs = self.micro_batch_size or math.ceil(per_dp / min(self.layout.pp, per_dp))
         return mbs, math.ceil(per_dp / mbs)
 
-    def forward(self, record, indices: Sequence[int], *, replay: bool, fault: str | None = None) -> ShardedForward:
-        """The logits at the response positions of ``record.samples[indices]``, the experts each router used, the
-        log-probs per sample and the router flips against the record (:class:`ShardedForward`), through Megatron's
-        schedule on every rank. ``replay=True``: every router replays its tokens' recorded experts, checked per
-        token on every rank (a failure raises :class:`~moealign.errors.ReplayError` naming the rank).
-
-        ``fault`` (negative controls, replay only): ``"shift"`` hands every router the rows of the token before
-        (routes and their tokens moved one position along the sequence), ``"swap"`` the rows of the next sample of
-        its micro-batch; each rank's token check must name it."""
+    def _batches(self, record, indices: Sequence[int], replay: bool) -> "_Batches":
+        """``record.samples[indices]`` padded and split into each data-parallel rank's micro-batches (module
+        docstring: filler slots repeat the last sample)."""
         from ...record import RolloutRecord
-        from ...routing_replay.flips import route_flip_metrics
 
         indices = [int(i) for i in indices]
         if not indices:
             raise ConfigError("forward needs at least one sample index")
-        if fault is not None and (fault not in FAULTS or not replay):
-            raise ConfigError(f"fault must be one of {list(FAULTS)} and needs replay=True, got fault={fault!r}, "
-                              f"replay={replay}")
         samples = [record.samples[i] for i in indices]
         sub = RolloutRecord(record.meta, samples, validate=False)
         if replay and not sub.has_routes:
@@ -446,11 +472,15 @@ class ShardedMegatronTrainer:
                     routes=None if routes is None else routes[sel]))
             per_dp.append(mbs_list)
         command = dict(moe_layers=tuple(batch.moe_layers), seq_length=T, micro_batch_size=mbs, num_mb=num_mb,
-                       replay=bool(replay), fault=fault)
-        answers = self._command("forward", [("forward", dict(command, micro_batches=per_dp[info["dp_rank"]]))
-                                            for info in self.ranks])
-        # assemble per slot: logits from the last stage's TP rank 0, routes from every stage's TP rank 0
-        resp_counts = batch.response_mask.sum(1).tolist()
+                       replay=bool(replay))
+        return _Batches(batch=batch, n=n, mbs=mbs, num_mb=num_mb, rows=rows, per_dp=per_dp, command=command,
+                        resp_counts=batch.response_mask.sum(1).tolist())
+
+    def _assemble(self, b: "_Batches", answers: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits, tokens, routes)`` in record order from the ranks' answers: logits from the last stage's TP
+        rank 0, routes from every stage's TP rank 0."""
+        batch, n, mbs, num_mb, rows = b.batch, b.n, b.mbs, b.num_mb, b.rows
+        resp_counts = b.resp_counts
         route_counts = batch.route_mask.sum(1).tolist()
         slot_logits: dict[int, torch.Tensor] = {}
         slot_routes: dict[int, dict[int, torch.Tensor]] = {}
@@ -477,8 +507,29 @@ class ShardedMegatronTrainer:
         logits = torch.cat([slot_logits[i] for i in range(n)])
         routes_used = torch.cat([torch.cat([slot_routes[i][s] for s in range(self.layout.pp)], dim=1)
                                  for i in range(n)])
-        b, p = batch.response_mask.nonzero(as_tuple=True)
-        tokens = batch.input_ids[b, p]
+        bi, p = batch.response_mask.nonzero(as_tuple=True)
+        return logits, batch.input_ids[bi, p], routes_used
+
+    def forward(self, record, indices: Sequence[int], *, replay: bool, fault: str | None = None) -> ShardedForward:
+        """The logits at the response positions of ``record.samples[indices]``, the experts each router used, the
+        log-probs per sample and the router flips against the record (:class:`ShardedForward`), through Megatron's
+        schedule on every rank. ``replay=True``: every router replays its tokens' recorded experts, checked per
+        token on every rank (a failure raises :class:`~moealign.errors.ReplayError` naming the rank).
+
+        ``fault`` (negative controls, replay only): ``"shift"`` hands every router the rows of the token before
+        (routes and their tokens moved one position along the sequence), ``"swap"`` the rows of the next sample of
+        its micro-batch; each rank's token check must name it."""
+        from ...routing_replay.flips import route_flip_metrics
+
+        if fault is not None and (fault not in FAULTS or not replay):
+            raise ConfigError(f"fault must be one of {list(FAULTS)} and needs replay=True, got fault={fault!r}, "
+                              f"replay={replay}")
+        b = self._batches(record, indices, replay)
+        command = dict(b.command, fault=fault)
+        answers = self._command("forward", [("forward", dict(command, micro_batches=b.per_dp[info["dp_rank"]]))
+                                            for info in self.ranks])
+        logits, tokens, routes_used = self._assemble(b, answers)
+        batch = b.batch
         if self.canonical_ops is not None and "log_softmax" in self.canonical_ops:
             from ...precision.canonical import c_log_softmax
 
@@ -486,7 +537,7 @@ class ShardedMegatronTrainer:
         else:
             full = torch.log_softmax(logits, dim=-1)
         logprobs = full.gather(-1, tokens[:, None].to(logits.device))[:, 0]
-        per_sample = list(logprobs.split(resp_counts))
+        per_sample = list(logprobs.split(b.resp_counts))
         flips = None
         if batch.routes is not None:
             recorded = batch.routes[batch.route_mask].to(torch.int64)
@@ -494,6 +545,70 @@ class ShardedMegatronTrainer:
         reports = [dict(info, **answer["report"]) for info, answer in zip(self.ranks, answers)]
         return ShardedForward(logits=logits, tokens=tokens, routes=routes_used, logprobs=per_sample, flips=flips,
                               ranks=reports)
+
+    def train_step(self, record, indices: Sequence[int], grad_logits: torch.Tensor, *, replay: bool, lr: float,
+                   max_grad_norm: float, fault: tuple[str, int] | None = None) -> ShardedTrainStep:
+        """One optimizer step of every rank, given ``grad_logits`` = dLoss/dlogits ``[n_response_tokens, V]`` (the
+        gradient of the caller's loss with respect to the logits :meth:`forward` returned for the same samples, in
+        the same order): Megatron's schedule with ``forward_only=False`` on every rank, the last stage's loss the
+        surrogate ``sum(logits * grad_logits)`` over its micro-batches' response positions (its gradient with
+        respect to the logits is exactly ``grad_logits``; each data-parallel rank gets its samples' rows, filler
+        slots zeros, every TP rank the full vocabulary: the output layer's gather splits it in its backward), routing
+        replay as in :meth:`forward` (``set_routes`` per micro-batch, the per-token check and the verifier on every
+        rank). Then on every rank: gradients summed over its data-parallel group (expert parameters, Megatron's
+        ``allreduce=False``, over the expert-data-parallel group), the global gradient norm as Megatron's
+        optimizer computes it (the squares of the rank's non-duplicate gradients, tensor-parallel duplicates and
+        shared copies counted once, summed over the model-parallel group for dense parameters and the
+        expert-tensor-model-pipeline group for expert ones), the gradients clipped to ``max_grad_norm`` with
+        ``torch.nn.utils.clip_grad_norm_``'s coefficient, and ``torch.optim.Adam(lr=lr)`` (created at the first step,
+        its state kept) over the rank's own parameters. Returns the pass's logits (for the caller's check that they
+        are the logits the gradient was taken at) and the norm (:class:`ShardedTrainStep`).
+
+        ``fault`` (negative controls): ``("no-grad", rank)``: that rank's surrogate gradient is withheld (zeros);
+        ``("skip-step", rank)``: that rank skips its optimizer step."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ConfigError(f"lr must be a finite number >= 0, got {lr!r}")
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
+                not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+        if fault is not None and (not isinstance(fault, tuple) or len(fault) != 2 or fault[0] not in TRAIN_FAULTS
+                                  or fault[1] not in range(len(self.ranks))):
+            raise ConfigError(f"fault must be (one of {list(TRAIN_FAULTS)}, a rank below {len(self.ranks)}), "
+                              f"got {fault!r}")
+        b = self._batches(record, indices, replay)
+        vocab = int(self._config["vocab_size"])
+        total = sum(b.resp_counts)
+        if not isinstance(grad_logits, torch.Tensor) or tuple(grad_logits.shape) != (total, vocab) or \
+                grad_logits.dtype != torch.float32:
+            raise ConfigError(f"grad_logits must be a float32 tensor [{total}, {vocab}] (the response tokens' logits "
+                              f"of these samples), got {getattr(grad_logits, 'dtype', type(grad_logits).__name__)} "
+                              f"{tuple(getattr(grad_logits, 'shape', ()))}")
+        if not bool(torch.isfinite(grad_logits).all()):
+            raise ConfigError("grad_logits holds NaN or Inf values: the loss's gradient is not finite")
+        grad_logits = grad_logits.detach().to("cpu")
+        per_sample = list(grad_logits.split(b.resp_counts))
+        payloads = []
+        for info in self.ranks:
+            grads = None
+            if info["last_stage"]:                  # only the last stage computes the surrogate
+                d, grads = info["dp_rank"], []
+                for m in range(b.num_mb):
+                    base = (d * b.num_mb + m) * b.mbs
+                    parts = [per_sample[s] if base + j < b.n else torch.zeros_like(per_sample[s])
+                             for j, s in enumerate(b.rows[base:base + b.mbs])]
+                    grads.append(torch.cat(parts))
+            rank_fault = fault[0] if fault is not None and fault[1] == info["rank"] else None
+            payloads.append(("train", dict(b.command, fault=None, micro_batches=b.per_dp[info["dp_rank"]],
+                                           grads=grads, lr=float(lr), max_grad_norm=float(max_grad_norm),
+                                           train_fault=rank_fault)))
+        answers = self._command("the training step", payloads)
+        logits, _, _ = self._assemble(b, answers)
+        norms = {a["grad_norm"] for a in answers}
+        if len(norms) != 1:
+            raise EngineError(f"the sharded trainer's ranks disagree on the global gradient norm: "
+                              f"{[a['grad_norm'] for a in answers]}")
+        reports = [dict(info, **answer["report"]) for info, answer in zip(self.ranks, answers)]
+        return ShardedTrainStep(logits=logits, grad_norm=norms.pop(), ranks=reports)
 
     def set_dispatcher(self, dispatcher: str) -> None:
         """Rebuild every rank's model with MoE token dispatcher ``dispatcher`` (``"alltoall"`` / ``"allgather"``) in
@@ -734,6 +849,7 @@ class _RankState:
         self.dist_ready = self.ps_ready = False
         self.driver = None
         self.canonical = None
+        self.optimizer = None
         version = megatron_version()
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -783,6 +899,7 @@ class _RankState:
                                           cpu=spec["device"] == "cpu", moe_token_dispatcher_type=dispatcher,
                                           **spec["fields"])
         self.model.to(self.device).eval()
+        self.optimizer = None                           # a rebuilt model: a new optimizer at the next step
         if spec.get("canonical_ops") is not None:       # before the replay driver, as the single-rank engine does
             from .canonical import apply_canonical_forward_from_hf
 
@@ -824,6 +941,8 @@ class _RankState:
             self._cached = None          # a converted group is kept only between the chunks of a weight stream
         if cmd == "forward":
             return self.forward(payload)
+        if cmd == "train":
+            return self.forward(payload, train=True)
         if cmd == "dispatcher":
             self.build(payload)
             return self.dispatcher
@@ -905,7 +1024,12 @@ class _RankState:
         return ReplayBatch.padded(expand_routes(routes), input_ids=ids, attention_mask=attn,
                                   moe_layers=moe_layers, route_mask=route_mask, allow_degenerate=True)
 
-    def forward(self, cmd: dict) -> dict:
+    def forward(self, cmd: dict, *, train: bool = False) -> dict:
+        """Megatron's schedule over this rank's micro-batches: forward only (``train=False``), or forward and
+        backward with the surrogate loss of :meth:`ShardedMegatronTrainer.train_step` on the last stage
+        (``cmd["grads"]``: per micro-batch, dLoss/dlogits of its response positions)."""
+        import contextlib
+
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from .capture import capture_routes
@@ -920,6 +1044,10 @@ class _RankState:
         driver = self.driver
         tp0 = self.info["tp_rank"] == 0
         captured = []
+        grads = cmd.get("grads") if train else None
+        if train and self.info["last_stage"] and (grads is None or len(grads) != len(micro_batches)):
+            raise EngineError(f"the training step sent {0 if grads is None else len(grads)} gradients for "
+                              f"{len(micro_batches)} micro-batches to a last-stage rank")
 
         def forward_step(data_iterator, model):
             index, mb = next(data_iterator)
@@ -941,9 +1069,18 @@ class _RankState:
             def loss_func(output, non_loss_data=False):
                 # last stage: logits [b, s, V]; position p - 1 scores the token at p
                 b, p = mb["response_mask"].nonzero(as_tuple=True)
+                picked = output[b.to(dev), (p - 1).to(dev)].float()
                 if tp0:
-                    outputs[index]["logits"] = output[b.to(dev), (p - 1).to(dev)].float().cpu()
-                return output.new_zeros(())
+                    outputs[index]["logits"] = picked.detach().cpu()
+                if not train:
+                    return output.new_zeros(())
+                # the surrogate: d(sum(picked * G)) / d(picked) = G exactly (every TP rank gets the full vocabulary;
+                # the output layer's gather hands each its slice in the backward)
+                g = grads[index].to(dev)
+                if cmd.get("train_fault") == "no-grad":
+                    g = torch.zeros_like(g)
+                loss = (picked * g).sum()
+                return loss, torch.ones((), dtype=torch.int), {}
 
             return out, loss_func
 
@@ -951,13 +1088,21 @@ class _RankState:
         timers = self.timers
         for name in timers:
             timers[name] = 0.0
+        config = self.model.config
+        per_token = config.calculate_per_token_loss
+        if train:
+            config.calculate_per_token_loss = True      # the schedule adds no 1 / num_microbatches to the surrogate
+            for param in self.model.parameters():
+                param.requires_grad_(True)
+                param.grad = None
         try:
             t_schedule, c_schedule = time.perf_counter(), _cpu_clock()
-            with torch.no_grad(), capture_routes(self.model, routers=self.driver.routers) as capture:
+            with (contextlib.nullcontext() if train else torch.no_grad()), \
+                    capture_routes(self.model, routers=self.driver.routers) as capture:
                 get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=data, model=[self.model],
                     num_microbatches=cmd["num_mb"], seq_length=T, micro_batch_size=cmd["micro_batch_size"],
-                    forward_only=True, collect_non_loss_data=True)
+                    forward_only=not train, collect_non_loss_data=not train)
             timers["forward"], timers["forward_cpu"] = time.perf_counter() - t_schedule, _cpu_clock() - c_schedule
             if replay:
                 t0 = _cpu_clock()
@@ -967,12 +1112,87 @@ class _RankState:
                 report = dict(replayed_calls=rep.calls, verified_rows=rep.rows, replayed_rows=rep.replayed_rows,
                               mismatched_rows=rep.mismatched_rows, unrouted_rows=rep.unrouted_rows)
         finally:
+            config.calculate_per_token_loss = per_token
             driver.clear()
             driver.reset_counters()
         for index, used, route_mask in captured:
             if used is not None:
                 outputs[index]["routes"] = used[route_mask.reshape(-1).to(used.device)].cpu()
-        return dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches), timings=dict(timers)))
+        answer = dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches),
+                                                         timings=dict(timers)))
+        if train:
+            answer["grad_norm"] = self._step(cmd)
+        return answer
+
+    def _step(self, cmd: dict) -> float:
+        """After the backward: gradients reduced over the data-parallel ranks, the global norm, the clip, Adam (see
+        :meth:`ShardedMegatronTrainer.train_step`). Returns the norm before clipping."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        model, config = self.model, self.model.config
+        named = list(model.named_parameters())
+        params = [p for _, p in named]
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        # what Megatron's finalize_model_grads adds up across ranks besides the data-parallel reduction: the
+        # replicated parameters whose gradient each tensor-parallel rank holds only a part of (the q / k layernorms
+        # over its own heads; under sequence parallelism those marked sequence_parallel), summed over the TP group;
+        # a word embedding shared with the output layer across pipeline stages, summed over the embedding group
+        tp_group = ps.get_tensor_model_parallel_group()
+        tp = dist.get_world_size(tp_group)
+        if tp > 1 and not config.sequence_parallel:
+            # without sequence parallelism every TP rank holds the whole sequence, and the MoE dispatcher gathers the
+            # tokens over the TP group: each expert runs on TP identical copies of every token and its weight
+            # gradient is their sum, TP times the loss's (Megatron's MoELayer refuses training mode under TP without
+            # SP outright; the ranks' layers run in eval mode, as the single-rank trainer's, so it does not refuse)
+            for name, param in named:
+                if ".mlp.experts." in name:
+                    param.grad.div_(tp)
+        if tp > 1:
+            for name, param in named:
+                if (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)) or \
+                        (config.sequence_parallel and getattr(param, "sequence_parallel", False)):
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tp_group)
+        if getattr(model, "share_embeddings_and_output_weights", False) and ps.get_pipeline_model_parallel_world_size() > 1 \
+                and (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()):
+            shared = model.shared_embedding_or_output_weight()
+            dist.all_reduce(shared.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
+        dense_group, expert_group = ps.get_data_parallel_group(), ps.get_expert_data_parallel_group()
+        for param in params:                    # Megatron's DDP: expert parameters carry allreduce=False
+            group = dense_group if getattr(param, "allreduce", True) else expert_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        # the norm as Megatron's (chained) optimizer computes it: per group the sum of the squares of the rank's
+        # non-duplicate gradients, summed over the group's model-parallel ranks; the groups' squares added
+        squares = []
+        for expert, group in ((False, ps.get_model_parallel_group()),
+                              (True, ps.get_expert_tensor_model_pipeline_parallel_group())):
+            grads = [p.grad.float() for p in params if getattr(p, "allreduce", True) != expert
+                     and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+            local = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) \
+                if grads else torch.zeros((), device=self.device)
+            square = (local ** 2).reshape(1)
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
+            squares.append(square[0])
+        total = torch.sqrt(squares[0] + squares[1])
+        # torch.nn.utils.clip_grad_norm_'s coefficient (the single-process trainer's clip), applied on every rank
+        coef = torch.clamp(cmd["max_grad_norm"] / (total + 1e-6), max=1.0)
+        for param in params:
+            param.grad.mul_(coef)
+        if self.optimizer is None:
+            self.optimizer = torch.optim.Adam(params, lr=cmd["lr"])
+        elif self.optimizer.param_groups[0]["lr"] != cmd["lr"]:
+            raise ConfigError(f"lr {cmd['lr']} differs from this trainer's optimizer's {self.optimizer.param_groups[0]['lr']}")
+        if cmd.get("train_fault") != "skip-step":
+            self.optimizer.step()
+        for param in params:
+            param.grad = None
+        return float(total)
 
     def teardown(self) -> None:
         with _suppress():
