@@ -52,6 +52,7 @@ from ..handle import PatchHandle
 
 __all__ = [
     "DEFAULT_ROW_TILE",
+    "kept_first",
     "BatchInvariantError",
     "batch_invariant_mode",
     "bi_linear",
@@ -692,3 +693,10 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[PatchHandle | None]:
         return
     with enable_batch_invariant() as handle:
         yield handle
+
+
+def kept_first(keep: torch.Tensor) -> torch.Tensor:
+    """For a bool mask ``[..., L]``, the indices with the True entries first, each group in index order (a stable
+    sort on the device: no host sync): how batch-invariant attention compacts a row's valid keys to the front, and
+    ``kept_first(routing_map)[:, :k]`` a router's chosen experts, ascending."""
+    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices

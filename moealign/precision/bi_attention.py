@@ -35,7 +35,7 @@ import torch
 from .._validate import FLOAT_DTYPES as _FLOAT_DTYPES
 from .._validate import check_positive_int
 from ..errors import InputTypeError
-from .batch_invariant import BatchInvariantError, fixed_tree_sum
+from .batch_invariant import BatchInvariantError, fixed_tree_sum, kept_first
 
 __all__ = ["CPU_CHUNK_BYTES", "DEFAULT_QUERY_CHUNK", "bi_attention"]
 
@@ -123,7 +123,7 @@ def bi_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         row_max = torch.where(any_valid, row_max, torch.zeros_like(row_max))
         p = torch.exp(scores - row_max).masked_fill(~valid, 0.0)                 # masked entries exactly 0
         # compaction: each row's valid keys first, in order; masked (zero) entries at the tail
-        order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)     # [B, 1, q, K]
+        order = kept_first(valid)                                                # [B, 1, q, K]
         p_c = p.gather(-1, order.expand(B, H, stop - start, K))                  # [B, H, q, K]
         # the values' rows in that order: one (batch, key) row of every head at once (the order is the same for
         # all heads), copied whole; a view [B, H, q, K, D] of the [B, q, K, H, D] result

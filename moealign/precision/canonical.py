@@ -68,9 +68,9 @@ import os
 import torch
 
 from ..errors import CanonicalError
-from .batch_invariant import fixed_tree_sum
+from .batch_invariant import fixed_tree_sum, kept_first
 from ._tree_kernel import leaf_tree_linear
-from .tree import node_dtype_for, tree_linear, tree_sum
+from .tree import CANONICAL_LEAF_WIDTH, node_dtype_for, tree_linear, tree_sum
 
 __all__ = [
     "LEAF_WIDTH",
@@ -113,8 +113,9 @@ __all__ = [
     "check_canonical_tp",
 ]
 
-#: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree).
-LEAF_WIDTH = 32
+#: The leaf width of every canonical linear layer (both engines must use one value: it fixes the tree; defined
+#: in :mod:`.tree` beside the trees, so that the Triton kernels read it without importing this module).
+LEAF_WIDTH = CANONICAL_LEAF_WIDTH
 
 #: The canonical forward's spec: each op, what it covers, and where each engine binding installs it (None: that
 #: engine has no such op to patch; the scorer runs it under :func:`log_softmax_mode`). The one list both bindings
@@ -478,12 +479,6 @@ def route_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:
     """The routing step's one form: a ``[T, E]`` bool routing map (an engine's own selection, or replayed routes) ->
     the ``k`` chosen experts of each token in ascending expert id ``[T, k]`` (no host sync)."""
     return kept_first(routing_map.reshape(routing_map.shape[0], -1))[:, :k]
-
-
-def kept_first(keep: torch.Tensor) -> torch.Tensor:
-    """For a bool mask ``[..., L]``, the indices with the True entries first, each group in index order (a stable
-    sort on the device: no host sync). ``kept_first(routing_map)[:, :k]``: the chosen experts, ascending."""
-    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
 
 
 def _attention_rows(q, k, v, keep, max_elements, prefix):

@@ -78,7 +78,8 @@ import torch
 
 from .._optional import probe
 from ..errors import CanonicalError, TreeReductionError
-from .canonical import LEAF_WIDTH, kept_first
+from .batch_invariant import kept_first
+from .tree import CANONICAL_LEAF_WIDTH as LEAF_WIDTH
 from .tree import check_tree_world_size, tree_reduce, tree_shape
 
 # triton is optional: without it the module still imports (check_canonical_cuda names what is missing)

@@ -46,6 +46,7 @@ from ..handle import PatchHandle
 
 __all__ = [
     "DEFAULT_LEAF_WIDTH",
+    "CANONICAL_LEAF_WIDTH",
     "ALGORITHMS",
     "AUTO_REDUCE_SCATTER_NUMEL",
     "TreeReductionError",
@@ -63,6 +64,9 @@ __all__ = [
 ]
 
 DEFAULT_LEAF_WIDTH = 64
+#: The leaf width of every canonical linear layer (:data:`moealign.precision.canonical.LEAF_WIDTH`, the Triton
+#: kernels' ``BLOCK_K``): one value for every engine, it fixes the tree.
+CANONICAL_LEAF_WIDTH = 32
 ALGORITHMS = ("auto", "all_gather", "reduce_scatter", "pair")
 AUTO_REDUCE_SCATTER_NUMEL = 1 << 16  # "auto": below this, one all-gather (latency); above, RS + AG (bandwidth)
 

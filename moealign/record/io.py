@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +36,8 @@ from .layouts import concat_kept_sets, split_kept_sets
 from .meta import FORMAT_VERSION, RecordMeta, SamplingParams
 from .sample import Sample
 
-if TYPE_CHECKING:
-    from .rollout import RolloutRecord
+# ``record`` below is a RolloutRecord (moealign.record.rollout), left unannotated: rollout.py imports this module,
+# not the other way round
 
 _OLD_FORMAT_VERSION = 1   # read (checksum over the tensors only), with a warning asking to re-save
 _META_KEY = "moealign.meta"
@@ -47,7 +46,7 @@ _CHECKSUM_KEY = "moealign.checksum"
 _CONTRACT_KEY = "moealign.contract"   # the rollout side's execution contract (moealign.contract), when stated
 
 
-def record_tensors(record: "RolloutRecord") -> dict[str, torch.Tensor]:
+def record_tensors(record) -> dict[str, torch.Tensor]:
     """The tensors a file of ``record`` holds (samples concatenated; the record is not validated here)."""
     samples = record.samples
     lengths = [s.length for s in samples]
@@ -73,7 +72,7 @@ def record_tensors(record: "RolloutRecord") -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_record(record: "RolloutRecord", path: str | os.PathLike) -> None:
+def write_record(record, path: str | os.PathLike) -> None:
     """Write ``record`` (validated first) to ``path``, atomically (:meth:`RolloutRecord.save
     <moealign.record.RolloutRecord.save>`)."""
     from safetensors.torch import save_file
