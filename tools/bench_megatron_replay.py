@@ -11,8 +11,9 @@ compute the same network. Printed: minimum and median of interleaved rounds, and
 The replayed step runs with the replay verifier on (the default: each token dispatcher's ``dispatch_preprocess``
 feeds the routing map it receives into device counters, read once by ``check``); the same step with
 ``verify=False`` is timed too, and their ratio is the verifier's cost (target: at most 1.01). On a shared machine
-that ratio is within the noise, so the verifier's own work is also timed alone: every router's ``observe`` on the
-routing maps of one step (twice with ``--recompute``) plus the report, as a share of the replayed step.
+that ratio is within the noise, so the verifier's own work is also timed alone: every router's ``defer`` (one
+batched pass per call, as the driver) on the routing maps of one step (twice with ``--recompute``) plus the report,
+as a share of the replayed step.
 
     python tools/bench_megatron_replay.py                  # embedded model, CPU
     python tools/bench_megatron_replay.py --batch 8 --seq 512 --recompute --json out.json
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             verifier.reset()
             for _ in range(calls):
                 for i in range(len(expected)):
-                    verifier.observe(i, expected[i], expected[i], vmask, replayed_rows=n)
+                    verifier.defer(i, expected[i], expected[i], vmask, replayed_rows=n)   # as the driver does
             verifier.report()
 
         alone = interleaved({"verify": verify_work}, max(50, 10 * args.repeats), device)

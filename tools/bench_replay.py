@@ -16,6 +16,10 @@ Each figure is a ratio against its baseline measured in the same run, interleave
                 plus the report (the host read), as a share of the replayed step (``verify_share``).
 * set_routes:   the host-side part of replay alone: ``set_routes(batch)`` (the batch's routes into each router's
                 targets on the device), timed by itself, as a share of the plain step (``set_routes_share``).
+* ops:          with ``--count-ops``: the aten ops (each one a kernel launch and some host time on a GPU; views
+                not counted) a replayed training forward adds over the plain one, per router (inside the router
+                modules) and per forward (the token check, the verifier's batched pass), and those of ``set_routes``
+                (:func:`replay_ops`; ``tests/test_replay_op_count.py`` pins them on the embedded model).
 * storage:      bytes per (token, MoE layer) of the saved route table (target: top_k bytes for <= 256
                 experts; vLLM's capture and SGLang use 4 bytes per id, verl 2).
 
@@ -26,6 +30,7 @@ Each figure is a ratio against its baseline measured in the same run, interleave
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import sys
@@ -64,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS plain and replayed training steps (torch.profiler) and print, per op, "
                          "what a replayed step adds over a plain one (host and device time per step)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="also count the aten ops a replayed forward adds over the plain one, per router and per "
+                         "forward (torch dispatch; views not counted)")
     ap.add_argument("--prompts", help="JSON list of prompts (default: the shipped set)")
     args = ap.parse_args(argv)
 
@@ -132,6 +140,12 @@ def main(argv=None) -> int:
     profiled = _profile({"plain": step, "replay": replayed_step, "replay_noverify": lambda: replayed_step(False)},
                         args.profile, args.device) if args.profile else None
 
+    ops = None
+    if args.count_ops:
+        ops = {f"verify={v}": replay_ops(train_model, info, batch, aux_loss=args.aux_loss, verify=v)
+               for v in (True, False)}
+        train_model.train(args.backward)
+
     # the verifier's own work per step, alone: what the experts' pre-hooks queue (same shapes as in the step)
     # and the one read of the counters that check() does
     with hf.RoutingReplay(train_model, info, aux_loss=args.aux_loss).attach() as replay:
@@ -193,6 +207,12 @@ def main(argv=None) -> int:
           f"step")
     print(f"route storage: {bytes_per_token_layer:.2f} bytes per (token, layer) = {result['route_dtype']} x top_k "
           f"{k} (target <= {k}; vLLM/SGLang {4 * k}, verl {2 * k})")
+    if ops is not None:
+        result["ops"] = ops
+        for name, o in ops.items():
+            print(f"aten ops ({name}, {o['routers']} routers, {o['rows_routed']} of {o['rows']} rows routed): a "
+                  f"replayed forward adds {o['per_router']:+d} per router and {o['per_forward']:+d} per forward over "
+                  f"the plain {o['plain']}; set_routes {o['set_routes']}")
     if profiled is not None:
         result["profile"] = profiled
     if args.json:
@@ -233,6 +253,73 @@ def _profile(fns: dict, steps: int, device: str, top: int = 15) -> dict:
             for op, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]["host_us"]))[:top]:
                 print(f"  [host] {op[:53]:53s} calls {d['calls']:+8.1f}  host {d['host_us']:+9.1f} us")
     return per_op
+
+
+_VIEW_OPS = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "alias", "detach", "permute",
+             "t", "transpose", "as_strided", "reshape", "unbind", "lift_fresh", "_reshape_alias", "split"}
+
+
+def _op_counter():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        """Non-view aten ops by region: "router" while a router module runs, else "other"."""
+
+        def __init__(self):
+            super().__init__()
+            self.counts = collections.Counter()
+            self.region = "other"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _VIEW_OPS:
+                self.counts[self.region] += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCount()
+
+
+def _counted_forward(model, info, batch) -> tuple[int, int]:
+    """(ops inside the routers, ops elsewhere) of one forward of ``batch`` (no grad)."""
+    counter = _op_counter()
+    hooks = []
+    for _, router in info.routers:
+        hooks.append(router.register_forward_pre_hook(lambda *a: setattr(counter, "region", "router")))
+        hooks.append(router.register_forward_hook(lambda *a: setattr(counter, "region", "other")))
+    try:
+        with torch.no_grad(), counter:
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counter.counts["router"], counter.counts["other"]
+
+
+def replay_ops(model, info, batch, *, aux_loss: str = "own", verify: bool = True, wrap_router=None) -> dict:
+    """The aten ops (views not counted) a replayed training-mode forward of ``batch`` adds over the plain one:
+    ``per_router`` (inside the router modules, divided by their number), ``per_forward`` (outside them: the token
+    check, the verifier's batched pass), ``set_routes`` (its own ops), ``plain`` (the plain forward's). The second
+    replayed forward is counted (the first makes the verifier's counters). ``wrap_router(forward) -> forward`` wraps
+    each replayed router forward (a test's control)."""
+    model.train()
+    plain_router, plain_other = _counted_forward(model, info, batch)
+    with hf.RoutingReplay(model, info, aux_loss=aux_loss, verify=verify).attach() as replay:
+        counter = _op_counter()
+        with counter:
+            replay.set_routes(batch)
+        if wrap_router is not None:
+            for _, router in info.routers:
+                router.forward = wrap_router(router.forward)
+        _counted_forward(model, info, batch)
+        replay.check(calls=1)
+        replay.reset_counters()
+        router_ops, other_ops = _counted_forward(model, info, batch)
+        replay.check(calls=1)
+    model.eval()
+    n = len(info.routers)
+    return {"routers": n, "rows": batch.rows, "rows_routed": batch.num_replayed_rows,
+            "per_router": (router_ops - plain_router) // n, "per_router_rest": (router_ops - plain_router) % n,
+            "per_forward": other_ops - plain_other, "set_routes": sum(counter.counts.values()),
+            "plain": plain_router + plain_other}
 
 
 def _record(model, ids, am, sampling, args, tok):

@@ -56,6 +56,7 @@ __all__ = [
     "load_balancing_loss",
     "replay_gate_weights",
     "replay_recorded_gate_weights",
+    "replay_topk",
     "select_topk",
 ]
 
@@ -208,8 +209,6 @@ def select_topk(
     if k > num_experts:
         raise RouteError(f"k={k} > num_experts={num_experts} (logits shape {tuple(logits.shape)})")
     scoring.check(num_experts, k)
-    scores = _scores(logits, scoring)
-    selection = scores.detach()
     if expert_bias is not None:
         if not isinstance(expert_bias, torch.Tensor) or expert_bias.shape != (num_experts,):
             raise RouteError(
@@ -218,11 +217,20 @@ def select_topk(
             )
         if not expert_bias.is_floating_point():
             raise RouteError(f"expert_bias must be a floating tensor, got dtype {expert_bias.dtype}")
+    scores = _scores(logits, scoring)
+    ids = _native_ids(scores, k, scoring, expert_bias)
+    return _weights_at(scores, ids, scoring, out_dtype or logits.dtype), ids
+
+
+def _native_ids(scores: torch.Tensor, k: int, scoring: RouterScoring,
+                expert_bias: torch.Tensor | None) -> torch.Tensor:
+    """The family's own top-k ids from :func:`_scores` (bias and group limit on the selection only)."""
+    selection = scores.detach()
+    if expert_bias is not None:
         selection = selection + expert_bias.detach().to(device=selection.device, dtype=selection.dtype)
     if scoring.grouped:
         selection = _group_limit(selection, scoring)
-    ids = selection.topk(k, dim=-1).indices
-    return _weights_at(scores, ids, scoring, out_dtype or logits.dtype), ids
+    return selection.topk(k, dim=-1).indices
 
 
 def replay_gate_weights(
@@ -254,6 +262,39 @@ def replay_gate_weights(
     scoring.check(num_experts)
     ids = expand_routes(ids).to(logits.device)
     return _weights_at(_scores(logits, scoring), ids, scoring, out_dtype or logits.dtype)
+
+
+def replay_topk(
+    logits: torch.Tensor,
+    forced: torch.Tensor,
+    scoring: RouterScoring,
+    *,
+    mask: torch.Tensor | None = None,
+    expert_bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    native: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A replayed router call in the fewest device ops: ``(weights [tokens, k], ids int64 [tokens, k], native)``.
+
+    The hot path of the engine adapters, once per router and forward: the family's scores are computed once;
+    ``ids`` are ``forced`` on the rows where ``mask`` (bool ``[tokens]``) is True (every row when ``mask`` is None)
+    and the family's own top-k elsewhere (``native``: those own ids, computed from the same scores when ``mask`` is
+    given or ``native`` is True, else None); the weights are one gather at ``ids`` plus the family's normalisation,
+    bitwise those of :func:`replay_gate_weights` / :func:`select_topk`. Per call: the scores, one gather and the
+    normalisation with every row forced (no more ops than the router's own top-k path); ``topk`` and one ``where``
+    more with a mask.
+
+    Trusts its inputs (no checks, no host sync): ``forced`` int64 ``[tokens, k]`` on the logits' device with valid,
+    distinct ids (a :class:`~moealign.routing_replay.protocol.ReplayBatch` validated them when built, the adapter's
+    ``set_routes`` moved them), ``logits`` ``[tokens, E]``, ``expert_bias`` ``[E]``. Callers with unchecked input use
+    :func:`replay_gate_weights`.
+    """
+    scores = _scores(logits, scoring)
+    own = None
+    if mask is not None or native:
+        own = _native_ids(scores, forced.shape[-1], scoring, expert_bias)
+    ids = forced if mask is None else torch.where(mask[:, None], forced, own)
+    return _weights_at(scores, ids, scoring, out_dtype or logits.dtype), ids, own
 
 
 def replay_recorded_gate_weights(recorded_weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

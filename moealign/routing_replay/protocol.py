@@ -343,11 +343,12 @@ class RowTokenCheck:
     :meth:`observe` is called at the start of every replayed forward with the tokens the model runs (in router row
     order) and, where the engine takes one, its attention mask. Everything known from shapes is checked at once
     (:class:`ReplayError` before any work); the values (token ids in the vocabulary, 0/1 attention mask, each routed
-    row holding the batch's token, no routed row masked) are compared by a handful of device operations into one
-    int64 counter per forward, read only by :meth:`check` (the adapters' ``check()``): one host read for every
-    forward since the last :meth:`reset`. When a counter is non-zero, the forward's tensors (kept by reference) are
-    checked again on the host to raise the same error, naming the first bad row, that the per-forward host check
-    raised (:func:`check_row_tokens`, ``check_token_ids``, ``check_binary_mask``), with the forward's number.
+    row holding the batch's token, no routed row masked) are compared by a handful of device operations (the id and
+    mask ranges by one ``aminmax`` each, decided on the host later) into one small int64 tensor per forward, read only
+    by :meth:`check` (the adapters' ``check()``): one host read for every forward since the last :meth:`reset`. When a
+    counter is non-zero, the forward's tensors (kept by reference) are checked again on the host to raise the same
+    error, naming the first bad row, that the per-forward host check raised (:func:`check_row_tokens`,
+    ``check_token_ids``, ``check_binary_mask``), with the forward's number.
     ``expected`` / ``mask`` are moved to the forward's device once per :meth:`set` (where the data enters).
     """
 
@@ -396,30 +397,33 @@ class RowTokenCheck:
                               f"{self._expected.numel()}")
         input_ids = actual if input_ids is None else input_ids
         expected, mask = self._expected_on(actual.device)
+        am = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+        # the fewest device ops (each one a kernel launch on a GPU): ranges by one aminmax, decided by check()
+        names, parts = [], []
         with torch.no_grad():
-            parts = []
             if self.vocab_size is not None and input_ids.numel():
-                parts.append(((input_ids < 0) | (input_ids >= self.vocab_size)).sum())
-            else:
-                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+                names += ["id_lo", "id_hi"]
+                parts += [t.to(torch.int64) for t in input_ids.aminmax()]
             differ = expected != actual
             if mask is not None:
                 differ &= mask
+            names.append("slipped")
             parts.append(differ.sum())
-            am = attention_mask if isinstance(attention_mask, torch.Tensor) else None
             if am is not None and am.dtype != torch.bool and am.numel():
-                parts.append(((am != 0) & (am != 1)).sum().to(actual.device))
-            else:
-                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+                if am.is_floating_point() or am.is_complex():
+                    names.append("nonbinary")
+                    parts.append(((am != 0) & (am != 1)).sum().to(actual.device))
+                else:
+                    names += ["am_lo", "am_hi"]
+                    parts += [t.to(device=actual.device, dtype=torch.int64) for t in am.aminmax()]
             if am is not None and masked_rows:
-                routed = mask if mask is not None else torch.ones_like(expected, dtype=torch.bool)
-                parts.append((routed & (am.reshape(-1) == 0).to(actual.device)).sum())
-            else:
-                parts.append(torch.zeros((), dtype=torch.int64, device=actual.device))
+                unattended = (am.reshape(-1) == 0).to(actual.device)
+                names.append("masked")
+                parts.append((unattended if mask is None else unattended & mask).sum())
             counts = torch.stack(parts)
         kept = ((self._expected, self._mask, actual, input_ids, am, masked_rows)
                 if len(self._pending) < self.MAX_KEPT else None)
-        self._pending.append((self.forwards, counts, kept))
+        self._pending.append((self.forwards, counts, kept, tuple(names)))
         self.forwards += 1
 
     def discard_last(self) -> None:
@@ -438,20 +442,29 @@ class RowTokenCheck:
         from ..errors import InputError
 
         by_device: dict[torch.device, list[int]] = {}
-        for i, (_, counts, _) in enumerate(pending):
+        for i, (_, counts, _, _) in enumerate(pending):
             by_device.setdefault(counts.device, []).append(i)
         values: list = [None] * len(pending)
         for indices in by_device.values():
-            for i, v in zip(indices, torch.stack([pending[i][1] for i in indices]).tolist()):
-                values[i] = v
-        for (forward, _, kept), (bad_ids, slipped, nonbinary, masked) in zip(pending, values):
+            flat = torch.cat([pending[i][1] for i in indices]).tolist()
+            at = 0
+            for i in indices:
+                n = pending[i][1].numel()
+                values[i] = dict(zip(pending[i][3], flat[at:at + n]))
+                at += n
+        for (forward, _, kept, _), got in zip(pending, values):
+            bad_ids = int("id_lo" in got and (got["id_lo"] < 0 or got["id_hi"] >= self.vocab_size))
+            slipped = got["slipped"]
+            nonbinary = got.get("nonbinary", 0) or int("am_lo" in got and (got["am_lo"] < 0 or got["am_hi"] > 1))
+            masked = got.get("masked", 0)
             if not (bad_ids or slipped or nonbinary or masked):
                 continue
             n = f" (forward {forward + 1} since the last check)" if len(pending) > 1 else ""
             if kept is None:
-                raise ReplayError(f"{self.where}{n}: {bad_ids} token ids outside the vocabulary, {slipped} routed rows "
-                                  f"holding other tokens than the routes were laid out for, {nonbinary} non-0/1 "
-                                  f"attention-mask values, {masked} routed rows masked")
+                raise ReplayError(f"{self.where}{n}: token ids outside the vocabulary: {'yes' if bad_ids else 'no'}, "
+                                  f"{slipped} routed rows holding other tokens than the routes were laid out for, "
+                                  f"attention-mask values other than 0/1: {'yes' if nonbinary else 'no'}, {masked} "
+                                  f"routed rows masked")
             expected, mask, actual, input_ids, am, _ = kept
             if bad_ids:
                 check_token_ids(input_ids, "input_ids", self.vocab_size, InputError)

@@ -55,7 +55,9 @@ def _set_keys(ids: torch.Tensor) -> torch.Tensor:
 def expected_ids(ids: torch.Tensor, num_experts: int | None = None) -> torch.Tensor:
     """The recorded ids ``[rows, k]`` (distinct per row) prepared once per ``set_routes`` for
     :meth:`ReplayVerifier.observe`: with ``num_experts <= 62`` their set keys (int64 ``[rows]``, one bit per expert:
-    the cheap comparison), else each row sorted (int64 ``[rows, k]``, pass ``expected_sorted=True``)."""
+    the cheap comparison), else each row sorted (int64 ``[rows, k]``, pass ``expected_sorted=True``). Any leading
+    dims: every router's table ``[routers, rows, k]`` at once gives ``[routers, rows]`` (two ops for all routers;
+    its rows, handed to :meth:`ReplayVerifier.defer` in order, are compared in place, without a stack)."""
     if num_experts is not None and int(num_experts) <= _KEY_EXPERTS:
         return _set_keys(ids).contiguous()
     return ids.to(torch.int64).sort(-1).values.contiguous()
@@ -81,9 +83,23 @@ def _bad_rows(ran: torch.Tensor, expected: torch.Tensor, replayed_mask: torch.Te
 
 
 def expected_map(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The recorded ids ``[rows, k]`` as a boolean routing map ``[rows, num_experts]`` (Megatron's form)."""
+    """The recorded ids ``[rows, k]`` as a boolean routing map ``[rows, num_experts]`` (Megatron's form); any leading
+    dims (every router's ``[routers, rows, k]`` at once: ``[routers, rows, num_experts]``)."""
     ids = ids.to(torch.int64)
-    return torch.zeros(ids.shape[0], int(num_experts), dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
+    return torch.zeros(*ids.shape[:-1], int(num_experts), dtype=torch.bool, device=ids.device).scatter_(-1, ids, True)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, as a view (no copy, no kernel) when they are the consecutive slices of one contiguous
+    block (the adapters' ``[routers, rows, ...]`` tables, set once per ``set_routes``)."""
+    t0 = tensors[0]
+    if t0.is_contiguous() and t0.numel():
+        ptr, off, n = t0.untyped_storage().data_ptr(), t0.storage_offset(), t0.numel()
+        if all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype and t.device == t0.device
+               and t.storage_offset() == off + j * n and t.untyped_storage().data_ptr() == ptr
+               for j, t in enumerate(tensors)):
+            return t0.as_strided((len(tensors), *t0.shape), (n, *t0.stride()), off)
+    return torch.stack(tensors)
 
 
 @dataclass(frozen=True)
@@ -304,8 +320,9 @@ class ReplayVerifier:
               expected_sorted: bool = False) -> None:
         """:meth:`observe`, queued: shapes are checked now, the comparison runs at the next :meth:`flush`, with the
         other routers' queued calls in one batched pass when they match (one call per router, the same rows,
-        dtypes, device and mask, ids or set keys, the replayed rows known). Flushed when every router has a call
-        queued (the end of a forward), before a router's second call, and by :meth:`report` / :meth:`check`.
+        dtypes, device and mask, ids, set keys or routing maps, the replayed rows known). Flushed when every router
+        has a call queued (the end of a forward), before a router's second call, and by :meth:`report` /
+        :meth:`check`.
         ``ran`` is held until then: an engine must not write into it after handing it to the experts (none of
         the supported ones does; the ids are only read)."""
         self._check_call(index, ran, expected, replayed_mask)
@@ -329,7 +346,7 @@ class ReplayVerifier:
         for i, p in pending:
             self._counters(i, p[0].device)
         batched = (len(pending) > 1 and indices == list(range(indices[0], indices[-1] + 1))
-                   and ran0.dtype != torch.bool and (mask0 is None or rows0 is not None)
+                   and (mask0 is None or rows0 is not None)
                    and all(self._in_block[i] and self._dev[i].device == device for i in indices)
                    and len({self._calls[i] for i in indices}) == 1
                    and all(r.shape == ran0.shape and r.dtype == ran0.dtype and r.device == device
@@ -339,18 +356,18 @@ class ReplayVerifier:
             for i, (ran, expected, mask, rows, srt) in pending:
                 self.observe(i, ran, expected, mask, replayed_rows=rows, expected_sorted=srt)
             return
-        keys = exp0.dim() == 1
+        keys, is_map = exp0.dim() == 1, ran0.dtype == torch.bool
         call = self._calls[first_i]
         for i, (ran, expected, mask, rows, _) in pending:
-            self._book(i, ran, expected, mask, rows, False, keys)
+            self._book(i, ran, expected, mask, rows, is_map, keys)
         if ran0.shape[0] == 0 or rows0 == 0:
             return
         lo, hi = indices[0], indices[-1] + 1
         block = self._blocks[device]
         with torch.no_grad():
-            bad = _bad_rows(torch.stack([p[0] for _, p in pending]), torch.stack([p[1] for _, p in pending]),
-                            mask0, False, keys, sorted0)                                    # [routers, rows]
-            block[lo:hi, 1] += bad.sum(-1)
+            bad = _bad_rows(_stacked([p[0] for _, p in pending]), _stacked([p[1] for _, p in pending]),
+                            mask0, is_map, keys, sorted0)                                   # [routers, rows]
+            block[lo:hi, 1].add_(bad.sum(-1))
             row = torch.where(bad, self._arange(ran0.shape[0], device), _BIG).amin(-1).add_(call << _CALL_SHIFT)
             torch.minimum(block[lo:hi, 2], row, out=block[lo:hi, 2])
 

@@ -10,15 +10,17 @@
             out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
         replay.check(calls=1)
 
-The routers' ``forward`` (instance attributes, never the class) take the batch's expert ids and
-recompute the gate weights from the live router logits (:func:`~moealign.routing_replay.replay_gate_weights`),
-so the router keeps its gradient. The model's ``forward`` is wrapped too: it checks that the tokens the
-model runs are the batch's (a padding-side or layout slip raises :class:`~moealign.errors.ReplayError`),
-that they are token ids of the model's vocabulary and that its attention mask is 0/1 and leaves every routed
-row attended. Shapes are checked at once; values on the device (:class:`~moealign.routing_replay.protocol.
-RowTokenCheck`: no host sync in the forward), read and raised by :meth:`RoutingReplay.check`. This is where the
-row order is checked: the routers only see hidden states already flattened
-to ``[rows, hidden]`` (batch-major, ``row = b * seq + t`` in every supported family, the batch's order), so
+The routers' ``forward`` (instance attributes, never the class) take the batch's expert ids and recompute the gate
+weights from the live router logits (:func:`~moealign.routing_replay.gates.replay_topk`: the family's scores once, one
+gather at the forced ids and the family's normalisation), so the router keeps its gradient. ``set_routes`` builds
+every router's targets (and the verifier's expected sets) for a forward in one batched pass: one
+``[routers, rows, k]`` table moved to the device once, each router reading its slice. The model's ``forward`` is
+wrapped too: it checks that the tokens the model runs are the batch's (a padding-side or layout slip raises
+:class:`~moealign.errors.ReplayError`), that they are token ids of the model's vocabulary and that its attention mask
+is 0/1 and leaves every routed row attended. Shapes are checked at once; values on the device
+(:class:`~moealign.routing_replay.protocol.RowTokenCheck`: no host sync in the forward), read and raised by
+:meth:`RoutingReplay.check`. This is where the row order is checked: the routers only see hidden states already
+flattened to ``[rows, hidden]`` (batch-major, ``row = b * seq + t`` in every supported family, the batch's order), so
 each router call checks its row count, and the model's forward checks every routed row's token. With
 ``aux_loss="replayed"`` (the default here) the wrapper also recomputes the load-balancing loss from the
 replayed choices. ``forward()`` / ``backward()`` only mark phases in this adapter (transformers re-runs
@@ -47,8 +49,8 @@ from ...errors import InputError, ReplayError, RouteError, UnsupportedModelError
 from ...handle import PatchHandle
 from ...routing_replay.gates import (
     load_balancing_loss,
-    replay_gate_weights,
     replay_recorded_gate_weights,
+    replay_topk,
     select_topk,
 )
 from ...routing_replay.protocol import (
@@ -91,11 +93,11 @@ class RoutingReplay(PatchHandle):
         if verify:
             self._experts = self._experts_modules()
             self.verifier = ReplayVerifier(self.moe_layers, source=f"the top_k_index {type(self._experts[0]).__name__} received")
-        self._expected: list[torch.Tensor] | None = None
+        self._expected: tuple[torch.Tensor, ...] | None = None
         self._aux = DisagreementLog(self._warn_disagreement)
         self._tokens = RowTokenCheck(type(model).__name__, self.info.vocab_size)
         self._batch: ReplayBatch | None = None
-        self._targets: list[torch.Tensor] | None = None
+        self._targets: tuple[torch.Tensor, ...] | None = None
         self._mask: torch.Tensor | None = None
         self._rows_replayed = 0
         self._weights: list[torch.Tensor] | None = None
@@ -137,12 +139,15 @@ class RoutingReplay(PatchHandle):
         if lo < 0 or hi >= self.info.vocab_size:
             check_token_ids(batch.input_ids, "batch.input_ids", self.info.vocab_size, RouteError)
         check_route_ids(batch, E)
+        self.info.scoring.check(E, k)          # the group limit fits (checked here once, not per router call)
         cols = batch.layer_columns(self.moe_layers)
         device = self.info.routers[0][1].weight.device
-        ids = routes.to(device=device, dtype=torch.int64)
-        self._targets = [ids[:, i].contiguous() for i in range(len(cols))]
+        # one table [routers, rows, k] for the forward (one copy, one transfer); each router reads a contiguous slice
+        table = routes.to(device=device, dtype=torch.int64).transpose(0, 1).contiguous()
+        self._targets = table.unbind(0)
         self._mask = None if batch.all_routed else batch.route_mask.to(device)
-        self._expected = None if self.verifier is None else [expected_ids(t, E) for t in self._targets]
+        # the verifier's expected sets, every router at once ([routers, rows]; its batched pass reads them in place)
+        self._expected = None if self.verifier is None else expected_ids(table, E).unbind(0)
         self._rows_replayed = batch.num_replayed_rows
         if recorded_weights is not None:
             if recorded_weights.shape != batch.routes.shape:
@@ -222,19 +227,22 @@ class RoutingReplay(PatchHandle):
                 raise ReplayError(f"layer {layer}: the router saw {h.shape[0]} rows, the replay targets have "
                                   f"{target.shape[0]} rows ({'extra' if target.shape[0] > h.shape[0] else 'missing'} "
                                   f"rows in the record for this forward)")
-            native = None
-            if self._mask is None:
-                ids = target
-            else:
-                native = select_topk(logits, router.top_k, scoring, expert_bias=expert_bias)[1]
-                ids = torch.where(self._mask[:, None], target, native)
-            if self.aux_loss == "warn":
-                self._measure_disagreement(logits, ids, native, router.top_k, scoring, expert_bias)
             out_dtype = torch.float32 if fp32_scores else logits.dtype
+            warn = self.aux_loss == "warn"
             if self._weights is not None:
+                native = None
+                if self._mask is None:
+                    ids = target
+                else:
+                    native = select_topk(logits, router.top_k, scoring, expert_bias=expert_bias)[1]
+                    ids = torch.where(self._mask[:, None], target, native)
                 weights = replay_recorded_gate_weights(self._weights[index], logits).to(out_dtype)
             else:
-                weights = replay_gate_weights(logits, ids, scoring, out_dtype=out_dtype, validate=False)
+                # the scores once: the own top-k (masked rows, aux_loss="warn") and the replayed gates share them
+                weights, ids, native = replay_topk(logits, target, scoring, mask=self._mask, expert_bias=expert_bias,
+                                                   out_dtype=out_dtype, native=warn)
+            if warn:
+                self._measure_disagreement(logits, ids, native, router.top_k, scoring, expert_bias)
             self.counters.add(index, self._rows_replayed)
             if self.aux_loss == "replayed":
                 self._live.append((index, logits, ids))
@@ -246,9 +254,8 @@ class RoutingReplay(PatchHandle):
         with torch.no_grad():
             if native is None:
                 native = select_topk(logits, top_k, scoring, expert_bias=expert_bias)[1]
+            # rows without a recorded route run the own top-k (ids == native there): no mask needed
             differs = (ids.sort(-1).values != native.sort(-1).values).any(-1)
-            if self._mask is not None:
-                differs &= self._mask
             # on the device (read by aux_disagreement / check / undo): no host sync in the forward
             self._aux.add(differs.sum() / max(self._rows_replayed, 1))
 
@@ -257,8 +264,10 @@ class RoutingReplay(PatchHandle):
         """Each router's sibling experts module (``mlp.experts`` next to ``mlp.gate`` in every supported family)."""
         found: dict[int, torch.nn.Module] = {}
         for module in self.model.modules():
-            gate, experts = getattr(module, "gate", None), getattr(module, "experts", None)
-            if isinstance(gate, torch.nn.Module) and isinstance(experts, torch.nn.Module):
+            # the children by name (a dict lookup: getattr on every module of the model was most of attach's time)
+            children = dict(module.named_children())
+            gate, experts = children.get("gate"), children.get("experts")
+            if gate is not None and experts is not None:
                 found[id(gate)] = experts
         missing = [layer for layer, router in self.info.routers if id(router) not in found]
         if missing:

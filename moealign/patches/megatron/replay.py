@@ -358,8 +358,9 @@ class RouterReplayDriver(PatchHandle):
                 if not isinstance(routing_map, torch.Tensor):
                     raise ReplayError(f"layer {layer}: the token dispatcher was called without a routing_map; the "
                                       f"replay cannot verify which experts ran")
-                self.verifier.observe(index, routing_map, expected[index], self._verify_mask,
-                                      replayed_rows=self._verify_replayed)
+                # queued: the forward's routers are compared in one batched pass (ReplayVerifier.defer)
+                self.verifier.defer(index, routing_map, expected[index], self._verify_mask,
+                                    replayed_rows=self._verify_replayed)
             if own is not None:
                 return own(*args, **kwargs)
             return cls.dispatch_preprocess(dispatcher, *args, **kwargs)
@@ -445,13 +446,21 @@ class RouterReplayDriver(PatchHandle):
             cu = cu_seqlens_padded if cu_seqlens_padded is not None else batch.cu_seqlens
             local = local_route_rows(cu_seqlens_padded=cu, **layout)
         ids = ids[local]
+        # every router's targets in one table [routers, rows, k] (one copy), moved to the routers' device once here:
+        # each router gets a contiguous slice already on its device, so RouterReplay's per-call `.to(scores.device)`
+        # (forward and recompute) is a no-op instead of a host-to-device copy per router and call
+        devices = [router.weight.device for _, router in self.routers]
+        device = devices[0]
+        table = ids.transpose(0, 1).contiguous()
+        if all(d == device for d in devices):
+            table = table.to(device)
         for col, (_, router) in enumerate(self.routers):
             router.router_replay.clear_indices()                 # this driver's routers only
-            router.router_replay.set_target_indices(ids[:, col].contiguous())
+            router.router_replay.set_target_indices(table[col].to(devices[col]))
         if self.verifier is not None:
             replayed = mask[local]
-            device = self.routers[0][1].weight.device
-            self._expected_maps = [expected_map(ids[:, col].to(device), model_E) for col in range(len(self.routers))]
+            # the recorded routing maps of every router at once: [routers, rows, E]
+            self._expected_maps = expected_map(table.to(device), model_E).unbind(0)
             if replayed_rows is None or local.numel() != mask.numel():     # padded THD slots or a CP / SP slice
                 replayed_rows = int(replayed.sum())
             self._verify_replayed = replayed_rows
