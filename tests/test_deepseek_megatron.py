@@ -256,6 +256,9 @@ def test_mismatch_default_engines_vllm_to_megatron(tmp_path):
     proc = warm.run([sys.executable, "-m", "moealign", "mismatch", "--model", MODEL, "-q", "--num-prompts", "8",
                      "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the default (no -v) output: no library start-up noise (vLLM's C++ NUMA note, its load progress bar)
+    for noise in ("NUMA binding", "Loading safetensors checkpoint shards", "Triton is installed"):
+        assert noise not in proc.stderr, noise
     report = json.loads(out.read_text())
     assert (report["rollout"]["engine"], report["train"]["engine"]) == ("vllm", "megatron")
     runs = {r["name"]: r["metrics"] for r in report["runs"]}

@@ -4,6 +4,7 @@ machine without them, about ten lines before moealign's table) and vLLM's torch-
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -51,7 +52,10 @@ def test_vllm_start_up_logs_are_errors_only_until_the_command_ends(monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     restore = quiet_expected_warnings()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"           # read by vLLM at import and by its workers
+    # set before vLLM's first import too: its Triton probe warns while vLLM imports, before its logging is set up
+    assert logging.getLogger("vllm").level == logging.ERROR
     restore()
+    assert logging.getLogger("vllm").level != logging.ERROR      # put back
     assert "VLLM_LOGGING_LEVEL" not in os.environ                # the caller's process keeps its environment
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")            # the user's choice wins
     quiet_expected_warnings()()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import warnings
 
 import torch
@@ -63,8 +62,10 @@ def quiet_expected_warnings():
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"          # read when vLLM is imported, and by its workers
     logger = logging.getLogger("vllm")
     level = logger.level
-    if "vllm" in sys.modules:                           # imported already (by a caller): its loggers are set up
-        logger.setLevel(logging.ERROR)
+    # set now too: vLLM's Triton probe (vllm/triton_utils) warns while vLLM is still importing, before its logging
+    # is configured from VLLM_LOGGING_LEVEL, through Python's last-resort handler ("Triton is installed, but doesn't
+    # include CPU backend"); an imported vLLM has its loggers set up and obeys this level too
+    logger.setLevel(logging.ERROR)
 
     def restore() -> None:
         os.environ.pop("VLLM_LOGGING_LEVEL", None)
@@ -117,8 +118,49 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
         # vLLM 0.32's CPU rotary-embedding op rotates MLA's 3-D q / k_pe views as rows of one head each (row r with
         # position r; k_pe read from the latent part): the PyTorch rotary path is exact (tests/test_deepseek_megatron.py)
         options["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    quiet = logging.getLogger("vllm").getEffectiveLevel() >= logging.ERROR     # quiet_expected_warnings ran
+    if quiet:
+        options["use_tqdm_on_load"] = False          # no "Loading safetensors checkpoint shards" bar before a table
     options.update(kwargs)
-    return LLM(**options)
+    if not quiet:
+        return LLM(**options)
+    with _quiet_cpu_memory_note():
+        return LLM(**options)
+
+
+@contextlib.contextmanager
+def _quiet_cpu_memory_note():
+    """Under :func:`quiet_expected_warnings`, on the CPU build: the in-process worker's
+    ``torch.ops._C.init_cpu_memory_env`` (vLLM's C++ op binding the memory to its NUMA node) prints an informational
+    ``Warning: NUMA binding: Using MEMBIND policy ...`` straight to the stderr file descriptor (a C++ TORCH_WARN, no
+    Python logger or warning to filter); that one call runs with fd 2 on /dev/null (an error still raises, with its
+    message, after fd 2 is back). Worker processes (TP > 1) are not covered."""
+    if torch.cuda.is_available():
+        yield
+        return
+    ops = torch.ops._C                                 # vLLM's op namespace (its ops register when vLLM loads _C)
+    name = "init_cpu_memory_env"
+    cached = ops.__dict__.get(name)
+
+    def quiet_call(*args, **kwargs):
+        op = cached if cached is not None else type(ops).__getattr__(ops, name)   # the registered op
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 2)
+                return op(*args, **kwargs)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    setattr(ops, name, quiet_call)
+    try:
+        yield
+    finally:
+        if cached is not None:
+            setattr(ops, name, cached)
+        elif ops.__dict__.get(name) is quiet_call:
+            delattr(ops, name)
 
 
 def _mla_on_cpu(model_path: str) -> bool:
