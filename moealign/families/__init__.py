@@ -46,6 +46,7 @@ __all__ = [
     "CheckpointTensors",
     "checkpoint_tensors",
     "glu_mlp",
+    "size_product",
     "routed_experts",
     "attention_biases",
     "head_dim",
@@ -209,7 +210,8 @@ def config_size(config: Config, name: str) -> int | None:
     return value
 
 
-def _times(*dims):
+def size_product(*dims):
+    """The product of sizes, None when any is unknown (a config without the field): a tensor's expected size."""
     out = 1
     for d in dims:
         if d is None:
@@ -235,7 +237,7 @@ def routed_experts(prefix: str, experts: int | None, inner: int | None, hidden: 
         usual.update(glu_mlp(f"{prefix}.experts.{e}", inner, hidden, names))
     fused_prefix = fused_prefix or prefix
     fused = {f"{fused_prefix}.gate.weight": (experts, hidden),
-             f"{fused_prefix}.experts.gate_up_proj": (experts, _times(2, inner), hidden),
+             f"{fused_prefix}.experts.gate_up_proj": (experts, size_product(2, inner), hidden),
              f"{fused_prefix}.experts.down_proj": (experts, hidden, inner)}
     return usual, fused
 
@@ -261,10 +263,10 @@ def checkpoint_tensors(config: Config, *, attention: Callable[[Config], dict] | 
     for i in range(layers or 0):
         p = f"model.layers.{i}."
         required.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                         p + "self_attn.q_proj.weight": (_times(heads, hd), hidden),
-                         p + "self_attn.k_proj.weight": (_times(kv, hd), hidden),
-                         p + "self_attn.v_proj.weight": (_times(kv, hd), hidden),
-                         p + "self_attn.o_proj.weight": (hidden, _times(heads, hd))})
+                         p + "self_attn.q_proj.weight": (size_product(heads, hd), hidden),
+                         p + "self_attn.k_proj.weight": (size_product(kv, hd), hidden),
+                         p + "self_attn.v_proj.weight": (size_product(kv, hd), hidden),
+                         p + "self_attn.o_proj.weight": (hidden, size_product(heads, hd))})
         required.update({p + name: shape for name, shape in extra.items()})
         if pattern[i]:
             usual, fused, other = sparse_mlp(config)
@@ -281,8 +283,8 @@ def attention_biases(config: Config, *, output: bool) -> dict:
     """q/k/v (and o, with ``output``) projection biases, relative to a decoder layer."""
     hidden, heads = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
     kv, hd = config_size(config, "num_key_value_heads") or heads, head_dim(config)
-    out = {"self_attn.q_proj.bias": (_times(heads, hd),), "self_attn.k_proj.bias": (_times(kv, hd),),
-           "self_attn.v_proj.bias": (_times(kv, hd),)}
+    out = {"self_attn.q_proj.bias": (size_product(heads, hd),), "self_attn.k_proj.bias": (size_product(kv, hd),),
+           "self_attn.v_proj.bias": (size_product(kv, hd),)}
     if output:
         out["self_attn.o_proj.bias"] = (hidden,)
     return out

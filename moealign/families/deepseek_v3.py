@@ -59,6 +59,7 @@ from . import (
     config_size,
     glu_mlp,
     routed_experts,
+    size_product,
 )
 from ..errors import UnsupportedModelError
 
@@ -135,15 +136,6 @@ def moe_layer_pattern(config) -> tuple[int, ...]:
     return tuple(int(experts > 0 and i >= first) for i in range(int(config.num_hidden_layers)))
 
 
-def _times(*dims):
-    out = 1
-    for d in dims:
-        if d is None:
-            return None
-        out *= d
-    return out
-
-
 def _attention(config) -> dict:
     """MLA's tensors relative to a decoder layer (q LoRA or a plain q projection, the joint kv down-projection with
     the decoupled RoPE key, kv up-projection, output), biases with ``attention_bias``."""
@@ -154,14 +146,14 @@ def _attention(config) -> dict:
     out = {}
     if q_rank:
         out.update({"self_attn.q_a_proj.weight": (q_rank, hidden), "self_attn.q_a_layernorm.weight": (q_rank,),
-                    "self_attn.q_b_proj.weight": (_times(heads, qk), q_rank)})
+                    "self_attn.q_b_proj.weight": (size_product(heads, qk), q_rank)})
     else:
-        out["self_attn.q_proj.weight"] = (_times(heads, qk), hidden)
+        out["self_attn.q_proj.weight"] = (size_product(heads, qk), hidden)
     out.update({"self_attn.kv_a_proj_with_mqa.weight": (None if kv_rank is None or rope is None else kv_rank + rope,
                                                          hidden),
                 "self_attn.kv_a_layernorm.weight": (kv_rank,),
-                "self_attn.kv_b_proj.weight": (_times(heads, None if nope is None or v is None else nope + v), kv_rank),
-                "self_attn.o_proj.weight": (hidden, _times(heads, v))})
+                "self_attn.kv_b_proj.weight": (size_product(heads, None if nope is None or v is None else nope + v), kv_rank),
+                "self_attn.o_proj.weight": (hidden, size_product(heads, v))})
     if getattr(config, "attention_bias", False):
         if q_rank:
             out["self_attn.q_a_proj.bias"] = (q_rank,)
@@ -177,7 +169,7 @@ def checkpoint(config) -> CheckpointTensors:
     experts (``moe_intermediate_size x n_shared_experts`` wide)."""
     hidden, vocab = config_size(config, "hidden_size"), config_size(config, "vocab_size")
     experts, inner = config_size(config, "n_routed_experts"), config_size(config, "moe_intermediate_size")
-    shared = _times(inner, config_size(config, "n_shared_experts"))
+    shared = size_product(inner, config_size(config, "n_shared_experts"))
     required = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     optional = {}
     (optional if getattr(config, "tie_word_embeddings", False) else required)["lm_head.weight"] = (vocab, hidden)
