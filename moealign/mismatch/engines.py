@@ -38,7 +38,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..errors import ConfigError, EngineError, MoealignWarning
+from ..errors import ConfigError, MoealignWarning
 from ..precision.batch_invariant import batch_invariant_mode
 from ..precision.policy import (
     POLICIES,
@@ -46,8 +46,6 @@ from ..precision.policy import (
     UnknownPolicyError,
     dtype_name,
     get_policy,
-    megatron_gaps,
-    to_megatron_config_fields,
     to_transformers,
 )
 from ..record import RecordMeta, RolloutRecord, SamplingParams
@@ -506,18 +504,12 @@ class MegatronTrainEngine:
         if attention is not None:
             raise ConfigError(f"the megatron engine has one attention (the local spec's unfused "
                              f"DotProductAttention); attention={attention!r} applies to transformers engines only")
+        from ..patches.megatron.sharded import precision_fields
+
+        # the local (transformer-engine-free) spec: no FP8 layers, whether transformer-engine is installed or not
         policy = resolve_precision(precision)
-        gaps = megatron_gaps(policy)
-        if gaps:
-            raise ConfigError(f"the megatron engine cannot express precision policy {policy.name!r}: "
-                              f"{'; '.join(gaps)}; use --train hf")
-        try:
-            # the local (transformer-engine-free) spec: no FP8 layers, whether transformer-engine is installed or not
-            fields = to_megatron_config_fields(policy, te_available=False)
-        except EngineError as exc:
-            raise ConfigError(f"the megatron engine cannot run precision policy {policy.name!r}: Megatron's FP8 "
-                              f"needs transformer-engine layers, which the engine's local spec does not use; use "
-                              f"--train hf (simulated FP8)") from exc
+        _, fields = precision_fields(policy, engine="the megatron engine",
+                                     hint="; use --train hf (FP8 there is simulated)")
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
             raise ConfigError(f"the megatron engine runs on cpu, or on cuda where CUDA is available, not on {device!r}")
         self.precision, self.dtype, self.device = policy.name, short_dtype(fields["params_dtype"]), device

@@ -164,25 +164,31 @@ class HFTensorPlan:
 # --------------------------------------------------------------------------------------------------
 
 
-def precision_fields(precision: str) -> tuple[str, dict]:
-    """``(policy name, Megatron config fields)`` of the precision policy ``precision`` for the sharded trainer's local
-    spec, or :class:`~moealign.errors.ConfigError` naming why it cannot express it (an fp32 router / LM head in an
-    fp16 model, FP8). Pure: no Megatron import (the commands check it before any process starts)."""
-    from ...precision.policy import UnknownPolicyError, get_policy, megatron_gaps, to_megatron_config_fields
+def precision_fields(precision, *, engine: str = "the sharded Megatron trainer",
+                     hint: str = "") -> tuple[str, dict]:
+    """``(policy name, Megatron config fields)`` of the precision policy ``precision`` (a name or a policy) for
+    Megatron's local (transformer-engine-free) spec, or :class:`~moealign.errors.ConfigError` naming why ``engine``
+    cannot express it (an fp32 router / LM head in an fp16 model, FP8: Megatron's FP8 needs transformer-engine
+    layers), ``hint`` appended. Pure: no Megatron import (the commands check it before any process starts); the
+    one check both Megatron trainers (this one and :class:`moealign.mismatch.engines.MegatronTrainEngine`) make."""
+    from ...precision.policy import (PrecisionPolicy, UnknownPolicyError, get_policy, megatron_gaps,
+                                     to_megatron_config_fields)
 
-    try:
-        policy = get_policy(precision)
-    except UnknownPolicyError as exc:
-        raise ConfigError(f"unknown precision policy {precision!r}") from exc
+    if isinstance(precision, PrecisionPolicy):
+        policy = precision
+    else:
+        try:
+            policy = get_policy(precision)
+        except UnknownPolicyError as exc:
+            raise ConfigError(f"unknown precision policy {precision!r}") from exc
     gaps = megatron_gaps(policy)
     if gaps:
-        raise ConfigError(f"the sharded Megatron trainer cannot express precision policy {policy.name!r}: "
-                          f"{'; '.join(gaps)}")
+        raise ConfigError(f"{engine} cannot express precision policy {policy.name!r}: {'; '.join(gaps)}{hint}")
     try:
         fields = to_megatron_config_fields(policy, te_available=False)
     except EngineError as exc:
-        raise ConfigError(f"the sharded Megatron trainer cannot run precision policy {policy.name!r}: Megatron's FP8 "
-                          f"needs transformer-engine layers (the local spec has none)") from exc
+        raise ConfigError(f"{engine} cannot run precision policy {policy.name!r}: Megatron's FP8 needs "
+                          f"transformer-engine layers (the local spec has none){hint}") from exc
     return policy.name, dict(fields)
 
 
