@@ -63,3 +63,21 @@ def replay_batch(routes: torch.Tensor, ids: torch.Tensor, route_mask: torch.Tens
     mask = None if route_mask is None else route_mask.reshape(ids.shape)
     return ReplayBatch.padded(routes.reshape(*ids.shape, *routes.shape[-2:]), input_ids=ids,
                               attention_mask=torch.ones_like(ids), moe_layers=layers, route_mask=mask)
+
+
+def random_record(lengths, prompt_lens, seed: int, dtype: str, *, experts: int = 16, top_k: int = 4, layers: int = 4,
+                  vocab: int = 2048):
+    """A record of random tokens and routes in the embedded model's shape (16 experts top-4, 4 MoE layers, vocabulary
+    2048): what the sharded-trainer tests score (one sample per length, its prompt ``prompt_lens[i]`` tokens)."""
+    from moealign.record import RecordMeta, RolloutRecord, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    meta = RecordMeta(engine="test", engine_version="0", model_fingerprint="test", num_layers=layers,
+                      moe_layers=tuple(range(layers)), num_experts=experts, top_k=top_k, vocab_size=vocab, dtype=dtype)
+    samples = []
+    for length, prompt in zip(lengths, prompt_lens):
+        ids = torch.randint(2, vocab, (length,), generator=g)
+        routes = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range((length - 1) * layers)])
+        samples.append(Sample(token_ids=ids, prompt_len=prompt, logprobs=torch.full((length - prompt,), -1.0),
+                              routes=routes.reshape(length - 1, layers, top_k).to(torch.uint8)))
+    return RolloutRecord(meta, samples)

@@ -34,7 +34,8 @@ from moealign.errors import ConfigError, EngineError, ReplayError  # noqa: E402
 from moealign.model_config import ConfigView, read_model_config  # noqa: E402
 from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 from moealign.patches.megatron.sharded import ShardedMegatronTrainer  # noqa: E402
-from moealign.record import RecordMeta, RolloutRecord, Sample  # noqa: E402
+from megatron_util import random_record  # noqa: E402
+from moealign.record import RolloutRecord  # noqa: E402
 
 pytestmark = pytest.mark.heavy          # long-running (rank processes): scheduled first, tests/conftest.py
 
@@ -45,16 +46,7 @@ TOL = 5e-5
 
 
 def _record(lengths, prompt_lens, seed) -> RolloutRecord:
-    g = torch.Generator().manual_seed(seed)
-    meta = RecordMeta(engine="test", engine_version="0", model_fingerprint="test", num_layers=LAYERS,
-                      moe_layers=tuple(range(LAYERS)), num_experts=E, top_k=K, vocab_size=V, dtype="float32")
-    samples = []
-    for length, prompt in zip(lengths, prompt_lens):
-        ids = torch.randint(2, V, (length,), generator=g)
-        routes = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range((length - 1) * LAYERS)])
-        samples.append(Sample(token_ids=ids, prompt_len=prompt, logprobs=torch.full((length - prompt,), -1.0),
-                              routes=routes.reshape(length - 1, LAYERS, K).to(torch.uint8)))
-    return RolloutRecord(meta, samples)
+    return random_record(lengths, prompt_lens, seed, "float32", experts=E, top_k=K, layers=LAYERS, vocab=V)
 
 
 EQUAL = _record([16] * 4, [5, 7, 9, 11], seed=1)          # one length: every subset pads to the same T

@@ -27,7 +27,8 @@ from moealign.embedded import embedded_model_path  # noqa: E402
 from moealign.errors import CanonicalError, ConfigError  # noqa: E402
 from moealign.patches.megatron.sharded import ShardedMegatronTrainer  # noqa: E402
 from moealign.precision.canonical import c_log_softmax  # noqa: E402
-from moealign.record import RecordMeta, RolloutRecord, Sample  # noqa: E402
+from megatron_util import random_record  # noqa: E402
+from moealign.record import RolloutRecord  # noqa: E402
 
 pytestmark = pytest.mark.heavy          # long-running (rank processes): scheduled first, tests/conftest.py
 
@@ -35,16 +36,7 @@ E, K, LAYERS, V = 16, 4, 4, 2048
 
 
 def _record(lengths, prompt_lens, seed) -> RolloutRecord:
-    g = torch.Generator().manual_seed(seed)
-    meta = RecordMeta(engine="test", engine_version="0", model_fingerprint="test", num_layers=LAYERS,
-                      moe_layers=tuple(range(LAYERS)), num_experts=E, top_k=K, vocab_size=V, dtype="bfloat16")
-    samples = []
-    for length, prompt in zip(lengths, prompt_lens):
-        ids = torch.randint(2, V, (length,), generator=g)
-        routes = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range((length - 1) * LAYERS)])
-        samples.append(Sample(token_ids=ids, prompt_len=prompt, logprobs=torch.full((length - prompt,), -1.0),
-                              routes=routes.reshape(length - 1, LAYERS, K).to(torch.uint8)))
-    return RolloutRecord(meta, samples)
+    return random_record(lengths, prompt_lens, seed, "bfloat16", experts=E, top_k=K, layers=LAYERS, vocab=V)
 
 
 RECORD = _record([12, 17, 9, 14], [4, 6, 3, 8], seed=2)     # ragged: every call pads to its longest sample
