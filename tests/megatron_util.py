@@ -81,3 +81,27 @@ def random_record(lengths, prompt_lens, seed: int, dtype: str, *, experts: int =
         samples.append(Sample(token_ids=ids, prompt_len=prompt, logprobs=torch.full((length - prompt,), -1.0),
                               routes=routes.reshape(length - 1, layers, top_k).to(torch.uint8)))
     return RolloutRecord(meta, samples)
+
+
+def cpu_world(seed: int = 123):
+    """A gloo world of one (TP = 1) for a test module (use as a module-scoped pytest fixture); RouterReplay's global
+    list of instances and the CPU patches are put back afterwards."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moealign.patches import megatron as mg
+
+    saved = list(RouterReplay.global_router_replay_instances)
+    try:
+        with mg.init_single_process(seed=seed, device="cpu"):
+            yield
+    finally:
+        RouterReplay.global_router_replay_instances[:] = saved
+
+
+def build_from_hf(hf_model, **kw):
+    """``build_megatron_from_hf(hf_model, **kw)`` in eval mode, Megatron's construction warnings hidden."""
+    from moealign.patches.megatron import checkpoint as mc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return mc.build_megatron_from_hf(hf_model, **kw).eval()

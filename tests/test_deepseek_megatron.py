@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from moealign.patches import megatron as mg  # noqa: E402
 from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 from moealign.routing_replay.protocol import ReplayBatch  # noqa: E402
 
+import megatron_util as mu  # noqa: E402
 import warm  # noqa: E402  (tests/: the warm children)
 
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
@@ -33,22 +33,8 @@ LOGIT_TOL = 1e-4      # fp32; measured 3.3e-6 (printed)
 VLLM = probe("vllm")
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    saved = list(RouterReplay.global_router_replay_instances)
-    try:
-        with mg.init_single_process(seed=123, device="cpu"):
-            yield
-    finally:
-        RouterReplay.global_router_replay_instances[:] = saved
-
-
-def _build(hf_model, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return mc.build_megatron_from_hf(hf_model, **kw).eval()
+megatron_cpu = pytest.fixture(scope="module")(mu.cpu_world)     # a gloo world of one, RouterReplay's list kept
+_build = mu.build_from_hf
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ is exact, unsupported features and key mismatches raise."""
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -17,28 +16,15 @@ from moealign.patches import hf as hfp  # noqa: E402
 from moealign.patches import megatron as mg  # noqa: E402
 from moealign.patches.megatron import checkpoint as mc  # noqa: E402
 
+import megatron_util as mu  # noqa: E402
+
 pytestmark = pytest.mark.heavy          # long-running (engines, CLI runs): scheduled first, tests/conftest.py
 
 LOGIT_TOL = 1e-4      # fp32; measured ~1e-5 (printed by the tests)
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    """gloo world of one, TP=1; restores RouterReplay's global list and the CPU patches afterwards."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    saved_replays = list(RouterReplay.global_router_replay_instances)
-    try:
-        with mg.init_single_process(seed=123, device="cpu"):
-            yield
-    finally:
-        RouterReplay.global_router_replay_instances[:] = saved_replays
-
-
-def _build(hf_model, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return mc.build_megatron_from_hf(hf_model, **kw).eval()
+megatron_cpu = pytest.fixture(scope="module")(mu.cpu_world)     # a gloo world of one, RouterReplay's list kept
+_build = mu.build_from_hf
 
 
 @pytest.fixture(scope="module")
