@@ -13,7 +13,8 @@ built by hand (4 samples of one length, random routes replayed: every router mus
 * Negative controls by construction in the same world: rank 1's optimizer step skipped (its experts' rows keep their
   values bit for bit, the comparison names the expert tensors), the loss's gradient withheld from rank 1 (the norm
   and every dense tensor leave the bound).
-* TP 2: one step within the same bounds (RowParallelLinear's all-reduce: another summation order); a rank killed
+* TP 2: one step within the same bounds (RowParallelLinear's all-reduce: another summation order), each rank sent
+  only its vocabulary slice of the loss's gradient (the bound is the check that the slice is the right one); a rank killed
   before a training step is named with its rank and signal, the other stopped.
 * ``moealign rl-check --train-ep 2 --steps 2``: exits 0, ``train.parallel`` states the layout, every refit verified
   (the one vLLM engine start of this file).
@@ -122,7 +123,7 @@ def _step(trainer, fault=None):
     return fwd, loss.detach(), step
 
 
-def _check_step(trainer, ref: dict, after: dict, *, bitwise: bool) -> dict:
+def _check_step(trainer, ref: dict, after: dict, *, bitwise: bool):
     fwd, loss, step = _step(trainer)
     assert torch.equal(step.logits, fwd.logits)                 # pass 2 trained at the logits G was taken at
     if bitwise:
@@ -134,7 +135,7 @@ def _check_step(trainer, ref: dict, after: dict, *, bitwise: bool) -> dict:
     assert _beyond(weights, after["weights"], WEIGHT_TOL) == []
     for rank in step.ranks:                                      # replay checked on every rank in the training pass
         assert rank["mismatched_rows"] == 0 and rank["replayed_calls"] > 0
-    return weights
+    return weights, step
 
 
 def test_ep2_trains_as_the_single_rank_trainer_and_the_controls_are_named(reference):
@@ -147,7 +148,7 @@ def test_ep2_trains_as_the_single_rank_trainer_and_the_controls_are_named(refere
                                fault=("skip-step", 2))
         before = reference[0]["weights"]
         for s in range(2):
-            weights = _check_step(trainer, reference[s], reference[s + 1], bitwise=s == 0)
+            weights, _ = _check_step(trainer, reference[s], reference[s + 1], bitwise=s == 0)
             assert _beyond(weights, before, WEIGHT_TOL) == sorted(weights)     # the step moved every tensor beyond it
             before = weights
         # negative control: the loss's gradient withheld from rank 1 (its samples' share of every gradient): the
@@ -171,7 +172,9 @@ def test_ep2_trains_as_the_single_rank_trainer_and_the_controls_are_named(refere
 def test_tp2_within_the_bound_and_a_killed_rank_is_named(reference):
     trainer = ShardedMegatronTrainer(embedded_model_path(), tp=2, timeout_s=120)
     try:
-        _check_step(trainer, reference[0], reference[1], bitwise=False)
+        _, step = _check_step(trainer, reference[0], reference[1], bitwise=False)
+        # each TP rank was sent its own half of the loss's gradient (V / 2 columns), not the vocabulary
+        assert [r["grad_columns"] for r in step.ranks] == [V // 2, V // 2]
         pids = trainer.pids()
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()

@@ -48,7 +48,7 @@ from .rollout_side import REGIONS, RolloutRescorer, RolloutSetup, mixed_policy, 
 from .scoring import SideScores, score_batch
 from .workers import can_fork
 
-__all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner", "region_dtypes", "mixed_policy",
+__all__ = ["CAUSES", "REGIONS", "ATTRIBUTED_METRICS", "LeverRun", "LeverRunner", "LeverTable", "region_dtypes", "mixed_policy",
            "lever_label"]
 
 #: The most bytes of ``[N, V]`` float32 logits the lever runs keep per side for :meth:`LeverRunner.full_vocab_kl`
@@ -114,7 +114,84 @@ class LeverRun:
         return lever_label(self.levers)
 
 
-class LeverRunner:
+class LeverTable:
+    """What both lever tables share (this module's :class:`LeverRunner`, transformers on both sides, and
+    :class:`~moealign.mismatch.vllm_levers.VllmLeverRunner`, vLLM -> Megatron): the record's per-token columns and
+    micro-batches, the training engines opened on demand by ``trainer_factory(key)`` (the base one, passed in, is
+    not closed here), the passes' caches, one lever set measured into a :class:`LeverRun`, and ``close()``."""
+
+    def _init_table(self, record: RolloutRecord, batch_size: int, trainer_key, trainer,
+                    trainer_factory: Callable, log: Callable[[str], None] | None) -> None:
+        self.record = record
+        self.log = log or (lambda msg: None)
+        self.notes: list[str] = []
+        self.batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
+        self.lengths = [s.response_len for s in record.samples]
+        self.recorded_lp = torch.cat([s.logprobs.float() for s in record.samples])
+        self.recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
+        self.routed = torch.cat([s.routed_rows for s in record.samples])
+        self._trainers = {trainer_key: trainer}
+        self._own_trainers: list = []
+        self._trainer_factory = trainer_factory
+        self._train_cache: dict = {}
+        self._train_logits: dict = {}               # what full_vocab_kl needs, kept
+        self._runs: dict = {}
+
+    @property
+    def players(self) -> list[str]:
+        return [p for g in self.groups for p in g]
+
+    @property
+    def runs(self) -> list[LeverRun]:
+        """Every lever set scored so far, in the order it was first asked for."""
+        return list(self._runs.values())
+
+    def _trainer(self, key):
+        """The training engine for ``key`` (opened by the factory the first time, closed by :meth:`close`)."""
+        if key not in self._trainers:
+            self.log(self._opening(key))
+            engine = self._trainer_factory(key)
+            self._trainers[key] = engine
+            self._own_trainers.append(engine)
+        return self._trainers[key]
+
+    def _opening(self, key) -> str:
+        return f"levers: opening a training engine ({key})"
+
+    def _measure(self, levers: frozenset, rollout_lp: torch.Tensor, rollout_routes: torch.Tensor,
+                 side: SideScores, *, bitwise: bool = False) -> LeverRun:
+        """One lever set's run: the trainer side's log-probs (over the kept sets with ``sampling_mask``), router flips
+        against ``rollout_routes`` on the routed rows, the gap metrics, the ESS (``bitwise``: and whether the two
+        sides are ``torch.equal``); cached under ``levers``."""
+        masked = "sampling_mask" in levers
+        train_lp = side.logprobs(masked and self.record.has_kept_sets)
+        used = torch.cat(side.routes).to(torch.int64)[self.routed]
+        flips = flipped_slots(used, rollout_routes[self.routed])                               # [rows, L]
+        per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
+        support = side.support_mismatch(masked) if self.record.has_kept_sets else None
+        metrics = logprob_metrics(train_lp, rollout_lp, self.lengths)
+        metrics["router_flip_rate"] = float(flips.double().mean()) if flips.numel() else 0.0
+        metrics["token_flip_rate"] = float(flips.any(-1).double().mean()) if flips.numel() else 0.0
+        metrics["support_mismatch_rate"] = float(support.double().mean()) if support is not None else float("nan")
+        metrics["per_layer_flip_rate"] = per_layer
+        if bitwise:
+            metrics["bitwise_equal"] = bool(torch.equal(train_lp, rollout_lp))
+        w = torch.exp((train_lp.double() - rollout_lp.double()).clamp(max=50.0))
+        metrics["ess"] = float(w.mean() ** 2 / (w * w).mean()) if w.numel() else float("nan")
+        run = LeverRun(levers, rollout_lp, train_lp, support, per_layer, metrics["router_flip_rate"], flips, metrics)
+        self._runs[levers] = run
+        return run
+
+    def close(self) -> None:
+        for engine in self._own_trainers:
+            engine.close()
+        self._own_trainers.clear()
+        self.rollout.close()
+        self._train_cache.clear()
+        self._train_logits.clear()
+
+
+class LeverRunner(LeverTable):
     """Evaluates lever sets on one record (every forward cached).
 
     ``trainer_factory(batch_invariant: bool)`` opens a training engine (the base one is passed as ``trainer``
@@ -126,26 +203,13 @@ class LeverRunner:
                  batch_invariant: bool = False, attention: str | None = None, rescorable: bool = False,
                  fault: Fault | None = None, pad_token_id: int | None = None, max_new_tokens: int | None = None,
                  base_sides: dict | None = None, log: Callable[[str], None] | None = None):
-        self.record = record
+        self._init_table(record, batch_size, bool(batch_invariant), trainer, trainer_factory, log)
         self.rollout_policy, self.train_policy = get_policy(rollout_policy), get_policy(train_policy)
         self.base_bi = bool(batch_invariant)
         self.fault = fault
-        self.log = log or (lambda msg: None)
-        self._trainers = {self.base_bi: trainer}
-        self._own_trainers: list = []
-        self._trainer_factory = trainer_factory
-        self._train_cache: dict = {}
-        self._train_logits: dict = {}               # what full_vocab_kl needs, kept when it fits KEEP_LOGITS_BYTES
         # the base trainer passes the mismatch test already ran (score_record: same trainer, batches, record)
         self.share = SHARE_FORWARDS
         self._base_sides = dict(base_sides) if base_sides and self.share else {}
-        self._runs: dict = {}
-        self.notes: list[str] = []
-        self.batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
-        self.lengths = [s.response_len for s in record.samples]
-        self.recorded_lp = torch.cat([s.logprobs.float() for s in record.samples])
-        self.recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
-        self.routed = torch.cat([s.routed_rows for s in record.samples])
         self.rescorable = bool(rescorable)
         #: what the evaluation ran: rollout setups re-scored by a decode / by one forward (batch-invariant), trainer
         #: passes (each over every micro-batch)
@@ -195,10 +259,6 @@ class LeverRunner:
         if self.fault is not None and self.fault.kind == "weights":
             groups.append(["weights"])
         return groups
-
-    @property
-    def players(self) -> list[str]:
-        return [p for g in self.groups for p in g]
 
     # ---------------------------------------------------------------------------------------------- rollout side
     def _setup(self, levers: frozenset) -> RolloutSetup:
@@ -252,13 +312,8 @@ class LeverRunner:
         return (self.base_bi or "batch_invariant" in levers,
                 self._setup(levers) if "routing_replay" in levers else None)
 
-    def _trainer(self, bi: bool):
-        if bi not in self._trainers:
-            self.log("levers: opening a batch-invariant training engine")
-            engine = self._trainer_factory(True)
-            self._trainers[bi] = engine
-            self._own_trainers.append(engine)
-        return self._trainers[bi]
+    def _opening(self, bi: bool) -> str:
+        return "levers: opening a batch-invariant training engine"
 
     def _train(self, bi: bool, replay_setup: RolloutSetup | None) -> SideScores:
         key = (bi, replay_setup)
@@ -311,23 +366,7 @@ class LeverRunner:
             return self._runs[levers]
         setup = self._setup(levers)
         rollout_lp, rollout_routes = self._rollout(setup)
-        side = self._train(*self._train_key(levers))
-        masked = "sampling_mask" in levers
-        train_lp = side.logprobs(masked and self.record.has_kept_sets)
-        used = torch.cat(side.routes).to(torch.int64)[self.routed]
-        flips = flipped_slots(used, rollout_routes[self.routed])                               # [rows, L]
-        per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
-        support = side.support_mismatch(masked) if self.record.has_kept_sets else None
-        metrics = logprob_metrics(train_lp, rollout_lp, self.lengths)
-        metrics["router_flip_rate"] = float(flips.double().mean()) if flips.numel() else 0.0
-        metrics["token_flip_rate"] = float(flips.any(-1).double().mean()) if flips.numel() else 0.0
-        metrics["support_mismatch_rate"] = float(support.double().mean()) if support is not None else float("nan")
-        metrics["per_layer_flip_rate"] = per_layer
-        w = torch.exp((train_lp.double() - rollout_lp.double()).clamp(max=50.0))
-        metrics["ess"] = float(w.mean() ** 2 / (w * w).mean()) if w.numel() else float("nan")
-        run = LeverRun(levers, rollout_lp, train_lp, support, per_layer, metrics["router_flip_rate"], flips, metrics)
-        self._runs[levers] = run
-        return run
+        return self._measure(levers, rollout_lp, rollout_routes, self._train(*self._train_key(levers)))
 
     def full_vocab_kl(self, levers) -> torch.Tensor | None:
         """``[N]`` KL(rollout || trainer) over the whole vocabulary per response token, with ``levers`` on (the
@@ -370,11 +409,6 @@ class LeverRunner:
             del logits, train_logits
         return torch.cat(out)
 
-    @property
-    def runs(self) -> list[LeverRun]:
-        """Every lever set scored so far, in the order it was first asked for."""
-        return list(self._runs.values())
-
     def attribution(self, metrics=ATTRIBUTED_METRICS) -> dict:
         """``{metric: {"gap", "residual", "levers": {lever: share}, "shares": {cause: share}}}``: the Shapley
         values of the players (:attr:`groups`); they add up to ``gap - residual``.
@@ -396,13 +430,6 @@ class LeverRunner:
             out[name] = entry
         return out
 
-    def close(self) -> None:
-        for engine in self._own_trainers:
-            engine.close()
-        self._own_trainers.clear()
-        self.rollout.close()
-        self._train_cache.clear()
-        self._train_logits.clear()
 
 
 def _decode_workers(device) -> int:

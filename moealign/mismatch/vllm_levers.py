@@ -47,11 +47,9 @@ from ..errors import ConfigError, EngineError, MoealignError
 from ..precision.canonical import OPS, log_softmax_mode
 from ..precision.policy import get_policy
 from ..record import RolloutRecord, kept_sets_of
-from ..routing_replay.flips import flipped_slots
 from ..routing_replay.sampling_mask import full_logprob, kept_logprob
 from .attribution import owen_values
-from .levers import ATTRIBUTED_METRICS, CAUSES, LeverRun, lever_label
-from .report import logprob_metrics
+from .levers import ATTRIBUTED_METRICS, CAUSES, LeverRun, LeverTable, lever_label
 from .scoring import SideScores, score_batch
 
 __all__ = ["VllmSetup", "VllmRescorer", "VllmLeverRunner", "PREFILL", "CANONICAL", "pair_runner", "rescore_first", "canonical_unavailable"]
@@ -153,7 +151,7 @@ class VllmRescorer:
         self._logits.clear()
 
 
-class VllmLeverRunner:
+class VllmLeverRunner(LeverTable):
     """:class:`~moealign.mismatch.levers.LeverRunner`'s interface on vLLM -> Megatron (see the module docstring).
 
     ``trainer``: the base Megatron engine (the run's, not closed here); ``trainer_factory(precision)`` opens another
@@ -163,28 +161,15 @@ class VllmLeverRunner:
                  device: str, rollout_policy: str, train_policy: str, batch_size: int,
                  base_sides: dict | None = None, canonical_reason: str | None = None,
                  rescorer: VllmRescorer | None = None, log: Callable[[str], None] | None = None):
-        self.record = record
         self.rollout_policy, self.train_policy = get_policy(rollout_policy), get_policy(train_policy)
-        self.log = log or (lambda msg: None)
-        self.notes: list[str] = []
+        self._init_table(record, batch_size, self.train_policy.name, trainer, trainer_factory, log)
         self.work = {"rollout_engines": 0, "train_passes": 0, "train_engines": 0}
-        self.batches = [list(range(i, min(i + batch_size, len(record)))) for i in range(0, len(record), batch_size)]
-        self.lengths = [s.response_len for s in record.samples]
-        self.recorded_lp = torch.cat([s.logprobs.float() for s in record.samples])
-        self.recorded_routes = torch.cat([s.routes.to(torch.int64) for s in record.samples])
-        self.routed = torch.cat([s.routed_rows for s in record.samples])
         self.rescorable = True
         self.workers = 1
         self.regions: list[str] = []
         self.base_exact: bool | None = None
         self.base_diff = 0.0
-        self._trainers = {self.train_policy.name: trainer}
-        self._own: list = []
-        self._factory = trainer_factory
         self._base_sides = dict(base_sides or {})
-        self._train_cache: dict = {}
-        self._train_logits: dict = {}
-        self._runs: dict = {}
         self.seconds: dict = {"train": {}}
         self.canonical_reason = canonical_reason
         self.rollout = rescorer or VllmRescorer(record=record, model_path=model_path, device=device,
@@ -219,10 +204,6 @@ class VllmLeverRunner:
                           "computes them in fp32 (the rollout at bf16-fp32-router-head is a --rollout-precision)")
         return groups
 
-    @property
-    def players(self) -> list[str]:
-        return [p for g in self.groups for p in g]
-
     def check_base(self) -> bool:
         """Re-score the record with vLLM's stock prefill: bitwise equal to the record, or the prefill-vs-decode
         difference is measured as its own term (:data:`PREFILL`)."""
@@ -249,14 +230,9 @@ class VllmLeverRunner:
             return self.rollout.scores(VllmSetup())
         return self.recorded_lp, self.recorded_routes
 
-    def _trainer(self, precision: str):
-        if precision not in self._trainers:
-            self.log(f"levers: opening a Megatron training engine at {precision}")
-            engine = self._factory(precision)
-            self._trainers[precision] = engine
-            self._own.append(engine)
-            self.work["train_engines"] += 1
-        return self._trainers[precision]
+    def _opening(self, precision: str) -> str:
+        self.work["train_engines"] += 1
+        return f"levers: opening a Megatron training engine at {precision}"
 
     def _train(self, precision: str, canonical: bool, replay: bool, *, keep_logits: bool = False) -> SideScores:
         key = (precision, canonical, replay)
@@ -300,28 +276,7 @@ class VllmLeverRunner:
         if levers in self._runs:
             return self._runs[levers]
         rollout_lp, rollout_routes = self._rollout(levers)
-        side = self._train(*self._train_key(levers))
-        masked = "sampling_mask" in levers
-        train_lp = side.logprobs(masked and self.record.has_kept_sets)
-        used = torch.cat(side.routes).to(torch.int64)[self.routed]
-        flips = flipped_slots(used, rollout_routes[self.routed])
-        per_layer = [float(x) for x in flips.double().mean(0)] if flips.numel() else []
-        support = side.support_mismatch(masked) if self.record.has_kept_sets else None
-        metrics = logprob_metrics(train_lp, rollout_lp, self.lengths)
-        metrics["router_flip_rate"] = float(flips.double().mean()) if flips.numel() else 0.0
-        metrics["token_flip_rate"] = float(flips.any(-1).double().mean()) if flips.numel() else 0.0
-        metrics["support_mismatch_rate"] = float(support.double().mean()) if support is not None else float("nan")
-        metrics["per_layer_flip_rate"] = per_layer
-        metrics["bitwise_equal"] = bool(torch.equal(train_lp, rollout_lp))
-        w = torch.exp((train_lp.double() - rollout_lp.double()).clamp(max=50.0))
-        metrics["ess"] = float(w.mean() ** 2 / (w * w).mean()) if w.numel() else float("nan")
-        run = LeverRun(levers, rollout_lp, train_lp, support, per_layer, metrics["router_flip_rate"], flips, metrics)
-        self._runs[levers] = run
-        return run
-
-    @property
-    def runs(self) -> list[LeverRun]:
-        return list(self._runs.values())
+        return self._measure(levers, rollout_lp, rollout_routes, self._train(*self._train_key(levers)), bitwise=True)
 
     def everything(self) -> frozenset:
         """Every lever on (the fully aligned setting this pair reaches)."""
@@ -433,13 +388,6 @@ class VllmLeverRunner:
             out["canonical_ops"] = self.canonical_ops()
         return out
 
-    def close(self) -> None:
-        for engine in self._own:
-            engine.close()
-        self._own.clear()
-        self.rollout.close()
-        self._train_cache.clear()
-        self._train_logits.clear()
 
 
 def _applies(cfg) -> bool:

@@ -559,7 +559,9 @@ class ShardedMegatronTrainer:
         the same order): Megatron's schedule with ``forward_only=False`` on every rank, the last stage's loss the
         surrogate ``sum(logits * grad_logits)`` over its micro-batches' response positions (its gradient with
         respect to the logits is exactly ``grad_logits``; each data-parallel rank gets its samples' rows, filler
-        slots zeros, every TP rank the full vocabulary: the output layer's gather splits it in its backward), routing
+        slots zeros, each TP rank its own ``V / TP`` columns of it, never the whole vocabulary: the surrogate covers the
+        rank's slice of the gathered logits and the output layer's gather hands each rank its slice in the backward;
+        each rank's report states the columns it received, ``grad_columns``), routing
         replay as in :meth:`forward` (``set_routes`` per micro-batch, the per-token check and the verifier on every
         rank). Then on every rank: gradients summed over its data-parallel group (expert parameters, Megatron's
         ``allreduce=False``, over the expert-data-parallel group), the global gradient norm as Megatron's
@@ -593,15 +595,17 @@ class ShardedMegatronTrainer:
             raise ConfigError("grad_logits holds NaN or Inf values: the loss's gradient is not finite")
         grad_logits = grad_logits.detach().to("cpu")
         per_sample = list(grad_logits.split(b.resp_counts))
+        width = vocab // self.layout.tp                             # checked at the start: TP divides the vocabulary
         payloads = []
         for info in self.ranks:
             grads = None
             if info["last_stage"]:                  # only the last stage computes the surrogate
                 d, grads = info["dp_rank"], []
+                cols = slice(info["tp_rank"] * width, (info["tp_rank"] + 1) * width)   # its vocabulary slice only
                 for m in range(b.num_mb):
                     base = (d * b.num_mb + m) * b.mbs
-                    parts = [per_sample[s] if base + j < b.n else torch.zeros_like(per_sample[s])
-                             for j, s in enumerate(b.rows[base:base + b.mbs])]
+                    parts = [per_sample[s][:, cols] if base + j < b.n else per_sample[s].new_zeros(
+                        per_sample[s].shape[0], width) for j, s in enumerate(b.rows[base:base + b.mbs])]
                     grads.append(torch.cat(parts))
             rank_fault = fault[0] if fault is not None and fault[1] == info["rank"] else None
             payloads.append(("train", dict(b.command, fault=None, micro_batches=b.per_dp[info["dp_rank"]],
@@ -1051,6 +1055,7 @@ class _RankState:
         tp0 = self.info["tp_rank"] == 0
         captured = []
         grads = cmd.get("grads") if train else None
+        grad_columns: list[int] = []                # the widths of the loss gradients this rank received (reported)
         if train and self.info["last_stage"] and (grads is None or len(grads) != len(micro_batches)):
             raise EngineError(f"the training step sent {0 if grads is None else len(grads)} gradients for "
                               f"{len(micro_batches)} micro-batches to a last-stage rank")
@@ -1080,12 +1085,15 @@ class _RankState:
                     outputs[index]["logits"] = picked.detach().cpu()
                 if not train:
                     return output.new_zeros(())
-                # the surrogate: d(sum(picked * G)) / d(picked) = G exactly (every TP rank gets the full vocabulary;
-                # the output layer's gather hands each its slice in the backward)
+                # the surrogate over this TP rank's vocabulary slice: d(sum(picked[:, slice] * G_slice)) / d(picked)
+                # is G_slice in the slice and 0 elsewhere; the output layer's gather hands each rank its own slice in
+                # the backward, G_slice exactly (the driver sends each rank its V / TP columns, never the vocabulary)
                 g = grads[index].to(dev)
                 if cmd.get("train_fault") == "no-grad":
                     g = torch.zeros_like(g)
-                loss = (picked * g).sum()
+                lo = self.info["tp_rank"] * g.shape[1]
+                loss = (picked[:, lo:lo + g.shape[1]] * g).sum()
+                grad_columns.append(int(g.shape[1]))
                 return loss, torch.ones((), dtype=torch.int), {}
 
             return out, loss_func
@@ -1128,6 +1136,7 @@ class _RankState:
                                                          timings=dict(timers)))
         if train:
             answer["grad_norm"] = self._step(cmd)
+            answer["report"]["grad_columns"] = max(grad_columns, default=0)     # 0: not a last-stage rank
         return answer
 
     def _step(self, cmd: dict) -> float:
