@@ -28,6 +28,9 @@ def test_tp2_stock_reductions_on_the_vllm_side_are_named_first(tmp_path):
            "--diagnose", "--json", str(out), "-q"]
     proc = warm.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # -q: vLLM's C++ NUMA note is silenced in its TP worker processes too (the plugin's "quiet" patch; it printed once
+    # per worker before)
+    assert "NUMA binding" not in proc.stderr
     report = json.loads(out.read_text())
     diagnosis = report["diagnosis"]
     assert diagnosis["first_cause"] == "reduction order / TP", diagnosis["headline"]

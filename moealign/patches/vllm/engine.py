@@ -30,11 +30,12 @@ import torch
 
 from ...errors import ConfigError, EngineError
 from ...exits import describe_exit
+from ...handle import PatchHandle
 from ...precision.capability import request_amx_tiles
 from .._version import check_engine_version, engine_version
 
 __all__ = ["SUPPORTED_VLLM_ENGINE", "EXPECTED_WARNINGS", "quiet_expected_warnings", "vllm_environment", "vllm_version",
-           "open_llm", "dead_workers", "naming_dead_workers"]
+           "open_llm", "silence_cpu_memory_note", "dead_workers", "naming_dead_workers"]
 
 #: The vLLM versions whose engine internals (model runner, router capture hook, sampler) moealign drives:
 #: 0.32 (the CPU build, V1 model runner) and 0.33 (the GPU wheel, Model Runner V2).
@@ -124,23 +125,39 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
     options.update(kwargs)
     if not quiet:
         return LLM(**options)
-    with _quiet_cpu_memory_note():
+    # the C++ NUMA note silenced here and, through the plugin, in the worker processes vLLM spawns (TP > 1)
+    from .plugin import ENV, unload
+
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = ",".join(filter(None, [saved, "quiet"]))
+    handle = silence_cpu_memory_note()
+    try:
         return LLM(**options)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+        unload("quiet")                   # where vLLM ran the plugin in this process (its first engine here)
+        handle.undo()
 
 
-@contextlib.contextmanager
-def _quiet_cpu_memory_note():
-    """Under :func:`quiet_expected_warnings`, on the CPU build: the in-process worker's
-    ``torch.ops._C.init_cpu_memory_env`` (vLLM's C++ op binding the memory to its NUMA node) prints an informational
-    ``Warning: NUMA binding: Using MEMBIND policy ...`` straight to the stderr file descriptor (a C++ TORCH_WARN, no
-    Python logger or warning to filter); that one call runs with fd 2 on /dev/null (an error still raises, with its
-    message, after fd 2 is back). Worker processes (TP > 1) are not covered."""
+def silence_cpu_memory_note() -> PatchHandle:
+    """On vLLM's CPU build: its worker's ``torch.ops._C.init_cpu_memory_env`` (the C++ op binding the memory to its
+    NUMA node) prints an informational ``Warning: NUMA binding: Using MEMBIND policy ...`` straight to the stderr file
+    descriptor (a C++ TORCH_WARN, no Python logger or warning to filter); patched, that one call runs with fd 2 on
+    /dev/null (an error still raises, with its message, after fd 2 is back). Returns the handle (``undo()``); nothing
+    is patched on CUDA or where this process is already patched. :func:`open_llm` applies it under
+    :func:`quiet_expected_warnings` in its own process and, through the ``vllm.general_plugins`` entry point
+    (``MOEALIGN_VLLM_PATCHES=quiet``, :mod:`.plugin`), in vLLM's worker processes (TP > 1)."""
+    handle = PatchHandle("vLLM's CPU NUMA memory-binding note (torch.ops._C.init_cpu_memory_env's stderr)", "module")
     if torch.cuda.is_available():
-        yield
-        return
+        return handle
     ops = torch.ops._C                                 # vLLM's op namespace (its ops register when vLLM loads _C)
     name = "init_cpu_memory_env"
     cached = ops.__dict__.get(name)
+    if getattr(cached, "moealign_quiet", False):
+        return handle
 
     def quiet_call(*args, **kwargs):
         op = cached if cached is not None else type(ops).__getattr__(ops, name)   # the registered op
@@ -153,14 +170,9 @@ def _quiet_cpu_memory_note():
             os.dup2(saved, 2)
             os.close(saved)
 
-    setattr(ops, name, quiet_call)
-    try:
-        yield
-    finally:
-        if cached is not None:
-            setattr(ops, name, cached)
-        elif ops.__dict__.get(name) is quiet_call:
-            delattr(ops, name)
+    quiet_call.moealign_quiet = True
+    handle.set_attr(ops, name, quiet_call, label="torch.ops._C.init_cpu_memory_env")
+    return handle
 
 
 def _mla_on_cpu(model_path: str) -> bool:

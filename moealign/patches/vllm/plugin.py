@@ -11,6 +11,7 @@ opening the engine and every process (workers included) applies the same patches
     MOEALIGN_VLLM_PATCHES=precision:policy=fp16-fp32-router-head,tree   # apply_precision(), then the tree
     MOEALIGN_VLLM_PATCHES=canonical            # apply_canonical_forward() (every op moealign's one implementation)
     MOEALIGN_VLLM_PATCHES=canonical:skip=attention+rope   # ... with those ops left stock (negative controls)
+    MOEALIGN_VLLM_PATCHES=quiet                # silence_cpu_memory_note() (open_llm adds it when the command is quiet)
 
 Unset or empty: nothing is patched (the plugin is inert in every vLLM run that does not ask for it). An unknown
 name or option raises :class:`~moealign.errors.ConfigError` naming it, in the worker that reads it (vLLM then
@@ -31,7 +32,7 @@ __all__ = ["ENV", "PATCHES", "load", "loaded", "parse_spec", "spec_for", "unload
 ENV = "MOEALIGN_VLLM_PATCHES"
 
 #: patch name -> (option name -> type) it accepts
-PATCHES = {"tree": {"leaf_width": int}, "precision": {"policy": str}, "canonical": {"skip": str}}
+PATCHES = {"tree": {"leaf_width": int}, "precision": {"policy": str}, "canonical": {"skip": str}, "quiet": {}}
 
 _LOADED: dict[str, PatchHandle] = {}
 
@@ -82,7 +83,11 @@ def load() -> None:
     for name, options in specs:
         if name in _LOADED and _LOADED[name].active:
             continue
-        if name == "tree":
+        if name == "quiet":
+            from .engine import silence_cpu_memory_note
+
+            _LOADED[name] = silence_cpu_memory_note()
+        elif name == "tree":
             from .tree_reduce import apply_tree_reductions
 
             _LOADED[name] = apply_tree_reductions(**options)
