@@ -1,4 +1,4 @@
-"""Issue 24, item 3: the batch-invariant matmul kernel (moealign/precision/_triton_batch_invariant.py) checked on
+"""Issue 24, item 3: the batch-invariant matmul kernel (moealign/precision/batch_invariant_triton.py) checked on
 the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, in a child process: the interpreter is chosen when the
 kernels are defined). Correct against torch (bias, ragged edges in M / N / K), bitwise row-invariant (a row's
 result does not depend on the batch it is in, whatever ``M``), with a negative control (another ``BLOCK_K``, i.e.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r'''
 import torch
-from moealign.precision import _triton_batch_invariant as T
+from moealign.precision import batch_invariant_triton as T
 
 torch.manual_seed(0)
 cfg = (16, 16, 16, 1, 1)

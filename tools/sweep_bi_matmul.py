@@ -4,7 +4,7 @@
     TRITON_INTERPRET=1 python tools/sweep_bi_matmul.py --device cpu --quick   # dry run (Triton's interpreter)
 
 For each configuration ``(BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)`` and each loop form (the persistent loop
-flattened or not) it compiles a copy of :mod:`moealign.precision._triton_batch_invariant`'s kernel, checks it
+flattened or not) it compiles a copy of :mod:`moealign.precision.batch_invariant_triton`'s kernel, checks it
 (every row of an ``m``-row product equals, ``torch.equal``, the same row of the largest product: the invariance a
 configuration must keep; the error against an fp32 reference), and times the kernel alone
 (``triton.testing.do_bench``, CUDA events) against ``torch.matmul`` measured in the same run. A configuration
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from _timing import write_json  # noqa: E402
-from moealign.precision import _triton_batch_invariant as tbi  # noqa: E402
+from moealign.precision import batch_invariant_triton as tbi  # noqa: E402
 
 CONFIGS = [
     (128, 64, 64, 5, 4), (128, 64, 64, 4, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4),

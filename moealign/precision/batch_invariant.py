@@ -21,7 +21,7 @@ How each op gets a reduction order fixed per row (on any device, pure torch):
   power of two), so a row padded to a longer length sums the same. Half-precision inputs accumulate in
   fp32, fp64 in fp64. ``max`` needs no care (it is exact in any order).
 
-On CUDA the direct functions use the Triton kernels of :mod:`moealign.precision._triton_batch_invariant`
+On CUDA the direct functions use the Triton kernels of :mod:`moealign.precision.batch_invariant_triton`
 when triton is installed (``backend="auto"``), else the torch implementations above (cuBLAS on fixed tiles).
 The two backends are each batch-invariant but do not agree with each other bitwise: the rollout engine and
 the trainer must use the same one.
@@ -122,9 +122,9 @@ def triton_available() -> bool:
 
 def _triton_kernels():
     """The Triton module, imported lazily (it imports triton at import time)."""
-    from . import _triton_batch_invariant
+    from . import batch_invariant_triton
 
-    return _triton_batch_invariant
+    return batch_invariant_triton
 
 
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
