@@ -64,6 +64,7 @@ __all__ = [
     "TRAIN_ENGINES",
     "register_rollout_engine",
     "register_train_engine",
+    "HFEngine",
     "HFRolloutEngine",
     "VLLMRolloutEngine",
     "HFTrainEngine",
@@ -205,15 +206,15 @@ def _canonical_log_softmax(ops):
     return canonical_log_softmax(ops)
 
 
-class HFRolloutEngine:
-    """transformers ``generate()`` with route and kept-set recording (:mod:`moealign.patches.hf`)."""
+class HFEngine:
+    """What the transformers engines share: the model loaded at a precision policy on a device (batch-invariant
+    ops and attention where asked), the engine's version."""
 
     name = "transformers"
 
-    def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
-                 batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
-                 aligned_skip=()):
-        from ..patches.hf.loading import load_model, load_tokenizer
+    def _load(self, model_path: str, precision: str, device: str, batch_invariant: bool,
+              attention: str | None) -> None:
+        from ..patches.hf.loading import load_model
         from ..patches.hf.model import transformers_version
 
         policy = resolve_precision(precision)
@@ -221,8 +222,19 @@ class HFRolloutEngine:
         self.attention = _attention(attention, self.batch_invariant)
         self.model, self.precision_handle = load_model(model_path, policy, device, self.attention)
         self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
-        self.tokenizer = load_tokenizer(model_path, padding_side="left")
         self.version = transformers_version()
+
+
+class HFRolloutEngine(HFEngine):
+    """transformers ``generate()`` with route and kept-set recording (:mod:`moealign.patches.hf`)."""
+
+    def __init__(self, model_path: str, precision: str = "bf16", device: str = "cpu", *,
+                 batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
+                 aligned_skip=()):
+        from ..patches.hf.loading import load_tokenizer
+
+        self._load(model_path, precision, device, batch_invariant, attention)
+        self.tokenizer = load_tokenizer(model_path, padding_side="left")
         # --aligned: the canonical forward on the model (patches/hf/canonical.py); the recorded log-probs from the
         # canonical log-softmax
         self.aligned, self.canonical_ops = _hf_canonical(self.model, aligned, aligned_skip)
@@ -396,25 +408,15 @@ class _AlignedVllm:
         unload("canonical")
 
 
-class HFTrainEngine:
+class HFTrainEngine(HFEngine):
     """transformers full-sequence forward (no KV cache), optionally with routing replay."""
-
-    name = "transformers"
 
     def __init__(self, model_path: str, precision: str = "fp32", device: str = "cpu", *,
                  batch_invariant: bool = False, attention: str | None = None, aligned: bool = False,
                  aligned_skip=()):
-        from ..patches.hf.loading import load_model
-        from ..patches.hf.model import transformers_version
-
-        policy = resolve_precision(precision)
-        self.batch_invariant = bool(batch_invariant)
-        self.attention = _attention(attention, self.batch_invariant)
-        self.model, self.precision_handle = load_model(model_path, policy, device, self.attention)
-        self.precision, self.dtype, self.device = policy.name, short_dtype(to_transformers(policy)["dtype"]), device
+        self._load(model_path, precision, device, batch_invariant, attention)
         pad = self.model.generation_config.pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
-        self.version = transformers_version()
         self.aligned, _ = _hf_canonical(self.model, aligned, aligned_skip)      # --aligned (the scorer: log-softmax)
 
     def meta(self) -> RecordMeta:
