@@ -126,7 +126,7 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
     if not quiet:
         return LLM(**options)
     # the C++ NUMA note silenced here and, through the plugin, in the worker processes vLLM spawns (TP > 1)
-    from .plugin import ENV, unload
+    from .patch_spec import ENV
 
     saved = os.environ.get(ENV)
     os.environ[ENV] = ",".join(filter(None, [saved, "quiet"]))
@@ -138,8 +138,7 @@ def open_llm(model_path: str, *, dtype: str = "bf16", seed: int = 0, max_model_l
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
-        unload("quiet")                   # where vLLM ran the plugin in this process (its first engine here)
-        handle.undo()
+        handle.undo()                     # (the plugin, where vLLM ran it in this process, found this one applied)
 
 
 def silence_cpu_memory_note() -> PatchHandle:
