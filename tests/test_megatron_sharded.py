@@ -10,7 +10,8 @@ Bitwise (torch.equal) where the reduction order is the single-rank trainer's: EP
 nothing), EP 2 x PP 2 with the all-to-all dispatcher. The reference is the single-rank trainer run on the samples each
 expert GEMM sees together: on CPU (MKL) an expert's output rows depend on how many tokens its GEMM has, so a
 micro-batch of two samples is compared with the single-rank trainer on those two samples. Within ``TOL`` elsewhere:
-TP 2 (RowParallelLinear's all-reduce sums the two ranks' partial products: another summation order), the all-gather
+TP 2 (sequence parallelism, as the trainer runs TP: RowParallelLinear's reduce-scatter sums the two ranks' partial
+products, another summation order; a call whose padded length is odd gets one more masked column), the all-gather
 dispatcher with EP 2 (its reduce-scatter sums the experts' partial outputs across ranks), and records of ragged
 lengths (padded to the longest sample of the call, the single-rank trainer to the longest of its batch).
 
@@ -260,6 +261,13 @@ def test_tp2_bounded_and_a_killed_rank_is_named(reference):
     try:
         _compare(trainer, reference, bitwise={"alltoall": None, "allgather": None}, dispatchers=("allgather",
                                                                                                   "alltoall"))
+        # sequence parallelism splits the sequence over the 2 TP ranks: samples 1 and 2 pad to 17, one more masked
+        # column makes it even; every rank replays and verifies its half, the routes come back in record order
+        odd = trainer.forward(RAGGED, [1, 2], replay=True)
+        assert odd.flips.router_flip_rate == 0.0 and odd.flips.num_tokens == 16 + 8
+        assert all(r["mismatched_rows"] == 0 and r["verified_rows"] == 18 * 2 // 2 * LAYERS for r in odd.ranks)
+        got = _per_sample(odd.logits, RAGGED, [1, 2])
+        assert max(float((a - b).abs().max()) for a, b in zip(got, reference["ragged", True][1:3])) <= TOL
         pids = trainer.pids()
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()

@@ -4,8 +4,10 @@
 bf16 (`--aligned`'s default precision: where a partial rounded to the activation dtype shows), a ragged record (the
 canonical ops do not depend on the padding), with and without routing replay, both MoE token dispatchers:
 
-* TP 2: each row-parallel linear's K shard is a subtree of the canonical tree; the fp32 subtree roots are added by
-  tree_all_reduce over Megatron's TP group; the experts' intermediate shards likewise over the expert-TP group.
+* TP 2 (sequence parallelism, as the trainer runs TP; this record's length 17 gets one more masked column): each
+  row-parallel linear's K shard is a subtree of the canonical tree; the fp32 subtree roots are added by
+  tree_reduce_scatter over Megatron's TP group; the experts' intermediate shards by tree_all_reduce over the
+  expert-TP group.
 * EP 2: each (token, expert) pair computed on its expert's rank, brought back unsummed by the dispatcher, combined
   in ascending expert id on the token's rank.
 * PP 2: each stage its own layers.

@@ -13,9 +13,14 @@ built by hand (4 samples of one length, random routes replayed: every router mus
 * Negative controls by construction in the same world: rank 1's optimizer step skipped (its experts' rows keep their
   values bit for bit, the comparison names the expert tensors), the loss's gradient withheld from rank 1 (the norm
   and every dense tensor leave the bound).
-* TP 2: one step within the same bounds (RowParallelLinear's all-reduce: another summation order), each rank sent
-  only its vocabulary slice of the loss's gradient (the bound is the check that the slice is the right one); a rank killed
-  before a training step is named with its rank and signal, the other stopped.
+* TP 2 (sequence parallelism on, as Megatron trains MoE with TP: each rank's routers see half of the sequence, each
+  expert every token once): one step within the same bounds (RowParallelLinear's reduce-scatter: another summation
+  order), each rank sent only its vocabulary slice of the loss's gradient (the bound is the check that the slice is the
+  right one), and every parameter's gradient (its squares summed over the ranks, ``grad_squares``) within
+  ``GRAD_RTOL`` of the single-rank trainer's. Negative control by construction: a second step with rank 1's expert
+  gradients multiplied by TP (``"expert-grad-x-tp"``: what TP without sequence parallelism did, each expert seeing
+  TP copies of every token) leaves the norm's bound, and the comparison names exactly the expert tensors. A rank
+  killed before a training step is named with its rank and signal, the other stopped.
 * ``moealign rl-check --train-ep 2 --steps 2``: exits 0, ``train.parallel`` states the layout, every refit verified
   (the one vLLM engine start of this file).
 """
@@ -43,11 +48,17 @@ pytestmark = pytest.mark.heavy          # rank processes: scheduled first, tests
 
 E, K, LAYERS, V = 16, 4, 4, 2048
 LR, MAX_NORM = 2e-3, 1.0
-#: the global gradient norm's relative bound (measured: 6e-8 at EP 2, 7e-7 at TP 2, 1e-7 at PP 2)
+#: the global gradient norm's relative bound (measured: 6e-8 at EP 2, 6.6e-7 at TP 2 with sequence parallelism, 1e-7
+#: at PP 2)
 NORM_RTOL = 1e-5
-#: the updated weights' bound after a step (measured max |delta w|: 1.2e-5 at EP 2, 1.4e-4 at TP 2, 3.1e-5 at PP 2;
-#: lr 2e-3: an element whose gradient is near zero moves by Adam's lr * g / (|g| + eps) with g's last bits)
+#: the updated weights' bound after a step (measured max |delta w|: 1.2e-5 at EP 2, 1.41e-4 at TP 2 with sequence
+#: parallelism, 3.1e-5 at PP 2; lr 2e-3: an element whose gradient is near zero moves by Adam's lr * g / (|g| + eps)
+#: with g's last bits)
 WEIGHT_TOL = LR / 4
+#: each parameter's gradient squares (summed over the TP ranks) against the single-rank trainer's, relative (measured
+#: at TP 2: at most 2.9e-6 at the first step, 2.1e-5 at the second, taken from weights within WEIGHT_TOL of the
+#: reference's; the "expert-grad-x-tp" control moves the expert tensors' by ~2)
+GRAD_RTOL = 1e-3
 
 
 def _record() -> RolloutRecord:
@@ -103,9 +114,11 @@ def reference():
             loss = _loss(fwd.logits, fwd.tokens)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            squares = {n: float(p.grad.float().square().sum()) for n, p in engine.model.named_parameters()}
             norm = float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
             optimizer.step()
-            steps[-1].update(logits=fwd.logits.detach().clone(), loss=loss.detach().clone(), norm=norm)
+            steps[-1].update(logits=fwd.logits.detach().clone(), loss=loss.detach().clone(), norm=norm,
+                             grad_squares=squares)
             steps.append({"weights": _weights(engine)})
         yield steps
     finally:
@@ -121,6 +134,17 @@ def _step(trainer, fault=None):
     loss.backward()
     step = trainer.train_step(RECORD, IDX, leaf.grad, replay=True, lr=LR, max_grad_norm=MAX_NORM, fault=fault)
     return fwd, loss.detach(), step
+
+
+def _grads_beyond(step, ref: dict) -> list[str]:
+    """The Megatron parameters whose gradient squares, summed over the ranks (a TP-only world: every rank holds the
+    same names; TP duplicates counted once), differ from the single-rank trainer's by more than GRAD_RTOL."""
+    total: dict[str, float] = {}
+    for rank in step.ranks:
+        for name, value in rank["grad_squares"].items():
+            total[name] = total.get(name, 0.0) + value
+    assert set(total) == set(ref["grad_squares"])
+    return sorted(n for n, v in total.items() if abs(v - ref["grad_squares"][n]) > GRAD_RTOL * ref["grad_squares"][n])
 
 
 def _check_step(trainer, ref: dict, after: dict, *, bitwise: bool):
@@ -172,9 +196,18 @@ def test_ep2_trains_as_the_single_rank_trainer_and_the_controls_are_named(refere
 def test_tp2_within_the_bound_and_a_killed_rank_is_named(reference):
     trainer = ShardedMegatronTrainer(embedded_model_path(), tp=2, timeout_s=120)
     try:
+        assert trainer.sequence_parallel
         _, step = _check_step(trainer, reference[0], reference[1], bitwise=False)
         # each TP rank was sent its own half of the loss's gradient (V / 2 columns), not the vocabulary
         assert [r["grad_columns"] for r in step.ranks] == [V // 2, V // 2]
+        # sequence parallelism: each rank's routers replayed (and its verifier checked) its half of the 4 x 16 rows
+        assert [r["verified_rows"] for r in step.ranks] == [4 * 16 * LAYERS // 2] * 2
+        assert _grads_beyond(step, reference[0]) == []          # every gradient the single-rank trainer's
+        # negative control by construction: rank 1's expert gradients TP times the loss's (TP without SP)
+        _, _, step = _step(trainer, fault=("expert-grad-x-tp", 1))
+        assert abs(step.grad_norm - reference[1]["norm"]) > 100 * NORM_RTOL * reference[1]["norm"]
+        experts = sorted(n for n, v in reference[1]["grad_squares"].items() if ".mlp.experts." in n and v > 0)
+        assert len(experts) > 2 * LAYERS and _grads_beyond(step, reference[1]) == experts
         pids = trainer.pids()
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()

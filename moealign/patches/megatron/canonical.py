@@ -22,7 +22,10 @@ Megatron's or ``torch.distributed``'s over Megatron's own groups):
   ranks; the output layer's vocabulary slices are all-gathered, an exact copy). A ``RowParallelLinear``'s K shard
   is a subtree of the canonical tree: its fp32 subtree roots are summed by
   :func:`~moealign.precision.tree.tree_all_reduce` over Megatron's TP group (the top of the same tree), then the
-  bias and the one cast: TP 1's bits.
+  bias and the one cast: TP 1's bits. Under sequence parallelism (what the sharded trainer builds at TP > 1) a
+  column-parallel linear first all-gathers its input's sequence chunks (an exact copy; backward: Megatron's
+  reduce-scatter) and a row-parallel one adds the roots with
+  :func:`~moealign.precision.tree.tree_reduce_scatter` (the same tree, each rank keeping its sequence chunk).
 * **EP / expert TP**: the token dispatcher (all-to-all or all-gather) moves each (token, expert) pair to its
   expert's ranks; there ``c_experts`` computes that pair's fp32 output (on an expert-TP shard of the intermediate
   axis, its subtree root, tree-all-reduced over Megatron's expert-TP group and kept on that group's first rank,
@@ -33,7 +36,7 @@ Megatron's or ``torch.distributed``'s over Megatron's own groups):
 * **PP**: each stage runs its own layers; the pipeline's send / recv moves activations unchanged.
 
 Everything stays differentiable: a training step's backward runs through the same forward. Refused at setup,
-naming it (:class:`~moealign.errors.CanonicalError`): context parallelism, sequence parallelism, a TP or expert-TP
+naming it (:class:`~moealign.errors.CanonicalError`): context parallelism, sequence parallelism at TP 1, a TP or expert-TP
 size that is not a power of two or whose shards are not whole tree leaves, a token dispatcher other than
 all-to-all / all-gather, a gated or overlapped shared expert, a capacity factor, a latent MoE, grouped GEMM experts,
 RoPE fusion or interleaving (outside MLA) or scaling (YaRN, mscale), a custom softmax scale, packed sequences at run
@@ -87,7 +90,7 @@ def _check_config(config) -> None:
     problems = []
     for name, bad in (("tensor_model_parallel_size", lambda v: not _power_of_two(v)),
                       ("expert_tensor_parallel_size", lambda v: not _power_of_two(v)),
-                      ("context_parallel_size", lambda v: v != 1), ("sequence_parallel", bool),
+                      ("context_parallel_size", lambda v: v != 1),
                       ("moe_expert_capacity_factor", lambda v: v is not None),
                       ("moe_latent_size", bool), ("moe_grouped_gemm", bool), ("apply_rope_fusion", bool),
                       ("softmax_scale", lambda v: v is not None),
@@ -98,6 +101,8 @@ def _check_config(config) -> None:
         value = getattr(config, name, None)
         if value is not None and bad(value):
             problems.append(f"{name}={value!r}")
+    if getattr(config, "sequence_parallel", False) and (getattr(config, "tensor_model_parallel_size", 1) or 1) == 1:
+        problems.append("sequence_parallel=True at tensor_model_parallel_size=1")
     if (getattr(config, "moe_token_dispatcher_type", "allgather") not in ("alltoall", "allgather")
             and (getattr(config, "expert_model_parallel_size", 1) or 1) * (getattr(config, "expert_tensor_parallel_size", 1) or 1) > 1):
         problems.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}")
@@ -174,18 +179,23 @@ def _check_shards(model) -> None:
 
 def _linear_forward(module, out_dtype=None):
     """A ColumnParallelLinear: this rank's output columns (each column's tree is whole here); the input's gradient
-    all-reduced over the TP group in the backward (Megatron's copy), the output all-gathered where the layer
-    gathers (the output layer of a trainer that wants the full vocabulary)."""
+    all-reduced over the TP group in the backward (Megatron's copy; under sequence parallelism the input's chunks
+    all-gathered first, the gradient reduce-scattered back), the output all-gathered where the layer gathers (the
+    output layer of a trainer that wants the full vocabulary)."""
     from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region,
                                                         gather_from_tensor_model_parallel_region)
 
     group = getattr(module, "tp_group", None)
     tp = _group_size(group)
+    sequence_parallel = tp > 1 and bool(getattr(module, "sequence_parallel", False))
 
     def forward(input_, weight=None, runtime_gather_output=None):
         w = module.weight if weight is None else weight
         bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
-        if tp > 1:
+        if sequence_parallel:
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group)
+        elif tp > 1:
             input_ = copy_to_tensor_model_parallel_region(input_, group=group)
         out = C.c_linear(input_, w, bias, out_dtype=out_dtype)
         gather = module.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -197,13 +207,17 @@ def _linear_forward(module, out_dtype=None):
 
 def _row_forward(module, tp_reduce: str):
     """A RowParallelLinear: the fp32 subtree root of this rank's K shard, the top of the tree across the TP group
-    (:func:`~moealign.precision.tree.tree_all_reduce`), then the bias and the one cast (``c_linear`` at TP 1)."""
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    (:func:`~moealign.precision.tree.tree_all_reduce`; under sequence parallelism
+    :func:`~moealign.precision.tree.tree_reduce_scatter`, this rank keeping its sequence chunk), then the bias and
+    the one cast (``c_linear`` at TP 1)."""
+    from megatron.core.tensor_parallel.mappings import (reduce_from_tensor_model_parallel_region,
+                                                        reduce_scatter_to_sequence_parallel_region)
 
-    from ...precision.tree import tree_all_reduce, tree_linear
+    from ...precision.tree import tree_all_reduce, tree_linear, tree_reduce_scatter
 
     group = getattr(module, "tp_group", None)
     tp = _group_size(group)
+    sequence_parallel = tp > 1 and bool(getattr(module, "sequence_parallel", False))
 
     def forward(input_):
         bias = module.bias if (module.bias is not None and not module.skip_bias_add) else None
@@ -211,8 +225,12 @@ def _row_forward(module, tp_reduce: str):
         if tp == 1:
             return C.c_linear(input_, module.weight, bias), extra
         root = tree_linear(input_, module.weight.to(input_.dtype), leaf_width=C.LEAF_WIDTH)
-        if tp_reduce == "tree":
+        if tp_reduce == "tree" and sequence_parallel:
+            out = tree_reduce_scatter(root, group, dim=0, node_dtype=root.dtype)
+        elif tp_reduce == "tree":
             out = tree_all_reduce(root, group, node_dtype=root.dtype)
+        elif sequence_parallel:                # the negative control: Megatron's own reduce-scatter of rounded partials
+            out = reduce_scatter_to_sequence_parallel_region(root.to(input_.dtype), group=group).to(root.dtype)
         else:                                  # the negative control: Megatron's own all-reduce of rounded partials
             out = reduce_from_tensor_model_parallel_region(root.to(input_.dtype), group=group).to(root.dtype)
         if bias is not None:

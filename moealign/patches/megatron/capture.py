@@ -13,8 +13,10 @@ sequence-first row order (row ``t*B + b``). :meth:`MegatronRouteCapture.last_for
 most recent forward into expert ids in the record's batch-major row order (row ``b*T + t``, as in
 :meth:`moealign.record.RolloutRecord.to_padded`), one column per MoE layer in ascending layer order
 (:func:`~moealign.patches.megatron.moe_routers`; MTP routers excluded). Works with or without routing
-replay (under replay the maps hold the replayed experts). The routers must see every row of the batch:
-sequence- or context-parallel slicing is refused.
+replay (under replay the maps hold the replayed experts). Under sequence parallelism each TP rank's routers see
+only its chunk of the sequence: :meth:`MegatronRouteCapture.last_forward_rows` (``sp_size``, ``sp_rank``) gives
+that rank's ids with the record rows they belong to, which the TP ranks' answers put back in order;
+:meth:`~MegatronRouteCapture.last_forward` needs every row. Context-parallel slicing is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ...errors import ReplayError, UnsupportedEngineError
 from ...handle import PatchHandle
+from ...routing_replay.layouts import local_route_rows
 from .replay import moe_routers
 
 __all__ = ["MegatronRouteCapture", "capture_routes"]
@@ -84,26 +87,37 @@ class MegatronRouteCapture(PatchHandle):
 
     def last_forward(self) -> torch.Tensor:
         """Expert ids of the most recent forward: ``[B*T, n_layers, k]`` int64, row ``b*T + t`` (the
-        record's row order), ids ascending within a row."""
+        record's row order), ids ascending within a row. The routers must have seen every row (no sequence
+        parallelism: :meth:`last_forward_rows`)."""
+        rows, ids = self.last_forward_rows()
+        return ids.new_empty(ids.shape).index_copy_(0, rows.to(ids.device), ids)
+
+    def last_forward_rows(self, *, sp_size: int = 1, sp_rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, ids)`` of the most recent forward on a rank whose routers saw the sequence-parallel chunk
+        ``sp_rank`` of ``sp_size`` (Megatron's ``[s / sp_size, b, h]``; 1 / 0: every row): ``ids``
+        ``[B*T / sp_size, n_layers, k]`` int64 in the routers' own row order, ids ascending within a row, and
+        ``rows`` the record row ``b*T + t`` of each (:func:`~moealign.routing_replay.layouts.local_route_rows`)."""
         if not self.shapes:
             raise ReplayError("route capture saw no model forward")
         if not all(self.maps):
             raise ReplayError(f"no router call recorded in some layers (calls per layer: {self.num_calls})")
         B, T = self.shapes[-1]
+        rows = local_route_rows(batch_shape=(B, T), sp_size=sp_size, sp_rank=sp_rank)
         used = []
         for (layer, router), maps in zip(self.routers, self.maps):
             m = maps[-1]
-            if m.dim() != 2 or m.shape[0] != T * B:
+            if m.dim() != 2 or m.shape[0] != rows.numel():
                 raise UnsupportedEngineError(
-                    f"layer {layer}: the router saw a routing map of shape {tuple(m.shape)}, not [{T * B}, E] for "
-                    f"input_ids [{B}, {T}] (sequence- or context-parallel slicing is not supported by the capture)")
+                    f"layer {layer}: the router saw a routing map of shape {tuple(m.shape)}, not [{rows.numel()}, E] "
+                    f"for input_ids [{B}, {T}] at sequence-parallel rank {sp_rank} of {sp_size} (another "
+                    f"sequence-parallel size, or context-parallel slicing, which the capture does not support)")
             k = int(router.topk)
-            ids = m.reshape(T, B, -1).transpose(0, 1).reshape(B * T, -1).nonzero()[:, 1]
-            if ids.numel() != B * T * k:
-                raise ReplayError(f"layer {layer}: the routing map selects {ids.numel()} experts for {B * T} rows, "
-                                  f"not {k} per row")
-            used.append(ids.reshape(B * T, k))
-        return torch.stack(used, dim=1)
+            ids = m.nonzero()[:, 1]                         # the routers' row order: t*B + b within the chunk
+            if ids.numel() != rows.numel() * k:
+                raise ReplayError(f"layer {layer}: the routing map selects {ids.numel()} experts for {rows.numel()} "
+                                  f"rows, not {k} per row")
+            used.append(ids.reshape(rows.numel(), k))
+        return rows, torch.stack(used, dim=1)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ __all__ = [
     "CheckpointMismatchError",
     "megatron_config_from_hf",
     "megatron_layer_spec",
+    "SequenceParallelTorchNorm",
     "build_megatron_from_hf",
     "load_hf_into_megatron",
     "hf_state_dict_from_megatron",
@@ -294,15 +295,59 @@ def megatron_config_from_hf(hf_config, *, params_dtype: torch.dtype = torch.floa
 
 def megatron_layer_spec(config):
     """The local (transformer-engine-free) decoder block spec for ``config``: dense and MoE layers as
-    ``config.moe_layer_freq`` says."""
+    ``config.moe_layer_freq`` says. With ``config.sequence_parallel`` every norm of the spec is
+    :class:`SequenceParallelTorchNorm` (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism)."""
     megatron_version()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if getattr(config, "multi_latent_attention", False):
         from .mla import mla_local_block_spec        # MLA: a local core attention with separate k / v head sizes
 
-        return mla_local_block_spec(config)
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+        spec = mla_local_block_spec(config)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
+    if getattr(config, "sequence_parallel", False):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        spec = _swap_module(spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    return spec
+
+
+class SequenceParallelTorchNorm:
+    """Megatron's ``WrappedTorchNorm`` (a plain ``torch.nn.RMSNorm``) for a sequence-parallel model: Megatron refuses
+    torch's norms under sequence parallelism only because they do not mark their weight, whose gradient each TP rank
+    then holds for its own sequence chunk; this one marks it ``sequence_parallel`` (as transformer-engine's and apex's
+    norms do), so the gradient is summed over the TP group with the other marked parameters (the routers' weights)
+    after the backward (:class:`~moealign.patches.megatron.sharded.ShardedMegatronTrainer`'s step). RMSNorm only
+    (every family mapped here)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        unsupported = [f"{name}=True" for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
+                                                   "memory_efficient_layer_norm") if getattr(config, name, False)]
+        if config.normalization != "RMSNorm":
+            unsupported.insert(0, f"normalization={config.normalization!r}")
+        if unsupported:
+            raise UnsupportedConversionError(f"the sequence-parallel torch norm is a plain RMSNorm; not "
+                                             f"{', '.join(unsupported)}")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        setattr(norm.weight, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def _swap_module(spec, old: type, new: type):
+    """``spec`` (a Megatron ModuleSpec / submodules dataclass / list of them) with every ``old`` module class
+    replaced by ``new`` (copies; the original spec is untouched)."""
+    import dataclasses
+
+    if spec is old:
+        return new
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_swap_module(item, old, new) for item in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _swap_module(getattr(spec, f.name), old, new)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
 
 
 def build_megatron_from_hf(hf_model: torch.nn.Module, *, parallel_output: bool = True, **config_kwargs):

@@ -25,21 +25,34 @@ every exchange of tensors between ranks is Megatron's (tensor-parallel all-reduc
 dispatcher's all-to-all or all-gather, the pipeline's send / recv). The driver talks to the ranks through one pipe
 each, for commands and results only.
 
+Tensor parallelism is sequence parallelism, as Megatron trains MoE with TP: at TP > 1 every rank's model is built with
+``sequence_parallel=True`` (the local spec's norms are
+:class:`~moealign.patches.megatron.checkpoint.SequenceParallelTorchNorm`, which marks their weights), so TP rank r's
+norms, routers and MoE layers see the r-th of TP equal chunks of the sequence (``[s / TP, b, h]``), each expert sees
+every token once (the dispatcher gathers the TP ranks' distinct tokens), the output layer gathers the sequence and the
+vocabulary (every last-stage TP rank holds ``[b, s, V]``), and after a backward the weights marked
+``sequence_parallel`` (norms, routers) have their gradients summed over the TP group.
+
 Data: the samples are split over the data-parallel ranks in order, each rank's share into micro-batches of
 ``micro_batch_size`` rows, all padded (right) to the longest sample of the call, so every micro-batch has the same
-``[micro_batch_size, T]`` shape (the pipeline's p2p buffers and the all-gather dispatcher need it); slots left
-over are filled with copies of a real sample whose results are dropped.
+``[micro_batch_size, T]`` shape (the pipeline's p2p buffers and the all-gather dispatcher need it), T a multiple of TP
+(sequence parallelism: one more masked, unrouted column where needed); slots left over are filled with copies of a real
+sample whose results are dropped.
 
 Replay: each rank drives Megatron's ``RouterReplay`` through :class:`~moealign.patches.megatron.RouterReplayDriver`
 for its own routers (bound by global ``layer_number``: a pipeline stage holds a subset), one ``set_routes`` per
-micro-batch in the schedule's own order, with the per-forward token check and the dispatcher verifier; after the
-schedule ``check(calls=micro-batches)`` runs on every rank. A failure names the rank and its coordinates.
+micro-batch in the schedule's own order (under sequence parallelism each TP rank's routers get its chunk's rows), with
+the per-forward token check and the dispatcher verifier; after the schedule ``check(calls=micro-batches)`` runs on
+every rank. A failure names the rank and its coordinates. The routes the routers used come from every TP rank's
+chunk (:meth:`~moealign.patches.megatron.capture.MegatronRouteCapture.last_forward_rows`) and the driver puts them back
+in sequence order.
 
 Training (:meth:`ShardedMegatronTrainer.train_step`, what ``rl-check`` runs): the caller's loss is a function of
 the logits :meth:`~ShardedMegatronTrainer.forward` returned; given G = dLoss/dlogits, every rank runs the schedule
 again with ``forward_only=False`` and, on the last stage, the surrogate ``sum(logits * G)`` (replay as in the forward);
-then the gradients are summed over the data-parallel (expert-data-parallel) groups, the global norm is Megatron's,
-the clip is ``clip_grad_norm_``'s and each rank's ``torch.optim.Adam`` steps its own parameters.
+then the gradients are summed over the data-parallel (expert-data-parallel) groups (and, for the weights Megatron
+marks ``sequence_parallel``, over the TP group), the global norm is Megatron's, the clip is ``clip_grad_norm_``'s and
+each rank's ``torch.optim.Adam`` steps its own parameters.
 
 Failures: a rank that raises answers with its error (the driver raises the same :mod:`moealign.errors` class
 naming the rank); a rank that dies is named with its exit (:func:`moealign.exits.child_failure`) and the others are
@@ -74,8 +87,10 @@ DISPATCHERS = ("alltoall", "allgather")
 #: Negative controls of :meth:`ShardedMegatronTrainer.forward` (``fault=``): what each rank does to its replay rows.
 FAULTS = ("shift", "swap")
 #: Negative controls of :meth:`ShardedMegatronTrainer.train_step` (``fault=(name, rank)``): ``"no-grad"`` withholds
-#: the loss's gradient from that rank (its surrogate's gradient zeros), ``"skip-step"`` skips its optimizer step.
-TRAIN_FAULTS = ("no-grad", "skip-step")
+#: the loss's gradient from that rank (its surrogate's gradient zeros), ``"skip-step"`` skips its optimizer step,
+#: ``"expert-grad-x-tp"`` multiplies its expert parameters' gradients by TP before they are reduced (what TP without
+#: sequence parallelism did: each expert saw TP copies of every token).
+TRAIN_FAULTS = ("no-grad", "skip-step", "expert-grad-x-tp")
 #: The per-rank timers of a forward (seconds summed over the rank's micro-batches; each rank's
 #: ``ranks[i]["timings"]``): moealign's own replay work, in CPU time of the rank's thread (``time.thread_time``: what
 #: the rank spent, not how long it waited for a core when ranks share them), ``set_routes`` (the micro-batch's ReplayBatch built and
@@ -268,6 +283,8 @@ class ShardedMegatronTrainer:
             warnings.warn(f"{self.layout}: {world} rank processes on {os.cpu_count()} CPU cores; it will be slow",
                           MoealignWarning, stacklevel=2)
         view = ConfigView(**config)
+        #: Megatron's sequence parallelism, on whenever TP > 1 (module docstring: what it changes)
+        self.sequence_parallel = self.layout.tp > 1
         self.top_k = int(view.num_experts_per_tok)
         self.micro_batch_size = micro_batch_size
         self.device = device
@@ -280,7 +297,8 @@ class ShardedMegatronTrainer:
         spec = dict(model_path=self.model_path, config=config, tp=self.layout.tp, ep=self.layout.ep,
                     pp=self.layout.pp, world=world, dispatcher=dispatcher, fields=fields, device=device,
                     timeout_s=self.timeout_s, threads=threads, seed=seed, parent=os.getpid(),
-                    canonical_ops=canonical_ops, tp_reduce=tp_reduce)
+                    canonical_ops=canonical_ops, tp_reduce=tp_reduce,
+                    sequence_parallel=self.sequence_parallel)
         self._start(spec)
 
     # ---------------------------------------------------------------------------------------------- processes
@@ -467,15 +485,21 @@ class ShardedMegatronTrainer:
         slots = dp * num_mb * mbs
         rows = list(range(n)) + [n - 1] * (slots - n)            # filler slots repeat the last sample
         routes = batch.routes if (batch.routes is not None and replay) else None
+        tensors = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       response_mask=batch.response_mask, route_mask=batch.route_mask, routes=routes)
+        extra = (-T) % self.layout.tp if self.sequence_parallel else 0
+        if extra:       # sequence parallelism splits T over the TP ranks: more (masked, unrouted) padding columns
+            fill = dict(input_ids=self.pad_token_id)
+            tensors = {k: None if v is None else torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]),
+                                                                          fill.get(k, 0))], dim=1)
+                       for k, v in tensors.items()}
+            T += extra
         per_dp = []
         for d in range(dp):
             mbs_list = []
             for m in range(num_mb):
                 sel = torch.tensor(rows[(d * num_mb + m) * mbs:(d * num_mb + m + 1) * mbs])
-                mbs_list.append(dict(
-                    input_ids=batch.input_ids[sel], attention_mask=batch.attention_mask[sel],
-                    response_mask=batch.response_mask[sel], route_mask=batch.route_mask[sel],
-                    routes=None if routes is None else routes[sel]))
+                mbs_list.append({k: None if v is None else v[sel] for k, v in tensors.items()})
             per_dp.append(mbs_list)
         command = dict(moe_layers=tuple(batch.moe_layers), seq_length=T, micro_batch_size=mbs, num_mb=num_mb,
                        replay=bool(replay))
@@ -484,29 +508,43 @@ class ShardedMegatronTrainer:
 
     def _assemble(self, b: "_Batches", answers: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits, tokens, routes)`` in record order from the ranks' answers: logits from the last stage's TP
-        rank 0, routes from every stage's TP rank 0."""
+        rank 0, routes from every stage's TP ranks (under sequence parallelism each TP rank's routers saw its own
+        chunk of the sequence: its rows go back to their places, each routed row from exactly one rank)."""
         batch, n, mbs, num_mb, rows = b.batch, b.n, b.mbs, b.num_mb, b.rows
         resp_counts = b.resp_counts
         route_counts = batch.route_mask.sum(1).tolist()
         slot_logits: dict[int, torch.Tensor] = {}
         slot_routes: dict[int, dict[int, torch.Tensor]] = {}
+        pieces: dict[tuple[int, int, int], list] = {}           # (dp, micro-batch, stage) -> the TP ranks' rows
         for info, answer in zip(self.ranks, answers):
-            if info["tp_rank"] != 0:
-                continue
             d = info["dp_rank"]
             for m, out in enumerate(answer["micro_batches"]):
                 base = (d * num_mb + m) * mbs
                 sel = rows[base:base + mbs]
-                if out.get("logits") is not None:
+                if out.get("logits") is not None and info["tp_rank"] == 0:
                     parts = out["logits"].split([resp_counts[s] for s in sel])
                     for j, part in enumerate(parts):
                         if base + j < n:
                             slot_logits[base + j] = part
                 if out.get("routes") is not None:
-                    parts = out["routes"].split([route_counts[s] for s in sel])
-                    for j, part in enumerate(parts):
-                        if base + j < n:
-                            slot_routes.setdefault(base + j, {})[info["pp_rank"]] = part
+                    pieces.setdefault((d, m, info["pp_rank"]), []).append((out["route_rows"], out["routes"]))
+        for (d, m, stage), parts in pieces.items():
+            mask = b.per_dp[d][m]["route_mask"].reshape(-1)
+            L, k = parts[0][1].shape[1:]
+            table = torch.full((mask.numel(), L, k), -1, dtype=torch.int64)
+            count = torch.zeros(mask.numel(), dtype=torch.int64)
+            for where, ids in parts:
+                table[where] = ids
+                count[where] += 1
+            if bool((count[mask] != 1).any()) or bool((count[~mask] != 0).any()):
+                raise EngineError(f"the sharded trainer's TP ranks of stage {stage} returned routes for "
+                                  f"{int((count[mask] > 0).sum())} of the {int(mask.sum())} routed rows of "
+                                  f"micro-batch {m} (data-parallel rank {d}), some more than once")
+            base = (d * num_mb + m) * mbs
+            sel = rows[base:base + mbs]
+            for j, part in enumerate(table[mask].split([route_counts[s] for s in sel])):
+                if base + j < n:
+                    slot_routes.setdefault(base + j, {})[stage] = part
         missing = [i for i in range(n) if i not in slot_logits or len(slot_routes.get(i, {})) != self.layout.pp]
         if missing:
             raise EngineError(f"the sharded trainer's ranks returned no results for samples {missing[:8]}")
@@ -572,8 +610,13 @@ class ShardedMegatronTrainer:
         its state kept) over the rank's own parameters. Returns the pass's logits (for the caller's check that they
         are the logits the gradient was taken at) and the norm (:class:`ShardedTrainStep`).
 
+        Each rank's report also holds ``grad_squares``: per Megatron parameter name, the sum of the squares of its
+        reduced gradient before the clip, where the rank's copy is not a tensor-parallel duplicate (in a TP-only world
+        the sum over the ranks is each parameter's whole squared gradient norm: what a test compares per tensor).
+
         ``fault`` (negative controls): ``("no-grad", rank)``: that rank's surrogate gradient is withheld (zeros);
-        ``("skip-step", rank)``: that rank skips its optimizer step."""
+        ``("skip-step", rank)``: that rank skips its optimizer step; ``("expert-grad-x-tp", rank)``: that rank's
+        expert gradients are multiplied by TP before the reductions (TP without sequence parallelism's error)."""
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
             raise ConfigError(f"lr must be a finite number >= 0, got {lr!r}")
         if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or \
@@ -907,7 +950,7 @@ class _RankState:
         spec = self.spec
         self.model = build_megatron_stage(self.hf_config, spec["model_path"], parallel_output=False,
                                           cpu=spec["device"] == "cpu", moe_token_dispatcher_type=dispatcher,
-                                          **spec["fields"])
+                                          sequence_parallel=bool(spec["sequence_parallel"]), **spec["fields"])
         self.model.to(self.device).eval()
         self.optimizer = None                           # a rebuilt model: a new optimizer at the next step
         if spec.get("canonical_ops") is not None:       # before the replay driver, as the single-rank engine does
@@ -1053,6 +1096,9 @@ class _RankState:
         data = iter(enumerate(micro_batches))
         driver = self.driver
         tp0 = self.info["tp_rank"] == 0
+        # under sequence parallelism each TP rank's routers see its own chunk of the sequence: every TP rank
+        # reports its rows (with their record rows), else TP rank 0 reports all of them
+        sp_size, sp_rank = (self.spec["tp"], self.info["tp_rank"]) if self.model.config.sequence_parallel else (1, 0)
         captured = []
         grads = cmd.get("grads") if train else None
         grad_columns: list[int] = []                # the widths of the loss gradients this rank received (reported)
@@ -1074,7 +1120,8 @@ class _RankState:
                     out = model(ids, pos, mask)
             else:
                 out = model(ids, pos, mask)
-            captured.append((index, capture.last_forward() if tp0 else None, mb["route_mask"]))
+            captured.append((index, capture.last_forward_rows(sp_size=sp_size, sp_rank=sp_rank)
+                             if tp0 or sp_size > 1 else None, mb["route_mask"]))
             capture.clear()
 
             def loss_func(output, non_loss_data=False):
@@ -1129,19 +1176,24 @@ class _RankState:
             config.calculate_per_token_loss = per_token
             driver.clear()
             driver.reset_counters()
-        for index, used, route_mask in captured:
-            if used is not None:
-                outputs[index]["routes"] = used[route_mask.reshape(-1).to(used.device)].cpu()
+        for index, local, route_mask in captured:
+            if local is not None:
+                where, used = local
+                keep = route_mask.reshape(-1)[where]
+                outputs[index]["routes"] = used[keep.to(used.device)].cpu()
+                outputs[index]["route_rows"] = where[keep]
         answer = dict(micro_batches=outputs, report=dict(report, micro_batches=len(micro_batches),
                                                          timings=dict(timers)))
         if train:
-            answer["grad_norm"] = self._step(cmd)
+            answer["grad_norm"], squares = self._step(cmd)
             answer["report"]["grad_columns"] = max(grad_columns, default=0)     # 0: not a last-stage rank
+            answer["report"]["grad_squares"] = squares
         return answer
 
-    def _step(self, cmd: dict) -> float:
+    def _step(self, cmd: dict) -> tuple[float, dict]:
         """After the backward: gradients reduced over the data-parallel ranks, the global norm, the clip, Adam (see
-        :meth:`ShardedMegatronTrainer.train_step`). Returns the norm before clipping."""
+        :meth:`ShardedMegatronTrainer.train_step`). Returns the norm before clipping and the rank's
+        ``grad_squares``."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -1155,18 +1207,18 @@ class _RankState:
                 param.grad = torch.zeros_like(param)
         # what Megatron's finalize_model_grads adds up across ranks besides the data-parallel reduction: the
         # replicated parameters whose gradient each tensor-parallel rank holds only a part of (the q / k layernorms
-        # over its own heads; under sequence parallelism those marked sequence_parallel), summed over the TP group;
-        # a word embedding shared with the output layer across pipeline stages, summed over the embedding group
+        # over its own heads; under sequence parallelism, on at TP > 1, those marked sequence_parallel: every norm
+        # and router weight, each TP rank's over its own sequence chunk), summed over the TP group; a word embedding
+        # shared with the output layer across pipeline stages, summed over the embedding group. The experts need
+        # nothing here: under sequence parallelism the dispatcher hands each expert every token once
         tp_group = ps.get_tensor_model_parallel_group()
         tp = dist.get_world_size(tp_group)
-        if tp > 1 and not config.sequence_parallel:
-            # without sequence parallelism every TP rank holds the whole sequence, and the MoE dispatcher gathers the
-            # tokens over the TP group: each expert runs on TP identical copies of every token and its weight
-            # gradient is their sum, TP times the loss's (Megatron's MoELayer refuses training mode under TP without
-            # SP outright; the ranks' layers run in eval mode, as the single-rank trainer's, so it does not refuse)
+        if cmd.get("train_fault") == "expert-grad-x-tp":
+            # the negative control: what TP without sequence parallelism did (each expert ran on TP copies of every
+            # token: its gradient TP times the loss's), on this rank's expert parameters
             for name, param in named:
                 if ".mlp.experts." in name:
-                    param.grad.div_(tp)
+                    param.grad.mul_(tp)
         if tp > 1:
             for name, param in named:
                 if (config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)) or \
@@ -1195,6 +1247,10 @@ class _RankState:
                 dist.all_reduce(square, op=dist.ReduceOp.SUM, group=group)
             squares.append(square[0])
         total = torch.sqrt(squares[0] + squares[1])
+        # per parameter, the squares of the rank's reduced gradient where it is not a TP duplicate (one host read)
+        counted = [(name, p) for name, p in named if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        sums = torch.stack([p.grad.float().square().sum() for _, p in counted]).tolist() if counted else []
+        squares_by_name = {name: value for (name, _), value in zip(counted, sums)}
         # torch.nn.utils.clip_grad_norm_'s coefficient (the single-process trainer's clip), applied on every rank
         coef = torch.clamp(cmd["max_grad_norm"] / (total + 1e-6), max=1.0)
         for param in params:
@@ -1207,7 +1263,7 @@ class _RankState:
             self.optimizer.step()
         for param in params:
             param.grad = None
-        return float(total)
+        return float(total), squares_by_name
 
     def teardown(self) -> None:
         with _suppress():

@@ -143,6 +143,44 @@ def _split_sizes_on_cpu(original):
     return maybe_move_tensor_to_cpu
 
 
+def _uneven_collectives_on_gloo(mappings):
+    """Megatron's ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with uneven split sizes over a
+    gloo group (the all-to-all dispatcher's all-gather / reduce-scatter over the TP group under sequence parallelism:
+    each TP rank sends its own number of tokens): gloo's list collectives need equal sizes, so each piece is padded
+    to the largest, exchanged, and cut back (an exact copy; the padding rows are dropped). Any other call is
+    Megatron's own."""
+    import torch.distributed as dist
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def uneven(group, sizes) -> bool:
+        return sizes is not None and group is not None and group.size() > 1 and dist.get_backend(group) == "gloo"
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not uneven(group, output_split_sizes):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not uneven(group, input_split_sizes):
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        width = max(sizes)
+        stacked = input_.new_zeros((len(sizes), width, *input_.shape[1:]))
+        for i, chunk in enumerate(input_.split(sizes)):
+            stacked[i, :chunk.shape[0]] = chunk
+        out = input_.new_empty((width, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, stacked.reshape(-1, *input_.shape[1:]), group=group)
+        return out[:sizes[group.rank()]]
+
+    return _gather_along_first_dim, _reduce_scatter_along_first_dim
+
+
 class MegatronCPUMode(PatchHandle):
     """Undo handle of :func:`enable_megatron_cpu` (a :class:`~moealign.handle.PatchHandle`, scope ``"module"``)."""
 
@@ -158,7 +196,8 @@ def enable_megatron_cpu(*, pin_cpu: bool = False) -> MegatronCPUMode:
     communication calls it after ``batch_isend_irecv``), and the pipeline schedules' ``torch.zeros(...,
     device="cuda")`` token counter is made on the CPU, and the all-to-all dispatcher's split sizes become the
     int sequences ``all_to_all_single`` takes (its ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts CUDA
-    tensors only); :func:`enable_megatron_without_te`
+    tensors only), Megatron's first-dimension all-gather / reduce-scatter with uneven split sizes work over gloo (the
+    all-to-all dispatcher under sequence parallelism: padded to the largest piece, cut back); :func:`enable_megatron_without_te`
     (transformer-engine is never installed on CPU machines).
     Where CUDA is available it raises :class:`~moealign.errors.EngineError` (a GPU machine's Megatron runs on
     the GPU) unless ``pin_cpu=True``: the caller pins Megatron to the CPU on purpose (``--device cpu``, tests
@@ -192,6 +231,11 @@ def enable_megatron_cpu(*, pin_cpu: bool = False) -> MegatronCPUMode:
                   lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
     mode.set_attr(mrandom, "_set_cuda_rng_state",
                   lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, scatter = _uneven_collectives_on_gloo(mappings)
+    mode.set_attr(mappings, "_gather_along_first_dim", gather)
+    mode.set_attr(mappings, "_reduce_scatter_along_first_dim", scatter)
     mode.add_handle(enable_megatron_without_te())
     if torch.cuda.is_available():
         # pinned on a GPU machine: Megatron's jit_fuser is torch.compile, and compiling asks CUDA for the current
