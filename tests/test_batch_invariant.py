@@ -555,7 +555,6 @@ def test_gpu_mode_makes_a_model_batch_invariant():
 
 def test_bench_batch_invariant_smoke(tmp_path):
     import json
-    import subprocess
     import sys
     from pathlib import Path
 

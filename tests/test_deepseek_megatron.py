@@ -103,7 +103,7 @@ def test_config_mapping(embedded):
     from moealign.patches.megatron.mla import local_mla_core_attention
 
     hf_model, gpt, _, _ = embedded
-    c, h = gpt.config, hf_model.config
+    c = gpt.config
     assert isinstance(c, MLATransformerConfig) and c.multi_latent_attention and c.rope_type == "rope"
     assert (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (64, 512, 32, 64, 32)
     assert (c.moe_router_score_function, c.moe_router_enable_expert_bias) == ("sigmoid", True)

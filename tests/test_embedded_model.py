@@ -8,7 +8,6 @@ negative control, a randomly initialised model of the same config, which must fa
 import hashlib
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 

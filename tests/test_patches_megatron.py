@@ -454,7 +454,6 @@ def test_padding_side_slip_is_detected(megatron_cpu):
     ids, pos, mask = _inputs()
     lengths = torch.tensor([T, T - 3, T - 5])
     right = torch.arange(T)[None] < lengths[:, None]
-    left = right.flip(-1)
     routes = _batch_routes(6)
     right_ids = torch.where(right, ids, 0)
     left_ids = torch.zeros_like(ids)

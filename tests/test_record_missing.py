@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from moealign.record import io as rec_io
 from moealign.embedded import embedded_model_path
 from moealign.errors import ReplayError, RouteError
-from moealign.record import RecordError, RecordFormatError, RecordMeta, RolloutRecord, Sample, SamplingParams
+from moealign.record import RecordError, RecordFormatError, RecordMeta, RolloutRecord, Sample
 from moealign.record.inspect import inspect_record
 from moealign.record.stitch import Turn, stitch_turns
 from moealign.routing_replay.protocol import ReplayBatch, model_routes

@@ -7,7 +7,6 @@ import faulthandler
 import os
 import signal
 import stat
-import sys
 
 import pytest
 

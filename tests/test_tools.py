@@ -1,7 +1,6 @@
 """The benchmark scripts keep running (tiny sizes; the figures themselves live in the README)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
-import subprocess
 import sys
 
 import numpy as np
