@@ -5,7 +5,7 @@ them, and the verifier recomputes them from the held ``kv_b_proj`` in every work
 One vLLM child process (tests/vllm_deepseek_refit_child.py) holds every engine check: identical refit bitwise
 (prefill and decode), a refit of changed weights equal to a cold engine loaded from them (bitwise), and two negative
 controls by construction (vLLM's recompute suppressed for a refit; a held ``W_UV`` nudged). Then a short
-``moealign rl-check --model embedded:tiny_deepseek`` with every refit verified. Skipped only where vLLM (and, for
+``moealign rl-check --model embedded:tiny_deepseek --aligned --train-ep 2`` with every refit verified. Skipped only where vLLM (and, for
 rl-check, Megatron-core) is not installed."""
 
 from __future__ import annotations
@@ -111,15 +111,19 @@ def test_a_perturbed_held_matrix_is_named(child):
 # ------------------------------------------------------------------------------------------------ rl-check
 @needs_engines
 def test_rl_check_aligned_on_tiny_deepseek_verifies_every_refit_and_is_bitwise(tmp_path):
-    """``rl-check --model embedded:tiny_deepseek --aligned``: every refit verified (tensors and MLA's derived
-    matrices) and the three log-probs bitwise equal at every step, through refits of changed weights (3 steps: this
-    seed's step 0 has equal rewards, a zero gradient; step 1's update is what step 2 rolls out on)."""
+    """``rl-check --model embedded:tiny_deepseek --aligned --train-ep 2``: the sharded trainer (2 rank processes, the
+    experts split, the all-to-all dispatcher) under the canonical forward with MLA; every refit streamed from the
+    ranks and verified (tensors and MLA's derived matrices) and the three log-probs bitwise equal at every step,
+    through refits of changed weights (3 steps: this seed's step 0 has equal rewards, a zero gradient; step 1's update
+    is what step 2 rolls out on). The single-rank trainer's canonical forward on MLA: tests/test_aligned_deepseek.py."""
     cmd = [sys.executable, "-m", "moealign", "rl-check", "--model", "embedded:tiny_deepseek", "--aligned",
-           "--steps", "3", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
+           "--train-ep", "2", "--steps", "3", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
            "--json", str(tmp_path / "rl.json"), "-q"]
     proc = warm.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "rl.json").read_text())["runs"]
+    report = json.loads((tmp_path / "rl.json").read_text())
+    assert report["train"]["parallel"] == {"tp": 1, "ep": 2, "pp": 1, "dp": 2, "world": 2}
+    (run,) = report["runs"]
     verifies = [run["initial_refit"]["verify"]] + [s["verify"] for s in run["steps"]]
     assert [s["step"] for s in run["steps"]] == [0, 1, 2]
     for v in verifies:

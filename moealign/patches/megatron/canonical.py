@@ -40,7 +40,7 @@ naming it (:class:`~moealign.errors.CanonicalError`): context parallelism, seque
 size that is not a power of two or whose shards are not whole tree leaves, a token dispatcher other than
 all-to-all / all-gather, a gated or overlapped shared expert, a capacity factor, a latent MoE, grouped GEMM experts,
 RoPE fusion or interleaving (outside MLA) or scaling (YaRN, mscale), a custom softmax scale, packed sequences at run
-time, MLA on more than one rank, and any module of a class the canonical forward does not know.
+time, MLA at TP, expert TP or PP above 1 (EP runs: verified bitwise at EP 2), and any module of a class the canonical forward does not know.
 
 **DeepSeek-V3** (MLA on the local spec, :mod:`moealign.patches.megatron.mla`; the sigmoid router; shared experts; the
 first dense layers): MLA's projections are column / row parallel linears and its q / kv layernorms RMSNorms (covered
@@ -118,9 +118,9 @@ def _check_config(config) -> None:
                 problems.append(f"{name}={getattr(config, name)!r} with softmax scores")
     if getattr(config, "multi_latent_attention", False):
         sizes = {name: getattr(config, name, 1) or 1 for name in (
-            "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-            "pipeline_model_parallel_size")}
-        problems += [f"{name}={size} with MLA (verified on one rank)" for name, size in sizes.items() if size != 1]
+            "tensor_model_parallel_size", "expert_tensor_parallel_size", "pipeline_model_parallel_size")}
+        problems += [f"{name}={size} with MLA (verified on one rank and at EP > 1)" for name, size in sizes.items()
+                     if size != 1]
         if getattr(config, "rope_type", "rope") != "rope":
             problems += C.rope_problems(rope_type=config.rope_type)
         for name in ("rotary_scaling_factor", "mscale"):
