@@ -70,6 +70,18 @@ def test_a_failing_child_has_its_share_run_here():
     assert results == [(1, parent), (5, parent)]
     assert len(failures) == 1 and "ValueError: planted" in failures[0]
 
+    def slow_exit(share):          # the child answers, then is still exiting when the parent reaps (kills) it
+        if os.getpid() != parent:
+            real_exit = os._exit
+            os._exit = lambda code: (time.sleep(30), real_exit(code))
+            raise ValueError("planted, then a slow exit")
+        return sum(share)
+
+    start = time.monotonic()
+    results, failures = fork_map(slow_exit, [[1], [2, 3]])
+    assert results == [1, 5] and time.monotonic() - start < 20
+    assert len(failures) == 1 and "ValueError: planted, then a slow exit" in failures[0], failures  # its own error
+
 
 @needs_fork
 def test_a_child_that_dies_without_answering_has_its_share_run_here():

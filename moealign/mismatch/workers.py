@@ -93,9 +93,9 @@ def fork_map(fn: Callable[[Any], Any], shares: Sequence[Any]) -> tuple[list[Any]
             else:
                 if status == "timeout":
                     failures.append(f"(pid {pid}) did not answer within {allowance:.0f} s")
-                elif os.WIFSIGNALED(ended):             # it died on its own before it could answer
+                elif status == "unreadable" and os.WIFSIGNALED(ended):   # it died on its own mid-answer
                     failures.append(f"(pid {pid}) {describe_wait_status(ended)}")
-                else:
+                else:       # its own error, read whole (it may still have been exiting when _reap killed it)
                     failures.append(f"(pid {pid}) failed: {value}")
                 late.append(i)
         with intra_op_threads(1):
@@ -155,7 +155,7 @@ def _collect(fds: dict[int, int], deadline: float) -> dict[int, tuple[str, Any]]
                 try:                                    # our own child's pickle (a trusted source)
                     out[key.data] = pickle.loads(b"".join(chunks[key.data]))
                 except Exception as e:                  # noqa: BLE001 - a child that died mid-write
-                    out[key.data] = ("error", f"its answer could not be read ({type(e).__name__}: {e})")
+                    out[key.data] = ("unreadable", f"its answer could not be read ({type(e).__name__}: {e})")
     return out
 
 
