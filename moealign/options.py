@@ -243,7 +243,7 @@ def check_aligned_run(model_path: str, *, rollout_precision: str, train_precisio
                           "--device cpu)")
     config = read_model_config(model_path)
     check_canonical_model(config)
-    check_canonical_tp(config, rollout_tp, "--rollout-tp")
+    check_canonical_tp(config, rollout_tp, "--rollout-tp", rollout=rollout_engine == "vllm")
     check_canonical_tp(config, train_tp, "--train-tp")
     if not cuda:
         return

@@ -1,8 +1,9 @@
 """`--aligned` on the DeepSeek-V3 architecture (issue 37 item 5): the canonical ops it adds (the sigmoid grouped
 router, its gates, the interleaved rope of MLA, the SwiGLU of the shared expert and the dense layer, attention with a
 value head dim other than the query's) against hand computations and their invariances; then `mismatch --model
-embedded:tiny_deepseek --aligned` bitwise (torch.equal) in fp32 and bf16 through vLLM's CPU_MLA backend and Megatron's
-MLA (local spec), each canonical op left stock on the trainer a negative control; what stays uncovered refused by
+embedded:tiny_deepseek --aligned` bitwise (torch.equal) in fp32 (vLLM TP 1) and bf16 (vLLM TP 2) through vLLM's CPU_MLA
+backend and Megatron's MLA (local spec), each canonical op left stock on the trainer a negative control, vLLM's joint
+reduction of the routed and shared experts another; what stays uncovered refused by
 name."""
 
 from __future__ import annotations
@@ -199,14 +200,72 @@ def test_uncovered_deepseek_features_are_refused_by_name(change, match):
         C.check_canonical_model(config)
 
 
-def test_mla_tp_above_one_is_refused_in_one_line(capsys):
+def test_mla_rollout_tp_is_covered_where_heads_and_leaves_split_and_refused_by_name_elsewhere(capsys):
+    """vLLM TP 2 and 4 are covered on tiny_deepseek (its 32-wide experts cut into half / quarter leaves); the trainer's
+    TP with MLA, heads that do not split and shards that are neither whole leaves nor power-of-two parts of one are
+    refused by name (the CLI: one line, exit 2)."""
     from moealign.cli import main
 
-    with pytest.raises(CanonicalError, match="MLA \\(DeepSeek-V3\\) at TP 1"):
-        C.check_canonical_tp(_deepseek_config(), 2, "--rollout-tp")
-    assert main(["mismatch", "--aligned", "--model", "embedded:tiny_deepseek", "--rollout-tp", "2"]) == 2
+    config = _deepseek_config()
+    for tp in (1, 2, 4):
+        C.check_canonical_tp(config, tp, "--rollout-tp", rollout=True)
+    with pytest.raises(CanonicalError, match="MLA \\(DeepSeek-V3\\) at trainer TP 1"):
+        C.check_canonical_tp(config, 2, "--train-tp")
+    with pytest.raises(CanonicalError, match="4 MLA heads do not split over 8 ranks"):
+        C.check_canonical_tp(config, 8, "--rollout-tp", rollout=True)
+    with pytest.raises(CanonicalError, match="moe_intermediate_size 48 does not split into whole 32-wide tree leaves"):
+        C.check_canonical_tp({**config, "moe_intermediate_size": 48}, 2, "--rollout-tp", rollout=True)
+    with pytest.raises(CanonicalError, match="intermediate_size \\(dense layers\\) 96 does not split"):
+        C.check_canonical_tp({**config, "intermediate_size": 96}, 2, "--rollout-tp", rollout=True)
+    assert main(["mismatch", "--aligned", "--model", "embedded:tiny_deepseek", "--rollout-tp", "8"]) == 2
     err = capsys.readouterr().err
-    assert "MLA (DeepSeek-V3) at TP 1" in err and err.count("\n") == 1
+    assert "4 MLA heads do not split over 8 ranks" in err and err.count("\n") == 1
+
+
+def test_sub_leaf_shards_and_the_shared_experts_own_reduction_recover_tp1_bits():
+    """What the vLLM binding computes at TP 2 on tiny_deepseek's shapes (bf16), two ranks emulated in one process (the
+    tree all-reduce of two fp32 roots is the top pair of the tree): each rank's 16-wide half of the 32-wide expert /
+    shared-expert intermediate axis reduced as a subtree of the leaf, the routed partials and the shared expert's root
+    each reduced on their own, then scaled and added as at TP 1: torch.equal to TP 1. Negative control by
+    construction: vLLM's joint reduction (each rank's routed * scale + shared partial, one all-reduce of the sum)
+    differs. And the leaf rule the binding applies per layer."""
+    from moealign.patches.vllm.tree_reduce import _shard_leaf
+    from moealign.precision.tree import TreeReductionError, tree_linear, tree_reduce
+
+    assert _shard_leaf("l", "K", 16, 32, 2) == 16 and _shard_leaf("l", "K", 8, 32, 4) == 8
+    assert _shard_leaf("l", "K", 64, 32, 2) == 32
+    for shard, tp in ((16, 1), (24, 2), (48, 2)):
+        with pytest.raises(TreeReductionError, match="is not a multiple of the tree leaf width 32"):
+            _shard_leaf("l", "K", shard, 32, tp)
+
+    g, bf16, scale = _gen(9), torch.bfloat16, 2.5
+    T, H, I, E, k = 6, 128, 32, 16, 4
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.2).to(bf16)
+
+    x, w13, w2, w_gu, w_down = rand(T, H), rand(E, 2 * I, H), rand(E, H, I), rand(2 * I, H), rand(H, I)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k].sort().values for _ in range(T)])
+    gates = torch.rand(T, k, generator=g)
+
+    def shared_root(cols, leaf):           # the shared expert (DeepseekV2MLP) on intermediate columns `cols`
+        gu = tree_linear(x, torch.cat([w_gu[cols], w_gu[I:][cols]]), leaf_width=32).to(bf16)
+        return tree_linear(C.c_silu_and_mul(gu), w_down[:, cols], leaf_width=leaf)
+
+    def routed(partials):                   # vLLM's runner: the combine, cast once, scaled in the activation dtype
+        return C.c_combine(partials, gates, bf16) * scale
+
+    tp1 = shared_root(slice(0, I), 32).to(bf16) + routed(C.c_experts(x, ids, w13, w2, leaf_width=32))
+    halves = [slice(0, I // 2), slice(I // 2, I)]
+    routed_partials = [C.c_experts(x, ids, torch.cat([w13[:, h], w13[:, I:][:, h]], 1), w2[:, :, h], leaf_width=16)
+                       for h in halves]
+    shared_partials = [shared_root(h, 16) for h in halves]
+    tp2 = (tree_reduce(torch.stack(shared_partials)).to(bf16)
+           + routed(tree_reduce(torch.stack(routed_partials))))
+    assert torch.equal(tp2, tp1)
+    joint = tree_reduce(torch.stack([(routed(r) + s.to(bf16)).float()
+                                     for r, s in zip(routed_partials, shared_partials)])).to(bf16)
+    assert not torch.equal(joint, tp1) and float((joint.float() - tp1.float()).abs().max()) > 0
 
 
 # ---------------------------------------------------------------------------------------------------- the engines
@@ -226,15 +285,16 @@ def _run(**overrides):
 
 @needs_vllm
 def test_mismatch_aligned_deepseek_is_bitwise_in_fp32_and_bf16_and_each_op_left_stock_opens_a_gap(tmp_path):
-    """The report's verdict in both precisions; the fp32 record re-scored by one aligned Megatron engine: torch.equal
-    with every op canonical, not equal with any one op left stock on the trainer (vLLM's MLA, router, shared expert
-    and dense-layer activation are each checked against Megatron's stock counterparts this way)."""
+    """The report's verdict in both precisions (bf16 at vLLM TP 2, fp32 at TP 1); the fp32 record re-scored by one
+    aligned Megatron engine: torch.equal with every op canonical, not equal with any one op left stock on the trainer
+    (vLLM's MLA, router, shared expert and dense-layer activation are each checked against Megatron's stock
+    counterparts this way)."""
     from moealign.embedded import embedded_model_path
     from moealign.mismatch.aligned import score_fully_aligned
     from moealign.mismatch.engines import MegatronTrainEngine
     from moealign.record import RolloutRecord
 
-    bf16 = _run(num_prompts=2, max_new_tokens=6)
+    bf16 = _run(num_prompts=2, max_new_tokens=6, rollout_tp=2)          # vLLM TP 2 (TP 1: the fp32 run below)
     assert bf16["aligned"]["bitwise_equal"] and bf16["aligned"]["num_tokens"] == 2 * 6
     assert (bf16["rollout"]["dtype"], bf16["train"]["dtype"]) == ("bf16", "bf16")
     path = tmp_path / "record.safetensors"

@@ -789,22 +789,46 @@ def check_canonical_model(config: dict) -> None:
         raise CanonicalError(f"--aligned does not cover this {family} checkpoint: " + ", ".join(dict.fromkeys(problems)))
 
 
-def check_canonical_tp(config: dict, tp: int, flag: str = "tp") -> None:
+def check_canonical_tp(config: dict, tp: int, flag: str = "tp", *, rollout: bool = False) -> None:
     """Refuse a tensor-parallel size the canonical trees cannot cut: a power of two whose shards of every reduced
-    axis (hidden size, attention output, expert intermediate size) are whole multiples of :data:`LEAF_WIDTH`."""
+    axis (hidden size, attention output, expert / shared-expert / dense intermediate size) are whole multiples of
+    :data:`LEAF_WIDTH`. ``rollout`` (vLLM's ``--rollout-tp``): MLA (DeepSeek-V3) is covered, its heads split over the
+    ranks, and its shards may also be power-of-two parts of one leaf (a leaf's value is the perfect binary tree over
+    its products, so such a shard's sum is a subtree of it; measured bitwise at TP 2 and 4); the trainer's TP with
+    MLA stays refused."""
     if tp < 1 or tp & (tp - 1):
         raise CanonicalError(f"{flag} {tp}: the canonical forward cuts its trees at power-of-two TP sizes")
-    if tp > 1 and "kv_lora_rank" in config:
-        raise CanonicalError(f"{flag} {tp}: the canonical forward covers MLA (DeepSeek-V3) at TP 1 (its shared "
-                             "expert's row-parallel output is reduced together with the routed experts' in vLLM)")
+    mla = "kv_lora_rank" in config
+    if tp > 1 and mla and not rollout:
+        raise CanonicalError(f"{flag} {tp}: the canonical forward covers MLA (DeepSeek-V3) at trainer TP 1 (vLLM "
+                             "rollout TP is covered)")
     heads = config.get("num_attention_heads", 1)
-    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
-    for what, size in (("hidden_size", config.get("hidden_size", 0)), ("attention output", heads * head_dim),
-                       ("moe_intermediate_size", config.get("moe_intermediate_size", 0))):
-        if size % (tp * LEAF_WIDTH):
+    if mla:
+        head_dim = config.get("v_head_dim", 0)
+        if heads % tp:
+            raise CanonicalError(f"{flag} {tp}: {heads} MLA heads do not split over {tp} ranks")
+    else:
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // max(1, heads)
+    axes = [("hidden_size", config.get("hidden_size", 0)), ("attention output", heads * head_dim),
+            ("moe_intermediate_size", config.get("moe_intermediate_size", 0))]
+    if config.get("n_shared_experts"):
+        axes.append(("shared expert intermediate size",
+                     config.get("moe_intermediate_size", 0) * config["n_shared_experts"]))
+    if mla and config.get("first_k_dense_replace"):
+        axes.append(("intermediate_size (dense layers)", config.get("intermediate_size", 0)))
+    hidden = config.get("hidden_size", 0)
+    for what, size in axes:
+        if not size % (tp * LEAF_WIDTH):
+            continue
+        shard = size // tp if size % tp == 0 else 0
+        sub_leaf = (rollout and mla and tp > 1 and shard and LEAF_WIDTH % shard == 0 and what != "hidden_size"
+                    and hidden % LEAF_WIDTH == 0 and (hidden // LEAF_WIDTH) & (hidden // LEAF_WIDTH - 1) == 0)
+        if not sub_leaf:
             raise CanonicalError(f"{flag} {tp}: the {what} {size} does not split into whole {LEAF_WIDTH}-wide tree "
-                                 f"leaves per rank")
-    if config.get("num_key_value_heads", heads) % tp and tp % config.get("num_key_value_heads", heads):
+                                 f"leaves per rank" + (" (nor into power-of-two parts of one leaf, with a "
+                                                       "power-of-two number of hidden-size leaves)" if rollout and mla
+                                                      else ""))
+    if not mla and config.get("num_key_value_heads", heads) % tp and tp % config.get("num_key_value_heads", heads):
         raise CanonicalError(f"{flag} {tp}: {config.get('num_key_value_heads')} KV heads do not split over {tp} ranks")
 
 

@@ -27,7 +27,12 @@ AMX CPU; the sigmoid grouped router, shared experts, dense first layers):
 * ``CPURouter._compute_routing`` with sigmoid scores: ``c_grouped_topk`` and ``c_sigmoid_gates``; the MoE runner
   scales the routed output by ``routed_scaling_factor`` and adds the shared expert's (both in the activation dtype,
   vLLM's own order, which Megatron's binding follows); ``SiluAndMul`` (the shared expert, the dense layers):
-  ``c_silu_and_mul``.
+  ``c_silu_and_mul``;
+* at vLLM TP 2 / 4 (the trainer on one rank): MLA's heads split over the ranks (``q_b_proj`` / ``kv_b_proj``
+  column-parallel, each rank's shadow cache holds its own heads, ``o_proj`` row-parallel through the tree
+  all-reduce); the shared expert's ``down_proj`` reduces its own output rather than jointly with the routed experts'
+  (:mod:`~moealign.patches.vllm.tree_reduce`), so the runner scales the routed output and adds the shared one as at
+  TP 1; expert shards narrower than a leaf reduce as its subtrees.
 
 ``ops`` selects a subset (the others stay stock): the negative controls and the diagnosis use it. A model with a
 module the canonical forward does not cover is refused by :func:`audit_canonical` (run in every worker after

@@ -92,27 +92,58 @@ def _check_layer(label: str, widths: dict[str, int], leaf_width: int) -> None:
                                      f"width {leaf_width} (pass a leaf_width dividing every shard)")
 
 
+def _shard_leaf(label: str, what: str, shard: int, leaf_width: int, tp_size: int) -> int:
+    """The leaf width a rank reduces its K shard with: ``leaf_width``, or, for a shard of a TP-split axis narrower than
+    a leaf that divides it (``leaf_width / shard`` a power of two, the TP size above one), the shard itself. A leaf's
+    value is the canonical tree over its products, a perfect binary tree at a power-of-two width, so the rank's
+    sub-leaf sum is a subtree of it and the tree all-reduce of the ranks' roots recovers the whole leaf's bits
+    (the global axis, ``shard * tp_size``, is then a power-of-two number of leaves: one perfect tree)."""
+    if shard % leaf_width == 0:
+        return leaf_width
+    if tp_size > 1 and shard > 0 and leaf_width % shard == 0 and (leaf_width // shard) & (leaf_width // shard - 1) == 0:
+        return shard
+    raise TreeReductionError(f"vLLM layer {label!r}: {what} {shard} is not a multiple of the tree leaf width "
+                             f"{leaf_width} (nor, on a TP-split axis, a power-of-two part of one leaf; pass a "
+                             "leaf_width dividing every shard)")
+
+
+def _perfect_tree(size: int, leaf_width: int) -> bool:
+    """Whether ``size`` is a power-of-two number of ``leaf_width`` leaves (its tree is then the perfect binary tree
+    over its products, the same at any narrower power-of-two leaf width)."""
+    leaves = size // leaf_width
+    return size % leaf_width == 0 and leaves & (leaves - 1) == 0
+
+
 class _VllmTree:
     """The replacement methods, bound to one leaf width (installed on vLLM's classes by
     :func:`apply_tree_reductions`)."""
 
-    def __init__(self, leaf_width: int):
+    def __init__(self, leaf_width: int, parts=()):
         self.leaf_width = leaf_width
+        self.parts = tuple(parts)
 
     # Linear layers (column / merged / QKV / replicated / gate) and the LM head: weights kept unpacked
     def keep_linear_weight(self, original):
         leaf = self.leaf_width
+        tree = self
 
         def process_weights_after_loading(method, layer) -> None:
             weight = getattr(layer, "weight", None)
             if weight is None or weight.dim() != 2 or weight.is_meta:
                 return original(method, layer)
             label = getattr(layer, "prefix", None) or type(layer).__name__
-            _check_layer(label, {"K (input) shard": weight.shape[1]}, leaf)
-            if (getattr(layer, "reduce_results", True) is False and hasattr(layer, "input_is_parallel")
-                    and getattr(layer, "tp_size", 1) > 1):
-                raise TreeReductionError(f"vLLM RowParallelLinear {label!r} leaves its reduction to the caller "
-                                         "(reduce_results=False): the tree forward cannot cut it")
+            row_parallel = hasattr(layer, "input_is_parallel")
+            layer._moealign_leaf = _shard_leaf(label, "K (input) shard", weight.shape[1], leaf,
+                                               getattr(layer, "tp_size", 1) if row_parallel else 1)
+            if getattr(layer, "reduce_results", True) is False and row_parallel and getattr(layer, "tp_size", 1) > 1:
+                # A MoE layer's shared expert (DeepSeek-V3): vLLM all-reduces its partial together with the routed
+                # experts' (one all-reduce of the sum). Under the tree experts, which reduce the routed partials
+                # themselves (and the runner's final all-reduce is skipped), it reduces its own fp32 subtree root
+                # (the TP 1 bits, cast once), and the runner adds the two full outputs as at TP 1.
+                if not (label.endswith("shared_experts.down_proj") and "experts" in tree.parts):
+                    raise TreeReductionError(f"vLLM RowParallelLinear {label!r} leaves its reduction to the caller "
+                                             "(reduce_results=False): the tree forward cannot cut it")
+                layer._moealign_reduces_for_moe = True
             layer._moealign_tree = True   # weight kept as loaded: no CPU prepacking (the tree reads it)
         return process_weights_after_loading
 
@@ -122,7 +153,7 @@ class _VllmTree:
         def apply(method, layer, x, bias=None):
             if not getattr(layer, "_moealign_tree", False):
                 return original(method, layer, x, bias)
-            out = tree_linear(x, layer.weight, leaf_width=leaf)
+            out = tree_linear(x, layer.weight, leaf_width=getattr(layer, "_moealign_leaf", leaf))
             if bias is not None:
                 out = out + bias.to(out.dtype)
             return out.to(x.dtype)
@@ -138,7 +169,8 @@ class _VllmTree:
                 input_parallel = input_
             else:
                 input_parallel = input_.chunk(layer.tp_size, dim=-1)[layer.tp_rank].contiguous()
-            local = tree_linear(input_parallel, layer.weight, leaf_width=leaf)   # fp32 subtree roots
+            local = tree_linear(input_parallel, layer.weight,                # fp32 subtree roots
+                                leaf_width=getattr(layer, "_moealign_leaf", leaf))
             reduced = tree_all_reduce(local, _tp_group()) if layer.tp_size > 1 else local
             if layer.bias is not None and not layer.skip_bias_add:
                 reduced = reduced + layer.bias.to(reduced.dtype)
@@ -175,13 +207,19 @@ class _VllmTree:
                                          + ", ".join(problems))
             w13 = layer.w13_weight.detach().clone()
             w2 = layer.w2_weight.detach().clone()
-            _check_layer(label, {"hidden size (K of the gate/up projection)": w13.shape[2],
-                                 "expert intermediate shard": w2.shape[2]}, leaf)
+            _check_layer(label, {"hidden size (K of the gate/up projection)": w13.shape[2]}, leaf)
+            expert_leaf = _shard_leaf(label, "expert intermediate shard", w2.shape[2], leaf,
+                                      getattr(config, "tp_size", 1))
+            if expert_leaf != leaf and not _perfect_tree(w13.shape[2], leaf):
+                raise TreeReductionError(f"vLLM MoE layer {label!r}: the expert intermediate shard {w2.shape[2]} "
+                                         f"cuts a tree leaf, and the hidden size {w13.shape[2]} is not a power-of-two number "
+                                         f"of {leaf}-wide leaves (its tree would change at the narrower leaf)")
             if w13.shape[1] != 2 * w2.shape[2]:
                 raise TreeReductionError(f"vLLM MoE layer {label!r}: w13 {tuple(w13.shape)} and w2 "
                                          f"{tuple(w2.shape)} are not a gated [2I, H] / [H, I] pair")
             original(method, layer)   # the engine's own packing: its kernel is no longer called
             layer._moealign_tree_weights = (w13, w2)
+            layer._moealign_tree_leaf = expert_leaf
         return process_weights_after_loading
 
     def experts_forward(self, original):
@@ -194,21 +232,34 @@ class _VllmTree:
             if shared_experts is not None:            # runs them only where the kernel was to overlap them (as
                 from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder  # vLLM's)
 
-                if layer.moe_config.tp_size > 1:
-                    raise TreeReductionError(f"vLLM MoE layer {layer.layer_name!r} has shared experts: the tree "
-                                             "experts cover them at TP 1")
+                if layer.moe_config.tp_size > 1 and not _shared_reduces_itself(shared_experts):
+                    raise TreeReductionError(f"vLLM MoE layer {layer.layer_name!r} has shared experts whose output "
+                                             "is not reduced by the tree forward (a shared expert without a tree "
+                                             "row-parallel down_proj): the tree experts cover them at TP 1")
                 shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-            return _tree_experts(x, topk_weights, topk_ids, weights, leaf, layer.moe_config.tp_size)
+            return _tree_experts(x, topk_weights, topk_ids, weights, getattr(layer, "_moealign_tree_leaf", leaf),
+                                 layer.moe_config.tp_size)
         return forward_modular
 
     @staticmethod
     def runner_final_reduce(original):
         def _maybe_reduce_final_output(runner, states, trunc_size, output_is_reduced=None):
             if getattr(runner.routed_experts, "_moealign_tree_weights", None) is None:
+                if runner.moe_config.tp_size > 1 and _shared_reduces_itself(runner.shared_experts):
+                    raise TreeReductionError("vLLM MoE runner: its shared experts reduce their own output (tree) but "
+                                             "its routed experts are not the tree experts: the final all-reduce "
+                                             "would count the shared output twice")
                 return original(runner, states, trunc_size, output_is_reduced)
             # already reduced across ranks inside the tree experts
             return states[..., :trunc_size] if trunc_size is not None else states
         return _maybe_reduce_final_output
+
+
+def _shared_reduces_itself(shared_experts) -> bool:
+    """Whether a MoE layer's shared experts (vLLM's ``SharedExperts`` wrapper) end in a tree row-parallel
+    ``down_proj`` that reduces its own output (see ``keep_linear_weight``)."""
+    module = getattr(shared_experts, "_layer", shared_experts)
+    return bool(getattr(getattr(module, "down_proj", None), "_moealign_reduces_for_moe", False))
 
 
 def _tree_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights, leaf_width: int,
@@ -242,13 +293,17 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH, parts=TREE_
       weights stay as loaded (the CPU build's weight prepacking is skipped for them);
     * ``RowParallelLinear.forward``: the K shard's fp32 subtree root, tree all-reduced, bias, cast once;
     * MoE experts (``RoutedExperts.forward_modular``): per (token, slot) partials tree all-reduced before the
-      top-k weighted sum (so the runner's own all-reduce of the combined output is skipped);
+      top-k weighted sum (so the runner's own all-reduce of the combined output is skipped); a shared expert's
+      row-parallel ``down_proj`` (``reduce_results=False``: vLLM reduces it jointly with the routed output) tree
+      all-reduces its own fp32 root, so the runner scales and adds two full outputs in the TP 1 order;
+    * a K shard narrower than a leaf (a power-of-two part of one, e.g. DeepSeek's 32-wide experts at TP 2) is
+      reduced as that leaf's subtree (a leaf is the perfect binary tree over its products);
     * any other all-reduce (``GroupCoordinator``): the tree all-reduce (the vocab-parallel embedding's sum,
       exact anyway).
 
     Layers the tree cannot cut raise :class:`TreeReductionError` at load time naming the layer (a shard not a
-    multiple of ``leaf_width``, a row-parallel layer that leaves its reduction to the caller, expert parallelism,
-    shared experts, expert biases, non-SiLU experts). The price: the tree forward is slower than the engine's
+    multiple of ``leaf_width`` nor a power-of-two part of one, a row-parallel layer other than a shared expert's
+    that leaves its reduction to the caller, expert parallelism, expert biases, non-SiLU experts). The price: the tree forward is slower than the engine's
     kernels, and the MoE expert weights are held twice on CPU (the tree reads the unpacked copy).
     """
     check_positive_int(leaf_width, "leaf_width", ConfigError)
@@ -262,7 +317,7 @@ def apply_tree_reductions(*, leaf_width: int = VLLM_TREE_LEAF_WIDTH, parts=TREE_
     from vllm.model_executor.layers.fused_moe import routed_experts, unquantized_fused_moe_method
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
-    tree = _VllmTree(leaf_width)
+    tree = _VllmTree(leaf_width, parts)
     linear_targets = [
         (require_attr(linear, "UnquantizedLinearMethod", "vllm linear"), "process_weights_after_loading",
          tree.keep_linear_weight, ["self", "layer"]),
