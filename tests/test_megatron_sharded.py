@@ -93,6 +93,17 @@ def test_layouts_megatron_cannot_build_are_refused():
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             mc.check_parallel_layout(config, **kwargs)
+    # MLA (tiny_deepseek: 4 heads, q LoRA 64, kv down projection 512 + 64 rows): TP splits heads and both down
+    # projections' rows
+    deepseek = read_model_config(embedded_model_path("tiny_deepseek"))
+    assert mc.check_parallel_layout(deepseek, tp=4).tp == 4                 # negative control: this builds
+    for change, message in [({}, r"tensor parallel size 8 does not divide the model's attention heads \(4\)"),
+                            ({"num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 68},
+                             r"does not divide the model's q LoRA rank \(q_lora_rank\) \(68\)"),
+                            ({"num_attention_heads": 8, "num_key_value_heads": 8, "qk_rope_head_dim": 36},
+                             r"kv down projection \(kv_lora_rank \+ qk_rope_head_dim\) \(548\)")]:
+        with pytest.raises(ConfigError, match=message):
+            mc.check_parallel_layout({**deepseek, **change}, tp=8)
 
 
 def test_trainer_refuses_before_any_process_starts():
@@ -310,5 +321,127 @@ def test_tp2_ep2_bounded_and_each_rank_holds_its_own_pieces(reference):
         from test_sharded_refit import check_stream_and_manifest     # the refit's stream and manifest, this world
 
         check_stream_and_manifest(trainer)
+    finally:
+        trainer.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# multi-head latent attention at TP 2 (embedded:tiny_deepseek)
+# --------------------------------------------------------------------------------------------------
+
+#: at TP 2 against the single-rank trainer (measured on tiny_deepseek: |grad| 2.6e-7 relative, each parameter's
+#: gradient squares at most 3.1e-6 relative; 2.7e-1 on kv_a_proj_with_mqa with Megatron's own column-parallel kv down
+#: projection, whose gather drops the other rank's heads' share of the RoPE key's gradient: moealign.patches.megatron.mla)
+MLA_NORM_RTOL, MLA_GRAD_RTOL = 1e-5, 1e-3
+
+
+def _deepseek_record() -> RolloutRecord:
+    """EQUAL's shape on tiny_deepseek: 3 layers, the MoE layers 1 and 2 (layer 0 dense)."""
+    import dataclasses
+
+    rec = random_record([16] * 4, [5, 7, 9, 11], 3, "float32", experts=E, top_k=K, layers=2, vocab=V)
+    return RolloutRecord(dataclasses.replace(rec.meta, num_layers=3, moe_layers=(1, 2)), rec.samples)
+
+
+def _read_back(trainer) -> dict[str, torch.Tensor]:
+    """Every rank's own pieces (transformers names, offsets) joined into full tensors; each element covered."""
+    full, covered = {}, {}
+    for rank_pieces in trainer.hf_shards():
+        for name, tensor, offsets, full_shape in rank_pieces:
+            if name not in full:
+                full[name] = torch.zeros(full_shape, dtype=tensor.dtype)
+                covered[name] = torch.zeros(full_shape, dtype=torch.bool)
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
+            assert not covered[name][index].any() or torch.equal(full[name][index], tensor), name
+            full[name][index], covered[name][index] = tensor, True
+    assert all(c.all() for c in covered.values())
+    return full
+
+
+def test_tp2_mla_forward_read_back_and_training_step(tmp_path):
+    """tiny_deepseek (MLA with q LoRA, the shared expert, the dense first layer) at TP 2 (sequence parallelism):
+    logits within TOL of the single-rank trainer without and with replay, flips 0, every rank's verifier clean; the
+    ranks' pieces reassemble the checkpoint bit for bit; one training step's norm and every parameter's gradient
+    squares within MLA_*_RTOL. Negative control by construction: a checkpoint with kv_b_proj's two TP slices (rank 0's
+    and rank 1's heads) of layer 1 swapped: the logits leave TOL, the read-back names exactly that tensor."""
+    import shutil
+
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from safetensors.torch import load_file, save_file
+
+    from moealign.mismatch.engines import MegatronTrainEngine
+
+    path = embedded_model_path("tiny_deepseek")
+    record, idx = _deepseek_record(), range(4)
+    tokens = torch.cat([s.token_ids[s.prompt_len:] for s in record.samples])
+    weights = torch.randn(len(tokens), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(logits):
+        return (torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0] * weights).sum() / 10
+
+    saved = list(RouterReplay.global_router_replay_instances)
+    engine = MegatronTrainEngine(str(path), "fp32", "cpu")
+    try:
+        ref = {False: engine.forward(record, idx, replay=False).logits}
+        params = list(engine.model.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        fwd = engine.forward(record, idx, replay=True, grad=True)
+        ref[True] = fwd.logits.detach().clone()
+        loss_of(fwd.logits).backward()
+        squares = {n: float(p.grad.square().sum()) for n, p in engine.model.named_parameters()}
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+    finally:
+        engine.close()
+        RouterReplay.global_router_replay_instances[:] = saved
+
+    trainer = ShardedMegatronTrainer(path, tp=2, timeout_s=120)
+    try:
+        assert trainer.sequence_parallel
+        for replay in (False, True):
+            got = trainer.forward(record, idx, replay=replay)
+            worst = float((got.logits - ref[replay]).abs().max())
+            print(f"\ntiny_deepseek TP 2 vs single rank (replay {replay}): max |logit diff| {worst:.3g}")
+            assert worst <= TOL, (replay, worst)
+            if replay:
+                assert got.flips.router_flip_rate == 0.0
+                assert all(r["mismatched_rows"] == 0 and r["replayed_rows"] > 0 for r in got.ranks), got.ranks
+                assert [r["moe_layers"] for r in got.ranks] == [[1, 2], [1, 2]]
+        full = _read_back(trainer)
+        # 3 + per layer 2 norms and MLA's 7 tensors; layer 0's dense GLU (3); layers 1, 2: router, bias, the two fused
+        # expert tensors, the shared expert (3)
+        assert len(full) == 3 + 3 * 9 + 3 + 2 * 7 and set(full) == set(trainer.hf_plan())
+        ckpt = mc.open_hf_checkpoint(path, ConfigView(**read_model_config(path)))
+        try:                                    # experts stored one by one: get() joins them as the mapping does
+            want = {name: ckpt.get(name).to(full[name].dtype) for name in sorted(full)}
+        finally:
+            ckpt.close()
+        assert [n for n in want if not torch.equal(full[n], want[n])] == []
+        # negative control: layer 1's kv_b_proj with rank 0's and rank 1's head rows swapped
+        swapped = tmp_path / "swapped"
+        swapped.mkdir()
+        shutil.copy(path / "config.json", swapped / "config.json")
+        tensors = load_file(str(path / "model.safetensors"))
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        tensors[name] = torch.cat(tensors[name].chunk(2, dim=0)[::-1]).contiguous()
+        save_file(tensors, str(swapped / "model.safetensors"))
+        trainer.load_checkpoint(swapped)
+        assert float((trainer.forward(record, idx, replay=True).logits - ref[True]).abs().max()) > 100 * TOL
+        full = _read_back(trainer)
+        assert [n for n in want if not torch.equal(full[n], want[n])] == [name]
+        # one training step (the original weights back): the norm and every parameter's gradient
+        trainer.load_checkpoint(path)
+        got = trainer.forward(record, idx, replay=True)
+        leaf = got.logits.detach().clone().requires_grad_(True)
+        loss_of(leaf).backward()
+        step = trainer.train_step(record, idx, leaf.grad, replay=True, lr=1e-3, max_grad_norm=1e9)
+        print(f"tiny_deepseek TP 2 train step: |grad| {step.grad_norm:.6g} vs {norm:.6g} (single rank)")
+        assert abs(step.grad_norm - norm) <= MLA_NORM_RTOL * norm
+        total: dict[str, float] = {}
+        for rank in step.ranks:
+            for key, value in rank["grad_squares"].items():
+                total[key] = total.get(key, 0.0) + value
+        assert set(total) == set(squares)
+        assert sorted(n for n, v in total.items() if abs(v - squares[n]) > MLA_GRAD_RTOL * squares[n]) == []
     finally:
         trainer.close()

@@ -38,7 +38,8 @@ the router's ``expert_bias`` buffer), ``moe_router_num_groups`` / ``moe_router_g
 first dense layers as ``moe_layer_freq``. Tensors: ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` ->
 ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj``, ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
 ``kv_b_proj`` -> ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj``, ``o_proj`` -> ``linear_proj``
-(the same row layouts: per head ``[nope; rope]`` and ``[nope; v]``). Refused by name (:func:`megatron_unsupported`):
+(the same row layouts: per head ``[nope; rope]`` and ``[nope; v]``; at TP > 1 split by heads, ``q_a_proj`` by rows,
+``kv_a_proj_with_mqa`` whole on every rank: :mod:`moealign.patches.megatron.mla`). Refused by name (:func:`megatron_unsupported`):
 ``rope_interleave=False`` (Megatron's MLA always de-interleaves the RoPE dims, as transformers does only with
 ``rope_interleave``), no q LoRA (``q_lora_rank`` null), ``attention_bias``, a group size other than
 ``num_experts_per_tok / topk_group = 2`` (Megatron ranks a group by its ``topk / group_topk`` best scores, DeepSeek by

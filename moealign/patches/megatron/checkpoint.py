@@ -460,7 +460,8 @@ def check_parallel_layout(hf_config, *, tp: int = 1, ep: int = 1, pp: int = 1, d
     or a ``config.json`` dict), or :class:`~moealign.errors.ConfigError` naming the first thing Megatron cannot
     build: ``world`` not divisible by TP x PP, EP not dividing the experts, PP not dividing the layers, EP not
     dividing the data-parallel x tensor-parallel ranks (Megatron carves the expert grid ETP x EP out of them; ETP =
-    TP), TP not dividing the heads, query groups, vocabulary or MLP widths. ``dp`` (or ``world``) defaults to the
+    TP), TP not dividing the heads, query groups, vocabulary or MLP widths (with MLA also ``q_lora_rank`` and
+    ``kv_lora_rank + qk_rope_head_dim``). ``dp`` (or ``world``) defaults to the
     smallest world Megatron accepts: ``dp = ep``. Pure: no process, no Megatron import; a family without a
     Megatron conversion is :class:`~moealign.errors.UnsupportedConversionError`."""
     tp, ep, pp = _positive("tp", tp), _positive("ep", ep), _positive("pp", pp)
@@ -485,18 +486,23 @@ def check_parallel_layout(hf_config, *, tp: int = 1, ep: int = 1, pp: int = 1, d
         raise ConfigError(f"expert parallel size {ep} does not divide the data-parallel x tensor-parallel ranks of a "
                           f"stage (DP {dp} x TP {tp} = {dp * tp}) as Megatron requires: its expert grid ETP {tp} x EP "
                           f"{ep} must tile them (world {tp * pp * dp}; use a data-parallel size that EP divides)")
-    if tp > 1 and family.megatron.own_attention(config):
-        raise UnsupportedConversionError(f"{family.model_type}: tensor parallelism (TP {tp}) on multi-head latent "
-                                         f"attention is not verified yet (TP 1 is)")
     heads = int(config.num_attention_heads)
     groups = int(_get(config, "num_key_value_heads") or heads)
     sizes = [("attention heads", heads), ("query groups (num_key_value_heads)", groups),
              ("vocabulary", int(config.vocab_size)), ("expert MLP width", int(family.megatron.expert_ffn_size(config)))]
     if not all(_moe_layer_pattern(config)):
         sizes.append(("dense MLP width (intermediate_size)", int(config.intermediate_size)))
-    shared = _get(config, "shared_expert_intermediate_size")
+    fields = family.megatron.config_fields(config)
+    shared = _get(config, "shared_expert_intermediate_size") or fields.get("moe_shared_expert_intermediate_size")
     if shared:
         sizes.append(("shared expert width", int(shared)))
+    if fields.get("multi_latent_attention"):
+        # MLA: Megatron builds both down projections column-parallel on the local spec (their output rows split over
+        # TP; the kv one is then gathered whole on every rank, patches/megatron/mla.py), the up projections and
+        # o_proj split by heads
+        sizes += [("q LoRA rank (q_lora_rank)", int(fields["q_lora_rank"])),
+                  ("kv down projection (kv_lora_rank + qk_rope_head_dim)",
+                   int(fields["kv_lora_rank"]) + int(fields["qk_pos_emb_head_dim"]))]
     for what, size in sizes:
         if size % tp:
             raise ConfigError(f"tensor parallel size {tp} does not divide the model's {what} ({size})")

@@ -10,6 +10,19 @@ softmax in fp32, ``bmm`` with the values), its output ``heads x v_channels`` wid
 :func:`mla_local_block_spec` is Megatron's own local block spec (``get_gpt_decoder_block_spec(...,
 use_transformer_engine=False)``) with that core attention swapped into every ``MLASelfAttention`` layer; the other
 submodules (column / row parallel linears, the q / kv RMSNorms, the dense or MoE MLP) are Megatron's.
+
+**Tensor parallelism** (TP > 1, always with sequence parallelism here): the heads split over the ranks (``q_b_proj`` /
+``kv_b_proj`` rows, ``o_proj`` columns), the q down projection is Megatron's column-parallel one (its output gathered
+back before ``q_a_layernorm``). The kv down projection is not: on the local spec Megatron builds it column-parallel
+too, gathers its output over TP and splits off the decoupled RoPE key ``k_pe``, which every head of every rank uses;
+the gather's backward keeps each rank's own columns only, so ``k_pe``'s gradient (in rank TP-1's columns) holds that
+rank's heads' share alone (measured on tiny_deepseek at TP 2: ``kv_a_proj_with_mqa``'s gradient 27% off, the input
+norm's 28%; the forward is right). :class:`SequenceParallelMLAAttention` (the layer's attention at TP > 1) replaces it
+with :class:`SequenceParallelDuplicatedLinear`, the whole weight on every rank applied to the rank's own sequence
+chunk: Megatron's own else-branch then all-gathers ``k_pe`` over the sequence, whose backward (a reduce-scatter) sums
+every rank's heads (what transformer-engine's ``TELinear(parallel_mode="duplicated")`` does on the TE spec). The
+weight is marked ``sequence_parallel`` (as the norms are), so its gradient is summed over the TP group after the
+backward. TP > 1 without sequence parallelism is refused.
 Only imported where Megatron is (``patches/megatron`` is the only place megatron is imported).
 """
 
@@ -17,12 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ...errors import UnsupportedConversionError
 from .version import megatron_version
 
-__all__ = ["local_mla_core_attention", "mla_local_block_spec"]
+__all__ = ["SequenceParallelDuplicatedLinear", "local_mla_core_attention", "mla_local_block_spec",
+           "sequence_parallel_mla_attention"]
 
 _CLASS = None
+_SP_ATTENTION = None
 
 
 def local_mla_core_attention():
@@ -62,9 +79,60 @@ def local_mla_core_attention():
     return _CLASS
 
 
+class SequenceParallelDuplicatedLinear(torch.nn.Module):
+    """A bias-free linear held whole on every tensor-parallel rank and applied to the rank's own sequence chunk
+    (``[s / TP, b, in] -> [s / TP, b, out]``), returning ``(output, None)`` as Megatron's linears do. Its ``weight``
+    is marked ``sequence_parallel`` (each rank's gradient covers its own chunk: summed over the TP group after the
+    backward) and is not ``tensor_model_parallel`` (the checkpoint mapping loads and reads it back whole)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        setattr(self.weight, "sequence_parallel", True)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def sequence_parallel_mla_attention():
+    """The class ``SequenceParallelMLAAttention``: Megatron's ``MLASelfAttention`` with its kv down projection a
+    :class:`SequenceParallelDuplicatedLinear` (the module docstring says why). Built on first use."""
+    global _SP_ATTENTION
+    if _SP_ATTENTION is not None:
+        return _SP_ATTENTION
+    megatron_version()
+    import torch.distributed as dist
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    class SequenceParallelMLAAttention(MLASelfAttention):
+        """``MLASelfAttention`` at TP > 1 under sequence parallelism: the column-parallel ``linear_kv_down_proj``
+        Megatron built is gathered into one whole weight (the full weight Megatron initialised, from every rank's
+        rows) held by a :class:`SequenceParallelDuplicatedLinear`."""
+
+        def __init__(self, config, submodules, *args, **kwargs):
+            super().__init__(config, submodules, *args, **kwargs)
+            group = self.pg_collection.tp
+            if group is None or group.size() == 1:
+                return
+            if not config.sequence_parallel:
+                raise UnsupportedConversionError(
+                    "multi-head latent attention at tensor parallelism needs sequence_parallel=True (without it "
+                    "Megatron's column-parallel kv down projection loses the other ranks' share of the RoPE key's "
+                    "gradient)")
+            local = self.linear_kv_down_proj.weight.detach()
+            pieces = [torch.empty_like(local) for _ in range(group.size())]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            self.linear_kv_down_proj = SequenceParallelDuplicatedLinear(torch.cat(pieces, dim=0))
+
+    SequenceParallelMLAAttention.__qualname__ = "SequenceParallelMLAAttention"
+    _SP_ATTENTION = SequenceParallelMLAAttention
+    return _SP_ATTENTION
+
+
 def mla_local_block_spec(config):
     """Megatron's local decoder block spec for an MLA ``config`` (``multi_latent_attention=True``), its core
-    attention :class:`LocalMLACoreAttention` in every layer."""
+    attention :class:`LocalMLACoreAttention` in every layer; at ``tensor_model_parallel_size > 1`` each layer's
+    attention ``SequenceParallelMLAAttention`` (:func:`sequence_parallel_mla_attention`)."""
     megatron_version()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -81,6 +149,8 @@ def mla_local_block_spec(config):
                                              f"not MLASelfAttention")
         attention = dataclasses.replace(
             attention, submodules=dataclasses.replace(attention.submodules, core_attention=core))
+        if int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1:
+            attention = dataclasses.replace(attention, module=sequence_parallel_mla_attention())
         layers.append(dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
                                                                                self_attention=attention)))
     return dataclasses.replace(block, layer_specs=layers)

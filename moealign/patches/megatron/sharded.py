@@ -31,7 +31,8 @@ Tensor parallelism is sequence parallelism, as Megatron trains MoE with TP: at T
 norms, routers and MoE layers see the r-th of TP equal chunks of the sequence (``[s / TP, b, h]``), each expert sees
 every token once (the dispatcher gathers the TP ranks' distinct tokens), the output layer gathers the sequence and the
 vocabulary (every last-stage TP rank holds ``[b, s, V]``), and after a backward the weights marked
-``sequence_parallel`` (norms, routers) have their gradients summed over the TP group.
+``sequence_parallel`` (norms, routers, MLA's whole kv down projection: :mod:`~moealign.patches.megatron.mla`) have
+their gradients summed over the TP group.
 
 Data: the samples are split over the data-parallel ranks in order, each rank's share into micro-batches of
 ``micro_batch_size`` rows, all padded (right) to the longest sample of the call, so every micro-batch has the same
