@@ -1,10 +1,10 @@
 """``moealign mismatch --train-tp / --train-ep / --train-pp``: the main job with the sharded Megatron trainer.
 
 One small vLLM rollout (4 prompts x 8 new tokens) is scored by the single-rank trainer and saved (``--save-record``);
-``--load-record`` then scores the same record with the sharded trainer at EP 2 x PP 2 (4 rank processes, the
-all-to-all dispatcher) and TP 2 (2 ranks). Under replay the router flips are 0 on every layout, and the all-levers
-gap (the routing_replay+sampling_mask run's mean / max |delta log p|) is the single-rank run's: equal (==) at
-EP 2 x PP 2, where the sharded trainer is bitwise (tests/test_megatron_sharded.py), within the sharded trainer's
+``--load-record`` then scores the same record with the sharded trainer at EP 2 (2 rank processes, the all-to-all
+dispatcher) and TP 2 (2 ranks). Under replay the router flips are 0 on every layout, and the all-levers gap (the
+routing_replay+sampling_mask run's mean / max |delta log p|) is the single-rank run's: equal (==) at EP 2, where the
+sharded trainer is bitwise (as at EP 2 x PP 2: tests/test_megatron_sharded.py), within the sharded trainer's
 fp32 bound at TP 2 (its all-reduce sums the ranks' partial products in another order). Negative control: the same
 sharded world with its replay made inert (``--inject-fault replay-off``) flips routers and moves the gap.
 
@@ -120,8 +120,8 @@ def test_sharded_layouts_measure_the_single_rank_gap(tmp_path):
     want = _runs(single)
     assert want[ALL_LEVERS]["router_flip_rate"] == 0.0 and want["baseline"]["router_flip_rate"] > 0
 
-    for sizes, layout, bitwise in [(("--train-ep", "2", "--train-pp", "2"), {"tp": 1, "ep": 2, "pp": 2, "dp": 2,
-                                                                            "world": 4}, True),
+    # EP 2 here (2 ranks; EP 2 x PP 2, 4 ranks, is bitwise at the trainer level: tests/test_megatron_sharded.py)
+    for sizes, layout, bitwise in [(("--train-ep", "2"), {"tp": 1, "ep": 2, "pp": 1, "dp": 2, "world": 2}, True),
                                    (("--train-tp", "2"), {"tp": 2, "ep": 1, "pp": 1, "dp": 1, "world": 2}, False)]:
         report = _mismatch("--load-record", str(record), *sizes, "--json", str(tmp_path / f"{sizes[1]}.json"))
         assert report["train"]["parallel"] == layout and report["train"]["dispatcher"] == "alltoall"

@@ -261,8 +261,12 @@ def main(argv=None) -> int:
             r.notes.append("CUDA is not available to this python: the cuda steps will fail (use --device cpu for "
                            "the dry run)")
 
-    # megatron-core: importable, or installed offline from a wheel placed beside the repository
-    have_mg = subprocess.run([py, "-c", "import megatron.core"], env=r.env, capture_output=True).returncode == 0
+    # megatron-core: importable, or installed offline from a wheel placed beside the repository (not probed when
+    # --only names no step that needs it)
+    needs_mg = {"megatron", "mismatch-hf-megatron", "canonical-fp32", "canonical-bf16", "bench-canonical",
+                "bench-megatron"}
+    have_mg = (args.only is None or bool(needs_mg & set(args.only))) and subprocess.run(
+        [py, "-c", "import megatron.core"], env=r.env, capture_output=True).returncode == 0
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "megatron_core-*.whl"))
                     + glob.glob(os.path.join(ROOT, "tools", "megatron_core-*.whl")))
     if have_mg:

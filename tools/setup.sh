@@ -70,6 +70,9 @@ job="${1:-test}"
 shift || true
 case "$job" in
   test)
+    # moealign's native CPU kernels (one C++ build, ~20 s on one core, cached per machine) built now, beside the wait
+    # for chromium and pytest's start, not inside the first test that needs them (which waits on torch's build lock)
+    "$VPY" -c "from moealign._native import extension; extension('tree')" >/dev/null 2>&1 &
     if [ -n "$chromium_pid" ]; then
       wait "$chromium_pid" || echo "warning: installing chromium failed: the HTML report's browser test will fail" \
         "($chromium_log)" >&2
