@@ -1048,6 +1048,32 @@ class HFShardGroups:
         g = self._groups[index]
         return [(key, tuple(g.hf_keys), self._params[key]) for key in g.mcore_keys]
 
+    def names(self, index: int) -> list[str]:
+        """The transformers names of group ``index``."""
+        return list(self._groups[index].hf_keys)
+
+    def expert_parts(self, index: int, j: int) -> list[torch.Tensor] | None:
+        """Piece ``j`` of expert group ``index`` as :meth:`group` gives it, unstacked: one view per local expert
+        (its weight, or its tensor-parallel half of a fused gate / up), ``torch.stack(parts)`` being the piece; a
+        writer copies each into its row of the piece's place with no stacked copy of the rank's experts. None for a
+        group that is not an expert group."""
+        g = self._groups[index]
+        if not g.expert:
+            return None
+        tensors = [self._params[k] for k in g.mcore_keys]
+        param = self._raw[g.mcore_keys[0]]
+        split = bool(getattr(param, "tensor_model_parallel", False))
+        _, size = _parallel_ranks(g.mcore_keys[0]) if split else (0, 1)
+        if size > 1 and _is_glu_fc1(g.mcore_keys[0], self._config):
+            dim = int(getattr(param, "partition_dim", 0))        # the stacked piece's axis dim + 1 (experts in front)
+            half = tensors[0].shape[dim] // 2
+            if j not in (0, 1):
+                raise IndexError(f"expert group {index} has 2 pieces on this rank, not {j + 1}")
+            return [t.narrow(dim, j * half, half) for t in tensors]
+        if j != 0:
+            raise IndexError(f"expert group {index} has 1 piece on this rank, not {j + 1}")
+        return tensors
+
     def group(self, index: int) -> list[HFShard]:
         g = self._groups[index]
         param = self._raw[g.mcore_keys[0]]

@@ -1014,12 +1014,25 @@ class _RankState:
             _release_freed_memory()               # the previous chunk's groups, freed: back to the OS
             buffers, writes = payload
             for gid, j, k, offsets, shape in writes:     # each piece into its place in the driver's shared buffer
-                piece = self._piece(gid, j)
                 target = buffers[k]
-                if tuple(piece.tensor.shape) != tuple(shape) or piece.tensor.dtype != target.dtype:
-                    raise EngineError(f"{piece.name!r} at {list(offsets)} is {tuple(piece.tensor.shape)} "
-                                      f"{piece.tensor.dtype} on this rank; the plan said {tuple(shape)} {target.dtype}")
-                target[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].copy_(piece.tensor)
+                place = target[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+                # a layer's experts: each expert's (slice of its) weight straight into its row of the buffer, never
+                # the rank's experts stacked into one converted copy first
+                parts = self._groups().expert_parts(gid, j)
+                if parts is not None:
+                    got, dtype = (len(parts), *parts[0].shape), parts[0].dtype
+                else:
+                    piece = self._piece(gid, j)
+                    got, dtype = tuple(piece.tensor.shape), piece.tensor.dtype
+                if tuple(got) != tuple(shape) or dtype != target.dtype:
+                    name = self._groups().names(gid)
+                    raise EngineError(f"{name} at {list(offsets)} is {tuple(got)} {dtype} on this rank; the plan "
+                                      f"said {tuple(shape)} {target.dtype}")
+                if parts is None:
+                    place.copy_(piece.tensor)
+                else:
+                    for e, part in enumerate(parts):
+                        place[e].copy_(part)
             return None
         if cmd == "hf_map":
             fn, args, ids, converted = payload
@@ -1027,9 +1040,7 @@ class _RankState:
             for gid, j in ids:
                 by_group.setdefault(gid, []).append(j)
             if not converted:
-                if self._groups_source is None or self._groups_source[0] is not self.model:
-                    self._groups_source = (self.model, self._hf_groups())
-                source = self._groups_source[1]
+                source = self._groups()
                 return [fn(source.megatron_tensors(gid), *args) for gid in by_group]
             try:
                 results = []
@@ -1055,15 +1066,20 @@ class _RankState:
 
         return HFShardGroups(self.model, self.hf_config, meta=meta)
 
+    def _groups(self):
+        """This rank's :class:`~moealign.patches.megatron.checkpoint.HFShardGroups` (built once per model)."""
+        if self._groups_source is None or self._groups_source[0] is not self.model:
+            self._groups_source = (self.model, self._hf_groups())
+        return self._groups_source[1]
+
     def _piece(self, gid: int, j: int):
         """Piece ``j`` of mapping group ``gid`` (on the rank's device), the group converted once (the last group
         converted is kept until another is asked for: a group's pieces are asked for together or in a row)."""
         cached = self._cached
         if cached is None or cached[0] != gid:
-            if self._groups_source is None or self._groups_source[0] is not self.model:
-                self._groups_source = (self.model, self._hf_groups())
+            groups = self._groups()
             self._cached = None                                   # the previous group goes before the next comes
-            cached = self._cached = (gid, self._groups_source[1].group(gid))
+            cached = self._cached = (gid, groups.group(gid))
         return cached[1][j]
 
     def _replay_batch(self, mb: dict, moe_layers, fault: str | None):
