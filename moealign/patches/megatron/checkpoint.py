@@ -1068,10 +1068,10 @@ class HFShardGroups:
             dim = int(getattr(param, "partition_dim", 0))        # the stacked piece's axis dim + 1 (experts in front)
             half = tensors[0].shape[dim] // 2
             if j not in (0, 1):
-                raise IndexError(f"expert group {index} has 2 pieces on this rank, not {j + 1}")
+                raise CheckpointMismatchError(f"expert group {index} has 2 pieces on this rank, not {j + 1}")
             return [t.narrow(dim, j * half, half) for t in tensors]
         if j != 0:
-            raise IndexError(f"expert group {index} has 1 piece on this rank, not {j + 1}")
+            raise CheckpointMismatchError(f"expert group {index} has 1 piece on this rank, not {j + 1}")
         return tensors
 
     def group(self, index: int) -> list[HFShard]:
