@@ -8,6 +8,7 @@ negative control, a randomly initialised model of the same config, which must fa
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -138,8 +139,11 @@ def test_build_info_matches_weights():
 def test_build_script_quick(tmp_path):
     out = tmp_path / "tiny"
     # the timeout only guards against a hang: under pytest -n on a loaded 2-core machine the quick build took > 120 s
+    # the tokenizer's trainer on one thread (its thread pool spins against the other test worker's cores otherwise:
+    # 6 s alone, up to 44 s in the suite)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
     proc = warm.run([sys.executable, str(BUILD), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                    capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "weights sha256" in proc.stdout
     tok = transformers.AutoTokenizer.from_pretrained(out)
